@@ -1,0 +1,233 @@
+"""Attention over paged KV cache for a batch of independent forward items.
+
+A batch flattens the new tokens of all items into one ``[N, ...]`` token dimension: every
+projection and MLP runs once over all ``N`` tokens. Attention is per item: items with the
+same number of new tokens form a *group* whose contexts are gathered from the page pool into
+a padded ``[G, L, kv_heads, head_dim]`` tensor and concatenated with the group's new K/V;
+one ``scaled_dot_product_attention`` call serves the group, with a boolean mask that encodes
+context length, padding, masked KV slots, causality among the new tokens, the item's own
+mask and the sliding window. Decode steps (one token per item) are therefore a single
+group, whatever their context lengths; a prefill is a group of its own.
+
+Metadata is built once per forward (it is the same for every layer) and travels to the
+attention layers in a scoped forward context, not through every ``forward`` signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+DECODE_PAD = 32
+
+
+@dataclass(slots=True)
+class ItemPlan:
+    """One validated forward item, in flat token and pool-slot coordinates."""
+
+    row0: int  # first row of this item's tokens in the batch
+    n: int  # new tokens
+    ctx_slots: np.ndarray  # [ctx_len] flat KV slots of the context, in order
+    positions: np.ndarray  # [n]
+    mask: np.ndarray | None  # [n, ctx_len + n] bool, True = may attend
+    out_slots: np.ndarray | None  # [n] where the new K/V are stored, or None
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    rows: torch.Tensor | None  # [G, n] query rows; None: the only group, rows 0..N-1 in order
+    size: int  # G
+    n: int
+    ctx_slots: torch.Tensor | None  # [G, L] flat pool slots (padding points at slot 0)
+    kv_slots: torch.Tensor | None  # [G, L + n] context then new slots, when all are stored
+    mask: torch.Tensor | None  # [G, 1, n, L + n] bool
+    causal: bool  # no context and no mask: plain causal attention
+
+
+@dataclass(slots=True)
+class AttnMetadata:
+    groups: list[AttnGroup]
+    store_rows: torch.Tensor | None  # rows whose K/V are written; None = all rows
+    store_slots: torch.Tensor | None  # where they go; None = nothing is stored
+
+
+_context: AttnMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttnMetadata) -> Iterator[None]:
+    global _context
+    _context = meta
+    try:
+        yield
+    finally:
+        _context = None
+
+
+def current_metadata() -> AttnMetadata:
+    assert _context is not None, "attention called outside forward_context()"
+    return _context
+
+
+def build_metadata(
+    items: list[ItemPlan],
+    store_rows: np.ndarray,
+    store_slots: np.ndarray,
+    num_tokens: int,
+    attendable: torch.Tensor,
+    kv_positions: torch.Tensor,
+    sliding_window: int | None,
+) -> AttnMetadata:
+    """Group items by length and build per-group gather indices and masks (on device)."""
+    device = attendable.device
+    by_n: dict[int, list[ItemPlan]] = {}
+    for it in items:
+        by_n.setdefault(it.n, []).append(it)
+    groups = []
+    for n, members in by_n.items():
+        groups.append(_build_group(members, n, attendable, kv_positions, sliding_window, device))
+    if len(groups) == 1 and groups[0].size * groups[0].n == num_tokens:
+        groups[0].rows = None  # items were concatenated in order: no gather/scatter needed
+    if len(store_slots) == 0:
+        rows_t = slots_t = None
+    else:
+        slots_t = torch.from_numpy(store_slots).to(device)
+        rows_t = None if len(store_rows) == num_tokens else torch.from_numpy(store_rows).to(device)
+    return AttnMetadata(groups=groups, store_rows=rows_t, store_slots=slots_t)
+
+
+def _build_group(
+    members: list[ItemPlan],
+    n: int,
+    attendable: torch.Tensor,
+    kv_positions: torch.Tensor,
+    window: int | None,
+    device: torch.device,
+) -> AttnGroup:
+    g = len(members)
+    rows = np.empty((g, n), dtype=np.int64)
+    for i, it in enumerate(members):
+        rows[i] = np.arange(it.row0, it.row0 + n)
+    rows_t = torch.from_numpy(rows).to(device)
+    lens = [len(it.ctx_slots) for it in members]
+    ctx_len = max(lens)
+    has_user_mask = any(it.mask is not None for it in members)
+    if ctx_len == 0 and not has_user_mask and (window is None or n <= window):
+        return AttnGroup(rows_t, g, n, None, None, None, causal=True)
+    if n == 1 and device.type == "cpu":
+        # oneDNN builds a kernel per matrix shape (~1 ms each): pad decode lengths to a
+        # multiple of DECODE_PAD so the shape changes every DECODE_PAD steps, not every step.
+        ctx_len = -(-(ctx_len + 1) // DECODE_PAD) * DECODE_PAD - 1
+
+    slots = np.zeros((g, ctx_len), dtype=np.int64)
+    allow = np.zeros((g, n, ctx_len + n), dtype=np.bool_)
+    causal = np.tri(n, dtype=np.bool_)
+    for i, it in enumerate(members):
+        c = lens[i]
+        slots[i, :c] = it.ctx_slots
+        if it.mask is None:
+            allow[i, :, :c] = True
+            allow[i, :, ctx_len:] = causal
+        else:
+            allow[i, :, :c] = it.mask[:, :c]
+            allow[i, :, ctx_len:] = it.mask[:, c:]
+    slots_t = torch.from_numpy(slots).to(device) if ctx_len else None
+    mask = torch.from_numpy(allow).to(device)
+    if ctx_len:
+        mask[:, :, :ctx_len] &= attendable[slots_t].unsqueeze(1)
+    if window is not None:
+        qpos = torch.from_numpy(np.stack([it.positions for it in members])).to(device)
+        kpos = torch.cat([kv_positions[slots_t], qpos], dim=1) if ctx_len else qpos
+        mask &= kpos.unsqueeze(1) > (qpos.unsqueeze(2) - window)
+    kv_slots_t = None
+    if all(it.out_slots is not None for it in members):
+        kv = np.concatenate((slots, np.stack([it.out_slots for it in members])), axis=1)
+        kv_slots_t = torch.from_numpy(kv).to(device)
+    return AttnGroup(rows_t, g, n, slots_t, kv_slots_t, mask.unsqueeze(1), causal=False)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of ``q [N, Hq, D]`` over each item's context plus its new ``k, v [N, Hkv, D]``.
+
+    The caches are head-major, ``[Hkv, slots, D]``, so that gathering a group's tokens
+    yields ``[Hkv, G, L, D]``: contiguous matrices per (head, item), ready for batched
+    matrix products without a transposing copy.
+
+    The new K/V are written to the pool first; groups whose tokens are all stored then read
+    context and new tokens in one gather. Items of one batch must not write slots that
+    another item of the same batch reads (the control layer never batches such calls).
+    Returns ``[N, Hq, D]``.
+    """
+    meta = current_metadata()
+    if meta.store_slots is not None:
+        ks = k if meta.store_rows is None else k[meta.store_rows]
+        vs = v if meta.store_rows is None else v[meta.store_rows]
+        k_cache.index_copy_(1, meta.store_slots, ks.transpose(0, 1))
+        v_cache.index_copy_(1, meta.store_slots, vs.transpose(0, 1))
+    out = None
+    for grp in meta.groups:
+        qg = q.view(grp.size, grp.n, *q.shape[1:]) if grp.rows is None else q[grp.rows]
+        if grp.kv_slots is not None:
+            kg, vg = k_cache[:, grp.kv_slots], v_cache[:, grp.kv_slots]  # [Hkv, G, L+n, D]
+        else:
+            if grp.rows is None:
+                kg, vg = (t.view(grp.size, grp.n, *t.shape[1:]) for t in (k, v))
+            else:
+                kg, vg = k[grp.rows], v[grp.rows]
+            kg, vg = kg.permute(2, 0, 1, 3), vg.permute(2, 0, 1, 3)
+            if grp.ctx_slots is not None:
+                kg = torch.cat((k_cache[:, grp.ctx_slots], kg), dim=2)
+                vg = torch.cat((v_cache[:, grp.ctx_slots], vg), dim=2)
+        if grp.n == 1 and q.device.type == "cpu":
+            og = _decode_attention(qg, kg, vg, grp.mask, scale)
+        else:
+            og = F.scaled_dot_product_attention(
+                qg.transpose(1, 2),
+                kg.transpose(0, 1),
+                vg.transpose(0, 1),
+                attn_mask=grp.mask,
+                is_causal=grp.causal,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(1, 2)
+        if grp.rows is None:
+            out = og.reshape(q.shape)
+        else:
+            if out is None:
+                out = torch.empty_like(q)
+            out[grp.rows] = og
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query per item: ``q [G, 1, Hq, D]``, ``k/v [Hkv, G, L, D]`` -> ``[G, 1, Hq, D]``.
+
+    Two batched matrix products over (head, item); on CPU this is several times faster than
+    ``scaled_dot_product_attention`` for single-token queries.
+    """
+    hkv, g, length, d = k.shape
+    hq = q.shape[2]
+    rep = hq // hkv
+    qq = q.view(g, hkv, rep, d).transpose(0, 1).reshape(hkv * g, rep, d)
+    scores = torch.bmm(qq, k.view(hkv * g, length, d).transpose(1, 2))
+    scores = scores.float().view(hkv, g, rep, length) * scale
+    if mask is not None:  # [G, 1, 1, L]
+        scores = scores.masked_fill(~mask.view(1, g, 1, length), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype).view(hkv * g, rep, length)
+    out = torch.bmm(probs, v.view(hkv * g, length, d)).view(hkv, g, rep, d)
+    return out.transpose(0, 1).reshape(g, 1, hq, d)

@@ -1,0 +1,191 @@
+"""Model and engine configuration.
+
+``ModelConfig`` is a Hugging Face ``config.json`` normalised once, for the Llama family
+(llama, mistral, qwen2, qwen3); everything else derives from it. ``EngineConfig`` says how
+an engine lays out its memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be loaded; the message names the file and field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``kind`` is "default" or "llama3" (Llama 3.1+)."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection biases (qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (qwen3)
+    sliding_window: int | None = None  # mistral; None = full attention
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    @cached_property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @cached_property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        per_layer = (
+            self.hidden_size * (self.q_size + 2 * self.kv_size)
+            + self.q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+            + 2 * self.hidden_size
+        )
+        embed = self.vocab_size * self.hidden_size
+        return self.num_layers * per_layer + embed * (1 if self.tie_word_embeddings else 2)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise CheckpointError(f"{source}: missing required field '{key}'")
+            return raw[key]
+
+        arch = need("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise CheckpointError(
+                f"{source}: model_type '{arch}' is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"{source}: hidden_act '{act}' is not supported (only silu)")
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise CheckpointError(
+                f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        head_dim = raw.get("head_dim") or hidden // heads
+        # transformers >= 5 nests theta and scaling in rope_parameters; older files use
+        # rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if kind == "llama3":
+            scaling = RopeScaling(
+                kind="llama3",
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+            )
+        elif kind == "default":
+            scaling = RopeScaling()
+        else:
+            raise CheckpointError(
+                f"{source}: rope type '{kind}' is not supported (supported: default, llama3)"
+            )
+        window = raw.get("sliding_window")
+        if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+            window = None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            arch=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            sliding_window=int(window) if window else None,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=str(raw.get("_name_or_path", "")),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file not found (a checkpoint needs config.json)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, source=str(path))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Memory layout and limits of one engine.
+
+    Pool sizes left at 0 are derived from memory: ``kv_memory_fraction`` of the memory
+    available after the weights goes to KV pages (on CUDA: free device memory; on CPU:
+    ``MemAvailable``).
+    """
+
+    device: str = "cpu"
+    dtype: str = "bfloat16"  # "float32" | "bfloat16" | "float16" | "auto" (checkpoint's)
+    page_size: int = 16
+    num_pages: int = 0
+    num_embeds: int = 0
+    num_host_pages: int = 0
+    kv_memory_fraction: float = 0.3
+    max_kv_pages: int = 1 << 16  # cap on derived page counts (CPU memory is shared)
+    max_batch_tokens: int = 8192
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if not 0 < self.kv_memory_fraction < 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
+        if self.max_batch_tokens <= 0:
+            raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
+
+
+def round_up(x: int, multiple: int) -> int:
+    return math.ceil(x / multiple) * multiple

@@ -1,0 +1,511 @@
+"""The engine: a model, its memory pools, and one batched handler per call type.
+
+``Engine.execute(batch)`` validates each call (a bad call becomes a :class:`CallError`
+result and has no effect), then runs each run of consecutive same-type calls as one batched
+operation, in batch order. It is synchronous and single-threaded; ``engine/process.py``
+serves it over ZeroMQ or on a worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pastry.engine.attention import ItemPlan, build_metadata, forward_context
+from pastry.engine.calls import (
+    Call,
+    CallError,
+    CopyKv,
+    Dist,
+    EmbedTxt,
+    EngineInfo,
+    Forward,
+    MaskKv,
+    NextDist,
+    Result,
+    Sample,
+    SwapIn,
+    SwapOut,
+)
+from pastry.engine.config import EngineConfig, ModelConfig
+from pastry.engine.model import LlamaModel
+from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
+from pastry.engine.sampling import SamplingParams, sample, top_k_dist
+
+log = logging.getLogger(__name__)
+
+TRAITS = (
+    "input_text",
+    "tokenize",
+    "forward",
+    "output_text",
+    "output_distribution",
+    "kv_copy",
+    "kv_mask",
+    "kv_swap",
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Invalid(Exception):
+    """A call is malformed or names memory that does not exist."""
+
+
+def resolve_dtype(name: str, model: ModelConfig) -> torch.dtype:
+    if name == "auto":
+        name = model.torch_dtype if model.torch_dtype in _DTYPES else "bfloat16"
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto, got '{name}'")
+    return _DTYPES[name]
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: EngineConfig,
+        *,
+        name: str = "",
+        tokenizer_json: str = "",
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.config = config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        sizes = PoolSizes.resolve(self.cfg, config, self.dtype, self.device)
+        self.page_size = config.page_size
+        self.kv = KvPool(self.cfg, sizes.num_pages, config.page_size, self.dtype, self.device)
+        self.host = HostPool(self.kv, sizes.num_host_pages)
+        self.embeds = EmbedPool(sizes.num_embeds, self.cfg.hidden_size, self.dtype, self.device)
+        for layer, k, v in zip(model.layers, self.kv.k, self.kv.v, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        self._rng = np.random.default_rng(config.seed)
+        self.info = EngineInfo(
+            model_name=name or self.cfg.name,
+            arch=self.cfg.arch,
+            vocab_size=self.cfg.vocab_size,
+            hidden_size=self.cfg.hidden_size,
+            num_layers=self.cfg.num_layers,
+            max_position=self.cfg.max_position,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            page_size=config.page_size,
+            num_pages=sizes.num_pages,
+            num_embeds=sizes.num_embeds,
+            num_host_pages=sizes.num_host_pages,
+            max_batch_tokens=config.max_batch_tokens,
+            traits=TRAITS,
+            bos_token_id=self.cfg.bos_token_id,
+            eos_token_ids=tuple(self.cfg.eos_token_ids),
+            tokenizer_json=tokenizer_json,
+            chat_template=chat_template,
+            special_tokens=dict(special_tokens or {}),
+        )
+        self._handlers: dict[type, Callable[[list[tuple[int, Call]], list[Result]], None]] = {
+            EmbedTxt: self._embed_txt,
+            Forward: self._forward,
+            NextDist: self._next_dist,
+            Sample: self._sample,
+            CopyKv: self._copy_kv,
+            MaskKv: self._mask_kv,
+            SwapOut: self._swap_out,
+            SwapIn: self._swap_in,
+        }
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        """Load a Hugging Face checkpoint directory onto ``config.device``."""
+        from pastry.engine.checkpoint import load_checkpoint, load_state_dict
+
+        config = config or EngineConfig()
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(model_dir)
+        dtype = resolve_dtype(config.dtype, ckpt.config)
+        device = torch.device(config.device)
+        weights = load_state_dict(ckpt.path, ckpt.config, dtype=dtype, device=device)
+        model = build_model(ckpt.config, dtype, device, weights)
+        del weights
+        tok = ckpt.tokenizer
+        engine = cls(
+            model,
+            config,
+            name=ckpt.name,
+            tokenizer_json=tok.to_json(),
+            chat_template=tok.chat_template,
+            special_tokens=tok.special_tokens,
+        )
+        log.info(
+            "loaded %s (%s, %.1fM params, %s on %s) in %.1fs: %d KV pages x %d tokens, %d embeds",
+            engine.info.model_name,
+            ckpt.config.arch,
+            ckpt.config.num_params / 1e6,
+            engine.info.dtype,
+            device,
+            time.perf_counter() - t0,
+            engine.info.num_pages,
+            config.page_size,
+            engine.info.num_embeds,
+        )
+        return engine
+
+    # ------------------------------------------------------------------ execution
+
+    @torch.inference_mode()
+    def execute(self, batch: Sequence[Call]) -> list[Result]:
+        """Run a batch; one result per call, in order (see ``calls.py``)."""
+        results: list[Result] = [None] * len(batch)
+        indexed = list(enumerate(batch))
+        for kind, run in itertools.groupby(indexed, key=lambda ic: type(ic[1])):
+            handler = self._handlers.get(kind)
+            run = list(run)
+            if handler is None:
+                for i, _ in run:
+                    results[i] = CallError(f"unknown call type {kind.__name__}")
+                continue
+            handler(run, results)
+        return results
+
+    def _accept(
+        self, run: list[tuple[int, Call]], results: list[Result], check: Callable[[Call], object]
+    ) -> list[tuple[int, Call, object]]:
+        """Validate each call; rejected ones get a CallError, accepted ones their plan."""
+        ok = []
+        for i, call in run:
+            try:
+                ok.append((i, call, check(call)))
+            except Invalid as e:
+                results[i] = CallError(f"{type(call).__name__}: {e}")
+            except (TypeError, ValueError, AttributeError, IndexError) as e:
+                results[i] = CallError(f"{type(call).__name__}: malformed call ({e})")
+        return ok
+
+    # ------------------------------------------------------------------ validation helpers
+
+    def _ids(self, arr, limit: int, what: str, fix: str) -> np.ndarray:
+        arr = np.asarray(arr)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise Invalid(f"{what} must be a 1-D integer array")
+        if arr.size and (arr.min() < 0 or arr.max() >= limit):
+            bad = arr[(arr < 0) | (arr >= limit)][0]
+            raise Invalid(f"{what} {int(bad)} is out of range [0, {limit}){fix}")
+        return arr.astype(np.int64, copy=False)
+
+    def _embed_ids(self, arr, what: str) -> np.ndarray:
+        return self._ids(arr, self.embeds.num, what, "")
+
+    def _page_ids(self, arr, what: str) -> np.ndarray:
+        return self._ids(arr, self.kv.num_pages, what, "")
+
+    def _positions(self, arr, n: int) -> np.ndarray:
+        pos = self._ids(arr, self.cfg.max_position, "position", " (the model's max_position)")
+        if len(pos) != n:
+            raise Invalid(f"{n} inputs but {len(pos)} positions")
+        return pos
+
+    def _scalar(self, value, lo: int, hi: int, what: str) -> int:
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            raise Invalid(f"{what} must be an integer, got {value!r}")
+        if not lo <= value < hi:
+            raise Invalid(f"{what} {value} is out of range [{lo}, {hi})")
+        return int(value)
+
+    # ------------------------------------------------------------------ embed_txt
+
+    def _check_embed_txt(self, c: EmbedTxt) -> None:
+        tokens = self._ids(c.tokens, self.cfg.vocab_size, "token id", " (vocab size)")
+        out = self._embed_ids(c.out_embeds, "out embed")
+        if len(out) != len(tokens):
+            raise Invalid(f"{len(tokens)} tokens but {len(out)} out embeds")
+        self._positions(c.positions, len(tokens))
+
+    def _embed_txt(self, run, results) -> None:
+        ok = self._accept(run, results, self._check_embed_txt)
+        if not ok:
+            return
+        tokens = self._tensor([c.tokens for _, c, _ in ok])
+        slots = self._tensor([c.out_embeds for _, c, _ in ok])
+        self.embeds.hidden[slots] = self.model.embed(tokens)
+        self.embeds.positions[slots] = self._tensor([c.positions for _, c, _ in ok])
+
+    # ------------------------------------------------------------------ forward
+
+    def _check_forward(self, c: Forward):
+        ps = self.page_size
+        ins = self._embed_ids(c.in_embeds, "input embed")
+        n = len(ins)
+        if n == 0:
+            raise Invalid("no inputs")
+        if n > self.config.max_batch_tokens:
+            raise Invalid(
+                f"{n} inputs exceed the engine's max_batch_tokens ({self.config.max_batch_tokens}); "
+                "split the forward"
+            )
+        ctx_pages = self._page_ids(c.ctx_pages, "context page")
+        if len(ctx_pages):
+            last = self._scalar(c.ctx_last_len, 1, ps + 1, "ctx_last_len")
+            ctx_len = (len(ctx_pages) - 1) * ps + last
+            ctx_slots = (ctx_pages[:, None] * ps + np.arange(ps)).reshape(-1)[:ctx_len]
+        else:
+            if c.ctx_last_len != 0:
+                raise Invalid(f"ctx_last_len is {c.ctx_last_len} but there are no context pages")
+            ctx_slots = np.zeros(0, dtype=np.int64)
+        out_pages = self._page_ids(c.out_pages, "output page")
+        out_slots = None
+        if len(out_pages):
+            off = self._scalar(c.out_offset, 0, ps, "out_offset")
+            if len(out_pages) * ps - off < n:
+                raise Invalid(
+                    f"{len(out_pages)} output pages from offset {off} hold "
+                    f"{len(out_pages) * ps - off} tokens, not {n}"
+                )
+            if len(np.unique(out_pages)) != len(out_pages):
+                raise Invalid("output pages repeat a page")
+            out_slots = (out_pages[:, None] * ps + np.arange(ps)).reshape(-1)[off : off + n]
+            if np.isin(out_slots, ctx_slots).any():
+                raise Invalid("output slots overlap the context; a token cannot overwrite its own context")
+        out_embeds = self._embed_ids(c.out_embeds, "output embed")
+        out_idx = self._ids(c.out_indices, n, "output index", " (number of inputs)")
+        if len(out_idx) != len(out_embeds):
+            raise Invalid(f"{len(out_embeds)} output embeds but {len(out_idx)} output indices")
+        positions = None if c.positions is None else self._positions(c.positions, n)
+        mask = None
+        if c.mask is not None:
+            mask = np.asarray(c.mask)
+            want = (n, len(ctx_slots) + n)
+            if mask.dtype != np.bool_ or mask.shape != want:
+                raise Invalid(f"mask must be bool of shape {want}, got {mask.dtype} {mask.shape}")
+            if not mask.any(axis=1).all():
+                raise Invalid("every input token must attend to at least one token (mask row is empty)")
+        return ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask
+
+    def _forward(self, run, results) -> None:
+        ok = self._accept(run, results, self._check_forward)
+        # Split into sub-batches that respect max_batch_tokens.
+        chunk, tokens = [], 0
+        for entry in ok:
+            n = len(entry[2][0])
+            if chunk and tokens + n > self.config.max_batch_tokens:
+                self._forward_chunk(chunk)
+                chunk, tokens = [], 0
+            chunk.append(entry)
+            tokens += n
+        if chunk:
+            self._forward_chunk(chunk)
+
+    def _forward_chunk(self, ok) -> None:
+        dev = self.device
+        in_slots = self._cat([plan[0] for _, _, plan in ok])
+        in_slots_t = torch.from_numpy(in_slots).to(dev)
+        stored_pos = None
+        if any(plan[5] is None for _, _, plan in ok):
+            stored_pos = self.embeds.positions[in_slots_t].cpu().numpy()
+        items, store_rows, store_slots, pos_all = [], [], [], []
+        out_embeds, out_rows = [], []
+        row = 0
+        for _, _, (ins, ctx_slots, out_slots, oe, oi, positions, mask) in ok:
+            n = len(ins)
+            if positions is None:
+                positions = stored_pos[row : row + n]
+            pos_all.append(positions)
+            items.append(ItemPlan(row, n, ctx_slots, positions, mask, out_slots))
+            if out_slots is not None:
+                store_rows.append(np.arange(row, row + n))
+                store_slots.append(out_slots)
+            out_embeds.append(oe)
+            out_rows.append(oi + row)
+            row += n
+        positions = self._cat(pos_all)
+        store_rows_np = self._cat(store_rows)
+        store_slots_np = self._cat(store_slots)
+        meta = build_metadata(
+            items,
+            store_rows_np,
+            store_slots_np,
+            row,
+            self.kv.attendable,
+            self.kv.positions,
+            self.cfg.sliding_window,
+        )
+        x = self.embeds.hidden[in_slots_t]
+        pos_t = torch.from_numpy(positions).to(dev)
+        with forward_context(meta):
+            hidden = self.model(x, pos_t)
+        if len(store_slots_np):
+            slots_t = torch.from_numpy(store_slots_np).to(dev)
+            self.kv.attendable[slots_t] = True
+            rows_t = torch.from_numpy(store_rows_np).to(dev)
+            self.kv.positions[slots_t] = pos_t[rows_t]
+        oe = self._cat(out_embeds)
+        if len(oe):
+            oe_t = torch.from_numpy(oe).to(dev)
+            rows_t = torch.from_numpy(self._cat(out_rows)).to(dev)
+            self.embeds.hidden[oe_t] = hidden[rows_t]
+            self.embeds.positions[oe_t] = pos_t[rows_t]
+
+    # ------------------------------------------------------------------ output heads
+
+    def _check_next_dist(self, c: NextDist) -> None:
+        self._scalar(c.embed, 0, self.embeds.num, "embed")
+        self._scalar(c.k, 1, self.cfg.vocab_size + 1, "k")
+
+    def _next_dist(self, run, results) -> None:
+        ok = self._accept(run, results, self._check_next_dist)
+        if not ok:
+            return
+        slots = torch.tensor([c.embed for _, c, _ in ok], device=self.device)
+        logits = self.model.logits(self.embeds.hidden[slots])
+        k_max = max(c.k for _, c, _ in ok)
+        ids, probs = top_k_dist(logits, k_max)
+        ids, probs = ids.cpu().numpy(), probs.cpu().numpy()
+        for row, (i, c, _) in enumerate(ok):
+            results[i] = Dist(ids=ids[row, : c.k].copy(), probs=probs[row, : c.k].copy())
+
+    def _check_sample(self, c: Sample) -> None:
+        self._scalar(c.embed, 0, self.embeds.num, "embed")
+        if not (isinstance(c.temperature, int | float) and 0 <= c.temperature < float("inf")):
+            raise Invalid(f"temperature must be a finite number >= 0, got {c.temperature!r}")
+        self._scalar(c.top_k, 0, 1 << 31, "top_k")
+        if not (isinstance(c.top_p, int | float) and 0 < c.top_p <= 1):
+            raise Invalid(f"top_p must be in (0, 1], got {c.top_p!r}")
+        if not (isinstance(c.min_p, int | float) and 0 <= c.min_p <= 1):
+            raise Invalid(f"min_p must be in [0, 1], got {c.min_p!r}")
+        if c.seed is not None:
+            self._scalar(c.seed, -(1 << 63), 1 << 63, "seed")
+
+    def _sample(self, run, results) -> None:
+        ok = self._accept(run, results, self._check_sample)
+        if not ok:
+            return
+        calls = [c for _, c, _ in ok]
+        dev = self.device
+        slots = torch.tensor([c.embed for c in calls], device=dev)
+        logits = self.model.logits(self.embeds.hidden[slots])
+        params = SamplingParams(
+            temperature=torch.tensor([float(c.temperature) for c in calls], device=dev),
+            top_k=torch.tensor([c.top_k for c in calls], dtype=torch.int64, device=dev),
+            top_p=torch.tensor([float(c.top_p) for c in calls], device=dev),
+            min_p=torch.tensor([float(c.min_p) for c in calls], device=dev),
+            seed=torch.tensor(
+                [self._draw_seed() if c.seed is None else c.seed for c in calls],
+                dtype=torch.int64,
+                device=dev,
+            ),
+        )
+        tokens = sample(logits, params).tolist()
+        for (i, _, _), t in zip(ok, tokens, strict=True):
+            results[i] = t
+
+    def _draw_seed(self) -> int:
+        return int(self._rng.integers(0, 1 << 62))
+
+    # ------------------------------------------------------------------ KV page operations
+
+    def _check_copy_kv(self, c: CopyKv):
+        ps = self.page_size
+        src = self._scalar(c.src_page, 0, self.kv.num_pages, "src_page")
+        dst = self._scalar(c.dst_page, 0, self.kv.num_pages, "dst_page")
+        so = self._scalar(c.src_offset, 0, ps, "src_offset")
+        do = self._scalar(c.dst_offset, 0, ps, "dst_offset")
+        n = self._scalar(c.length, 0, ps + 1, "length")
+        if so + n > ps or do + n > ps:
+            raise Invalid(f"copy of {n} tokens from offset {so} to {do} crosses a page end ({ps})")
+        return np.arange(src * ps + so, src * ps + so + n), np.arange(dst * ps + do, dst * ps + do + n)
+
+    def _copy_kv(self, run, results) -> None:
+        ok = self._accept(run, results, self._check_copy_kv)
+        if not ok:
+            return
+        src = torch.from_numpy(self._cat([p[0] for _, _, p in ok])).to(self.device)
+        dst = torch.from_numpy(self._cat([p[1] for _, _, p in ok])).to(self.device)
+        for t in (*self.kv.k, *self.kv.v):
+            t[:, dst] = t[:, src]
+        for t in (self.kv.attendable, self.kv.positions):
+            t[dst] = t[src]
+
+    def _check_mask_kv(self, c: MaskKv):
+        page = self._scalar(c.page, 0, self.kv.num_pages, "page")
+        masked = np.asarray(c.masked)
+        if masked.dtype != np.bool_ or masked.shape != (self.page_size,):
+            raise Invalid(f"masked must be bool of shape ({self.page_size},), got {masked.dtype} {masked.shape}")
+        return page, masked
+
+    def _mask_kv(self, run, results) -> None:
+        for _, _, (page, masked) in self._accept(run, results, self._check_mask_kv):
+            ps = self.page_size
+            self.kv.attendable[page * ps : (page + 1) * ps] = torch.from_numpy(~masked).to(self.device)
+
+    def _check_swap(self, host_pages, pages):
+        pages = self._page_ids(pages, "page")
+        host = self._ids(host_pages, self.host.num_pages, "host page", "")
+        if len(pages) != len(host):
+            raise Invalid(f"{len(pages)} pages but {len(host)} host pages")
+        return pages, host
+
+    def _swap_out(self, run, results) -> None:
+        ok = self._accept(run, results, lambda c: self._check_swap(c.host_pages, c.pages))
+        self._swap(ok, to_host=True)
+
+    def _swap_in(self, run, results) -> None:
+        ok = self._accept(run, results, lambda c: self._check_swap(c.host_pages, c.pages))
+        self._swap(ok, to_host=False)
+
+    def _swap(self, ok, to_host: bool) -> None:
+        if not ok:
+            return
+        pages = torch.from_numpy(self._cat([p[0] for _, _, p in ok]))
+        host = torch.from_numpy(self._cat([p[1] for _, _, p in ok]))
+        dev_slots = self.kv.slots_of(pages.to(self.device))
+        host_slots = self.kv.slots_of(host)
+        pairs = zip(
+            (*self.kv.k, *self.kv.v, self.kv.attendable, self.kv.positions),
+            (*self.host.k, *self.host.v, self.host.attendable, self.host.positions),
+            strict=True,
+        )
+        for dev_t, host_t in pairs:
+            dim = 1 if dev_t.dim() == 3 else 0  # K/V: [heads, slots, dim]; bits, positions: [slots]
+            if to_host:
+                host_t.index_copy_(dim, host_slots, dev_t.index_select(dim, dev_slots).cpu())
+            else:
+                dev_t.index_copy_(
+                    dim, dev_slots, host_t.index_select(dim, host_slots).to(self.device)
+                )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _tensor(self, arrays: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(self._cat(arrays)).to(self.device)
+
+    @staticmethod
+    def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+        if len(arrays) == 1:
+            return np.array(arrays[0], dtype=np.int64)
+        if not arrays:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(arrays).astype(np.int64, copy=False)
+
+
+def build_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, weights: dict[str, torch.Tensor]
+) -> LlamaModel:
+    """Construct the model on ``device`` in ``dtype``, load weights, prepack for CPU."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # allocate parameters directly in the target dtype
+    try:
+        with torch.device(device):
+            model = LlamaModel(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_hf_state_dict(weights)
+    model.eval()
+    model.prepack()
+    return model

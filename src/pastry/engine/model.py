@@ -1,0 +1,154 @@
+"""The Llama-family decoder (llama, mistral, qwen2, qwen3) over paged KV cache.
+
+Reads like the HF model, with two differences that serve the engine: q/k/v and gate/up are
+fused into one projection each (fewer, larger matrix products), and the model consumes
+*embeddings* with explicit positions and returns final normed hidden states, because the
+inferlet API separates ``embed_txt``, ``forward`` and the output heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pastry.engine.attention import paged_attention
+from pastry.engine.config import CheckpointError, ModelConfig
+from pastry.engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Views into the engine's KV pool, [num_slots, kv_heads, head_dim]; set by the engine.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent columns: rotate both heads' sets in one pass
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        else:
+            q, k = qkv[:, : self.q_size + self.kv_size].split((self.q_size, self.kv_size), dim=-1)
+            q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """``forward(embeddings [N, H], positions [N]) -> normed hidden [N, H]``.
+
+    Attention metadata (which tokens belong to which item and context) comes from the
+    enclosing :func:`pastry.engine.attention.forward_context`.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = RotaryEmbedding(cfg)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[tokens]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of normed hidden states."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; tied heads share the embedding."""
+        cfg = self.cfg
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise CheckpointError(f"checkpoint has no tensor '{name}'")
+            return weights[name]
+
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if tuple(dst.shape) != tuple(src.shape):
+                raise CheckpointError(
+                    f"tensor '{name}' has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+
+        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        put(self.lm_head.weight, take(head), head)
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [take(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]
+            put(attn.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.q/k/v_proj.weight")
+            if attn.qkv_proj.bias is not None:
+                bias = [take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
+                put(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.q/k/v_proj.bias")
+            put(attn.o_proj.weight, take(f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj")
+            if attn.q_norm is not None:
+                put(attn.q_norm.weight, take(f"{p}self_attn.q_norm.weight"), f"{p}q_norm")
+                put(attn.k_norm.weight, take(f"{p}self_attn.k_norm.weight"), f"{p}k_norm")
+            gate_up = torch.cat((take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")))
+            put(mlp.gate_up_proj.weight, gate_up, f"{p}mlp.gate/up_proj.weight")
+            put(mlp.down_proj.weight, take(f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj")
+            put(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}in_norm")
+            put(
+                layer.post_attention_layernorm.weight,
+                take(f"{p}post_attention_layernorm.weight"),
+                f"{p}post_norm",
+            )
+
+    def prepack(self) -> int:
+        """Prepack every linear for the CPU fast path where it applies; returns how many."""
+        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
