@@ -365,7 +365,9 @@ def test_bad_call_fails_alone(make_tiny, name):
     ps = eng.page_size
     sl = slice(50 * ps, 52 * ps)
     for t, b in zip((*eng.kv.k, *eng.kv.v, eng.kv.attendable), before, strict=True):
-        assert torch.equal(t[..., sl, :] if t.dim() == 3 else t[sl], b[..., sl, :] if b.dim() == 3 else b[sl])
+        assert torch.equal(
+            t[..., sl, :] if t.dim() == 3 else t[sl], b[..., sl, :] if b.dim() == 3 else b[sl]
+        )
 
 
 def test_bfloat16_engine_tracks_float32(make_tiny):

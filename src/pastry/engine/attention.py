@@ -23,7 +23,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
 DECODE_PAD = 32
 
 
@@ -48,6 +47,7 @@ class AttnGroup:
     kv_slots: torch.Tensor | None  # [G, L + n] context then new slots, when all are stored
     mask: torch.Tensor | None  # [G, 1, n, L + n] bool
     causal: bool  # no context and no mask: plain causal attention
+    bias: torch.Tensor | None = None  # additive mask for the decode path, built on first use
 
 
 @dataclass(slots=True)
@@ -58,6 +58,13 @@ class AttnMetadata:
 
 
 _context: AttnMetadata | None = None
+
+
+def take(t: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``t`` indexed along ``dim`` by an integer tensor of any shape (``index_select``, which
+    on CPU is 3-7x faster than advanced indexing for these gathers)."""
+    out = t.index_select(dim, index.reshape(-1))
+    return out.view(*t.shape[:dim], *index.shape, *t.shape[dim + 1 :])
 
 
 @contextmanager
@@ -140,10 +147,10 @@ def _build_group(
     slots_t = torch.from_numpy(slots).to(device) if ctx_len else None
     mask = torch.from_numpy(allow).to(device)
     if ctx_len:
-        mask[:, :, :ctx_len] &= attendable[slots_t].unsqueeze(1)
+        mask[:, :, :ctx_len] &= take(attendable, slots_t).unsqueeze(1)
     if window is not None:
         qpos = torch.from_numpy(np.stack([it.positions for it in members])).to(device)
-        kpos = torch.cat([kv_positions[slots_t], qpos], dim=1) if ctx_len else qpos
+        kpos = torch.cat([take(kv_positions, slots_t), qpos], dim=1) if ctx_len else qpos
         mask &= kpos.unsqueeze(1) > (qpos.unsqueeze(2) - window)
     kv_slots_t = None
     if all(it.out_slots is not None for it in members):
@@ -173,26 +180,28 @@ def paged_attention(
     """
     meta = current_metadata()
     if meta.store_slots is not None:
-        ks = k if meta.store_rows is None else k[meta.store_rows]
-        vs = v if meta.store_rows is None else v[meta.store_rows]
+        ks = k if meta.store_rows is None else take(k, meta.store_rows)
+        vs = v if meta.store_rows is None else take(v, meta.store_rows)
         k_cache.index_copy_(1, meta.store_slots, ks.transpose(0, 1))
         v_cache.index_copy_(1, meta.store_slots, vs.transpose(0, 1))
     out = None
     for grp in meta.groups:
-        qg = q.view(grp.size, grp.n, *q.shape[1:]) if grp.rows is None else q[grp.rows]
+        qg = q.view(grp.size, grp.n, *q.shape[1:]) if grp.rows is None else take(q, grp.rows)
         if grp.kv_slots is not None:
-            kg, vg = k_cache[:, grp.kv_slots], v_cache[:, grp.kv_slots]  # [Hkv, G, L+n, D]
+            kg, vg = take(k_cache, grp.kv_slots, 1), take(v_cache, grp.kv_slots, 1)  # [Hkv,G,L+n,D]
         else:
             if grp.rows is None:
                 kg, vg = (t.view(grp.size, grp.n, *t.shape[1:]) for t in (k, v))
             else:
-                kg, vg = k[grp.rows], v[grp.rows]
+                kg, vg = take(k, grp.rows), take(v, grp.rows)
             kg, vg = kg.permute(2, 0, 1, 3), vg.permute(2, 0, 1, 3)
             if grp.ctx_slots is not None:
-                kg = torch.cat((k_cache[:, grp.ctx_slots], kg), dim=2)
-                vg = torch.cat((v_cache[:, grp.ctx_slots], vg), dim=2)
+                kg = torch.cat((take(k_cache, grp.ctx_slots, 1), kg), dim=2)
+                vg = torch.cat((take(v_cache, grp.ctx_slots, 1), vg), dim=2)
         if grp.n == 1 and q.device.type == "cpu":
-            og = _decode_attention(qg, kg, vg, grp.mask, scale)
+            if grp.bias is None:
+                grp.bias = _decode_bias(grp.mask, kg.shape[0], kg.shape[2], q.dtype)
+            og = _decode_attention(qg, kg, vg, grp.bias, scale)
         else:
             og = F.scaled_dot_product_attention(
                 qg.transpose(1, 2),
@@ -208,26 +217,35 @@ def paged_attention(
         else:
             if out is None:
                 out = torch.empty_like(q)
-            out[grp.rows] = og
+            out.index_copy_(0, grp.rows.view(-1), og.reshape(-1, *og.shape[2:]))
     return out
 
 
+def _decode_bias(mask: torch.Tensor | None, hkv: int, length: int, dtype) -> torch.Tensor:
+    """``[Hkv * G, 1, L]`` additive mask (0 or -inf) from a ``[G, 1, 1, L]`` boolean one."""
+    if mask is None:
+        return torch.zeros(1, 1, length, dtype=dtype, device="cpu")
+    bias = torch.zeros(mask.shape[0], length, dtype=dtype).masked_fill_(
+        ~mask.view(-1, length), float("-inf")
+    )
+    return bias.expand(hkv, -1, -1).reshape(-1, 1, length)
+
+
 def _decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """One query per item: ``q [G, 1, Hq, D]``, ``k/v [Hkv, G, L, D]`` -> ``[G, 1, Hq, D]``.
 
-    Two batched matrix products over (head, item); on CPU this is several times faster than
-    ``scaled_dot_product_attention`` for single-token queries.
+    Batched matrix products over (head, item), with scale and mask fused into the first
+    (``baddbmm``); scores are in the model dtype, as in HF's eager attention, and the softmax
+    in float32. On CPU this is several times faster than ``scaled_dot_product_attention``
+    for single-token queries.
     """
     hkv, g, length, d = k.shape
     hq = q.shape[2]
     rep = hq // hkv
     qq = q.view(g, hkv, rep, d).transpose(0, 1).reshape(hkv * g, rep, d)
-    scores = torch.bmm(qq, k.view(hkv * g, length, d).transpose(1, 2))
-    scores = scores.float().view(hkv, g, rep, length) * scale
-    if mask is not None:  # [G, 1, 1, L]
-        scores = scores.masked_fill(~mask.view(1, g, 1, length), float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype).view(hkv * g, rep, length)
+    scores = torch.baddbmm(bias, qq, k.view(hkv * g, length, d).transpose(1, 2), alpha=scale)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
     out = torch.bmm(probs, v.view(hkv * g, length, d)).view(hkv, g, rep, d)
     return out.transpose(0, 1).reshape(g, 1, hq, d)

@@ -11,7 +11,8 @@ All ids are *physical* indices into the engine's pools: KV pages (``page_size`` 
 each), embedding slots (one hidden vector each, with a position) and host pages (swap
 space). The control layer translates an inferlet's virtual handles into these.
 
-Integer arrays are ``np.int64``, masks are ``np.bool_``; the constructors below convert.
+Integer arrays are ``np.int64`` (build them with :func:`ids`), masks are ``np.bool_``; the
+engine validates dtypes and ranges of every call it receives.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def ids(values) -> np.ndarray:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -135,7 +137,16 @@ class SwapIn:
 
 
 Call = EmbedTxt | Forward | NextDist | Sample | CopyKv | MaskKv | SwapOut | SwapIn
-CALL_TYPES: tuple[type, ...] = (EmbedTxt, Forward, NextDist, Sample, CopyKv, MaskKv, SwapOut, SwapIn)
+CALL_TYPES: tuple[type, ...] = (
+    EmbedTxt,
+    Forward,
+    NextDist,
+    Sample,
+    CopyKv,
+    MaskKv,
+    SwapOut,
+    SwapIn,
+)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

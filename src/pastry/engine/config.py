@@ -70,9 +70,12 @@ class ModelConfig:
             + self.q_size * self.hidden_size
             + 3 * self.hidden_size * self.intermediate_size
             + 2 * self.hidden_size
+            + (self.q_size + 2 * self.kv_size if self.attention_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
         )
         embed = self.vocab_size * self.hidden_size
-        return self.num_layers * per_layer + embed * (1 if self.tie_word_embeddings else 2)
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_layers * per_layer + embed + head + self.hidden_size
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -105,6 +108,8 @@ class ModelConfig:
         theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
         kind = rope.get("rope_type", rope.get("type", "default")) or "default"
         if kind == "llama3":
+            if "factor" not in rope:
+                raise CheckpointError(f"{source}: llama3 rope scaling has no 'factor'")
             scaling = RopeScaling(
                 kind="llama3",
                 factor=float(rope["factor"]),
@@ -119,10 +124,20 @@ class ModelConfig:
                 f"{source}: rope type '{kind}' is not supported (supported: default, llama3)"
             )
         window = raw.get("sliding_window")
-        if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        if arch in ("qwen2", "qwen3"):
+            if raw.get("use_sliding_window", False):
+                raise CheckpointError(
+                    f"{source}: use_sliding_window=true is not supported for {arch} "
+                    "(per-layer windows via max_window_layers)"
+                )
             window = None
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = (
+            tuple(int(e) for e in eos)
+            if isinstance(eos, list)
+            else ((int(eos),) if eos is not None else ())
+        )
+        bos = raw.get("bos_token_id")
         return cls(
             arch=arch,
             vocab_size=int(need("vocab_size")),
@@ -141,7 +156,7 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             sliding_window=int(window) if window else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            bos_token_id=raw.get("bos_token_id"),
+            bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             name=str(raw.get("_name_or_path", "")),
         )

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pastry.engine.attention import ItemPlan, build_metadata, forward_context
+from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
 from pastry.engine.calls import (
     Call,
     CallError,
@@ -234,8 +234,8 @@ class Engine:
             return
         tokens = self._tensor([c.tokens for _, c, _ in ok])
         slots = self._tensor([c.out_embeds for _, c, _ in ok])
-        self.embeds.hidden[slots] = self.model.embed(tokens)
-        self.embeds.positions[slots] = self._tensor([c.positions for _, c, _ in ok])
+        self.embeds.hidden.index_copy_(0, slots, self.model.embed(tokens))
+        self.embeds.positions.index_copy_(0, slots, self._tensor([c.positions for _, c, _ in ok]))
 
     # ------------------------------------------------------------------ forward
 
@@ -272,7 +272,9 @@ class Engine:
                 raise Invalid("output pages repeat a page")
             out_slots = (out_pages[:, None] * ps + np.arange(ps)).reshape(-1)[off : off + n]
             if np.isin(out_slots, ctx_slots).any():
-                raise Invalid("output slots overlap the context; a token cannot overwrite its own context")
+                raise Invalid(
+                    "output slots overlap the context; a token cannot overwrite its own context"
+                )
         out_embeds = self._embed_ids(c.out_embeds, "output embed")
         out_idx = self._ids(c.out_indices, n, "output index", " (number of inputs)")
         if len(out_idx) != len(out_embeds):
@@ -285,7 +287,9 @@ class Engine:
             if mask.dtype != np.bool_ or mask.shape != want:
                 raise Invalid(f"mask must be bool of shape {want}, got {mask.dtype} {mask.shape}")
             if not mask.any(axis=1).all():
-                raise Invalid("every input token must attend to at least one token (mask row is empty)")
+                raise Invalid(
+                    "every input token must attend to at least one token (mask row is empty)"
+                )
         return ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask
 
     def _forward(self, run, results) -> None:
@@ -308,7 +312,7 @@ class Engine:
         in_slots_t = torch.from_numpy(in_slots).to(dev)
         stored_pos = None
         if any(plan[5] is None for _, _, plan in ok):
-            stored_pos = self.embeds.positions[in_slots_t].cpu().numpy()
+            stored_pos = take(self.embeds.positions, in_slots_t).cpu().numpy()
         items, store_rows, store_slots, pos_all = [], [], [], []
         out_embeds, out_rows = [], []
         row = 0
@@ -336,21 +340,21 @@ class Engine:
             self.kv.positions,
             self.cfg.sliding_window,
         )
-        x = self.embeds.hidden[in_slots_t]
+        x = take(self.embeds.hidden, in_slots_t)
         pos_t = torch.from_numpy(positions).to(dev)
         with forward_context(meta):
             hidden = self.model(x, pos_t)
         if len(store_slots_np):
             slots_t = torch.from_numpy(store_slots_np).to(dev)
-            self.kv.attendable[slots_t] = True
+            self.kv.attendable.index_fill_(0, slots_t, True)
             rows_t = torch.from_numpy(store_rows_np).to(dev)
-            self.kv.positions[slots_t] = pos_t[rows_t]
+            self.kv.positions.index_copy_(0, slots_t, take(pos_t, rows_t))
         oe = self._cat(out_embeds)
         if len(oe):
             oe_t = torch.from_numpy(oe).to(dev)
             rows_t = torch.from_numpy(self._cat(out_rows)).to(dev)
-            self.embeds.hidden[oe_t] = hidden[rows_t]
-            self.embeds.positions[oe_t] = pos_t[rows_t]
+            self.embeds.hidden.index_copy_(0, oe_t, take(hidden, rows_t))
+            self.embeds.positions.index_copy_(0, oe_t, take(pos_t, rows_t))
 
     # ------------------------------------------------------------------ output heads
 
@@ -363,7 +367,7 @@ class Engine:
         if not ok:
             return
         slots = torch.tensor([c.embed for _, c, _ in ok], device=self.device)
-        logits = self.model.logits(self.embeds.hidden[slots])
+        logits = self.model.logits(take(self.embeds.hidden, slots))
         k_max = max(c.k for _, c, _ in ok)
         ids, probs = top_k_dist(logits, k_max)
         ids, probs = ids.cpu().numpy(), probs.cpu().numpy()
@@ -389,7 +393,7 @@ class Engine:
         calls = [c for _, c, _ in ok]
         dev = self.device
         slots = torch.tensor([c.embed for c in calls], device=dev)
-        logits = self.model.logits(self.embeds.hidden[slots])
+        logits = self.model.logits(take(self.embeds.hidden, slots))
         params = SamplingParams(
             temperature=torch.tensor([float(c.temperature) for c in calls], device=dev),
             top_k=torch.tensor([c.top_k for c in calls], dtype=torch.int64, device=dev),
@@ -419,7 +423,9 @@ class Engine:
         n = self._scalar(c.length, 0, ps + 1, "length")
         if so + n > ps or do + n > ps:
             raise Invalid(f"copy of {n} tokens from offset {so} to {do} crosses a page end ({ps})")
-        return np.arange(src * ps + so, src * ps + so + n), np.arange(dst * ps + do, dst * ps + do + n)
+        return np.arange(src * ps + so, src * ps + so + n), np.arange(
+            dst * ps + do, dst * ps + do + n
+        )
 
     def _copy_kv(self, run, results) -> None:
         ok = self._accept(run, results, self._check_copy_kv)
@@ -436,13 +442,17 @@ class Engine:
         page = self._scalar(c.page, 0, self.kv.num_pages, "page")
         masked = np.asarray(c.masked)
         if masked.dtype != np.bool_ or masked.shape != (self.page_size,):
-            raise Invalid(f"masked must be bool of shape ({self.page_size},), got {masked.dtype} {masked.shape}")
+            raise Invalid(
+                f"masked must be bool of shape ({self.page_size},), got {masked.dtype} {masked.shape}"
+            )
         return page, masked
 
     def _mask_kv(self, run, results) -> None:
         for _, _, (page, masked) in self._accept(run, results, self._check_mask_kv):
             ps = self.page_size
-            self.kv.attendable[page * ps : (page + 1) * ps] = torch.from_numpy(~masked).to(self.device)
+            self.kv.attendable[page * ps : (page + 1) * ps] = torch.from_numpy(~masked).to(
+                self.device
+            )
 
     def _check_swap(self, host_pages, pages):
         pages = self._page_ids(pages, "page")

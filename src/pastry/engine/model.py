@@ -94,7 +94,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens[tokens]
+        return self.embed_tokens.index_select(0, tokens)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)

@@ -48,7 +48,12 @@ def sample(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         out = _sample_rows(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seed)
     else:
         out[rows] = _sample_rows(
-            logits[rows], p.temperature[rows], p.top_k[rows], p.top_p[rows], p.min_p[rows], p.seed[rows]
+            logits[rows],
+            p.temperature[rows],
+            p.top_k[rows],
+            p.top_p[rows],
+            p.min_p[rows],
+            p.seed[rows],
         )
     return out
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install Pastry with its test dependencies. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+# torch first and pinned: the CPU wheel. An unpinned torch (or a dependency that pulls it
+# first) downloads gigabytes of CUDA packages.
+python -m pip install --quiet "torch==${PASTRY_TORCH_VERSION:-2.13.0}"
+python -m pip install --quiet -e ".[test]"
