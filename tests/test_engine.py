@@ -339,6 +339,10 @@ BAD_CALLS = {
     "copy crosses page": lambda e: CopyKv(0, 1, 2, 0, 3),
     "mask wrong size": lambda e: MaskKv(0, np.ones(3, dtype=bool)),
     "swap to missing host page": lambda e: SwapOut(ids([0]), ids([e.info.num_host_pages])),
+    "output overwrites context": lambda e: Forward(
+        in_embeds=ids([0]), ctx_pages=ids([1]), ctx_last_len=3, out_pages=ids([1]), out_offset=2
+    ),
+    "output page repeats": lambda e: Forward(in_embeds=ids([0] * 5), out_pages=ids([7, 7])),
     "float ids": lambda e: Forward(in_embeds=np.array([0.5])),
 }
 

@@ -43,8 +43,9 @@ class AttnGroup:
     rows: torch.Tensor | None  # [G, n] query rows; None: the only group, rows 0..N-1 in order
     size: int  # G
     n: int
-    ctx_slots: torch.Tensor | None  # [G, L] flat pool slots (padding points at slot 0)
-    kv_slots: torch.Tensor | None  # [G, L + n] context then new slots, when all are stored
+    # Gather indices into a cache viewed as [Hkv * slots, D] (see head_index):
+    ctx_slots: torch.Tensor | None  # [Hkv, G, L] context slots (padding points at slot 0)
+    kv_slots: torch.Tensor | None  # [Hkv, G, L + n] context then new slots, when all are stored
     mask: torch.Tensor | None  # [G, 1, n, L + n] bool
     causal: bool  # no context and no mask: plain causal attention
     bias: torch.Tensor | None = None  # additive mask for the decode path, built on first use
@@ -54,10 +55,24 @@ class AttnGroup:
 class AttnMetadata:
     groups: list[AttnGroup]
     store_rows: torch.Tensor | None  # rows whose K/V are written; None = all rows
-    store_slots: torch.Tensor | None  # where they go; None = nothing is stored
+    store_slots: torch.Tensor | None  # [Hkv, S] where they go (head_index); None = nothing
 
 
 _context: AttnMetadata | None = None
+
+
+def head_index(slots: torch.Tensor, num_heads: int, num_slots: int) -> torch.Tensor:
+    """Indices into a head-major cache viewed as ``[heads * num_slots, D]``: shape
+    ``[heads, *slots.shape]``. Gathering along the first dim of a 2-D view is the fastest
+    ``index_select`` (2x faster than along dim 1 of the 3-D cache); built once per forward."""
+    offsets = torch.arange(num_heads, device=slots.device) * num_slots
+    return offsets.view(-1, *([1] * slots.dim())) + slots.unsqueeze(0)
+
+
+def gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache [H, slots, D]`` at ``head_index`` positions -> ``[*index.shape, D]``."""
+    d = cache.shape[-1]
+    return cache.view(-1, d).index_select(0, index.reshape(-1)).view(*index.shape, d)
 
 
 def take(t: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
@@ -90,6 +105,7 @@ def build_metadata(
     attendable: torch.Tensor,
     kv_positions: torch.Tensor,
     sliding_window: int | None,
+    num_kv_heads: int,
 ) -> AttnMetadata:
     """Group items by length and build per-group gather indices and masks (on device)."""
     device = attendable.device
@@ -98,13 +114,17 @@ def build_metadata(
         by_n.setdefault(it.n, []).append(it)
     groups = []
     for n, members in by_n.items():
-        groups.append(_build_group(members, n, attendable, kv_positions, sliding_window, device))
+        groups.append(
+            _build_group(members, n, attendable, kv_positions, sliding_window, num_kv_heads, device)
+        )
     if len(groups) == 1 and groups[0].size * groups[0].n == num_tokens:
         groups[0].rows = None  # items were concatenated in order: no gather/scatter needed
     if len(store_slots) == 0:
         rows_t = slots_t = None
     else:
-        slots_t = torch.from_numpy(store_slots).to(device)
+        slots_t = head_index(
+            torch.from_numpy(store_slots).to(device), num_kv_heads, len(attendable)
+        )
         rows_t = None if len(store_rows) == num_tokens else torch.from_numpy(store_rows).to(device)
     return AttnMetadata(groups=groups, store_rows=rows_t, store_slots=slots_t)
 
@@ -115,6 +135,7 @@ def _build_group(
     attendable: torch.Tensor,
     kv_positions: torch.Tensor,
     window: int | None,
+    num_kv_heads: int,
     device: torch.device,
 ) -> AttnGroup:
     g = len(members)
@@ -155,8 +176,9 @@ def _build_group(
     kv_slots_t = None
     if all(it.out_slots is not None for it in members):
         kv = np.concatenate((slots, np.stack([it.out_slots for it in members])), axis=1)
-        kv_slots_t = torch.from_numpy(kv).to(device)
-    return AttnGroup(rows_t, g, n, slots_t, kv_slots_t, mask.unsqueeze(1), causal=False)
+        kv_slots_t = head_index(torch.from_numpy(kv).to(device), num_kv_heads, len(attendable))
+    ctx_index = head_index(slots_t, num_kv_heads, len(attendable)) if ctx_len else None
+    return AttnGroup(rows_t, g, n, ctx_index, kv_slots_t, mask.unsqueeze(1), causal=False)
 
 
 def paged_attention(
@@ -182,13 +204,15 @@ def paged_attention(
     if meta.store_slots is not None:
         ks = k if meta.store_rows is None else take(k, meta.store_rows)
         vs = v if meta.store_rows is None else take(v, meta.store_rows)
-        k_cache.index_copy_(1, meta.store_slots, ks.transpose(0, 1))
-        v_cache.index_copy_(1, meta.store_slots, vs.transpose(0, 1))
+        d = k_cache.shape[-1]
+        idx = meta.store_slots.view(-1)
+        k_cache.view(-1, d).index_copy_(0, idx, ks.transpose(0, 1).reshape(-1, d))
+        v_cache.view(-1, d).index_copy_(0, idx, vs.transpose(0, 1).reshape(-1, d))
     out = None
     for grp in meta.groups:
         qg = q.view(grp.size, grp.n, *q.shape[1:]) if grp.rows is None else take(q, grp.rows)
         if grp.kv_slots is not None:
-            kg, vg = take(k_cache, grp.kv_slots, 1), take(v_cache, grp.kv_slots, 1)  # [Hkv,G,L+n,D]
+            kg, vg = gather(k_cache, grp.kv_slots), gather(v_cache, grp.kv_slots)  # [Hkv,G,L+n,D]
         else:
             if grp.rows is None:
                 kg, vg = (t.view(grp.size, grp.n, *t.shape[1:]) for t in (k, v))
@@ -196,8 +220,8 @@ def paged_attention(
                 kg, vg = take(k, grp.rows), take(v, grp.rows)
             kg, vg = kg.permute(2, 0, 1, 3), vg.permute(2, 0, 1, 3)
             if grp.ctx_slots is not None:
-                kg = torch.cat((take(k_cache, grp.ctx_slots, 1), kg), dim=2)
-                vg = torch.cat((take(v_cache, grp.ctx_slots, 1), vg), dim=2)
+                kg = torch.cat((gather(k_cache, grp.ctx_slots), kg), dim=2)
+                vg = torch.cat((gather(v_cache, grp.ctx_slots), vg), dim=2)
         if grp.n == 1 and q.device.type == "cpu":
             if grp.bias is None:
                 grp.bias = _decode_bias(grp.mask, kg.shape[0], kg.shape[2], q.dtype)

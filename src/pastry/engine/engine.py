@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,10 @@ from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
 from pastry.engine.sampling import SamplingParams, sample, top_k_dist
 
 log = logging.getLogger(__name__)
+
+# oneDNN JIT-compiles a kernel per matrix shape (~1 ms each) and keeps 1024 by default; a
+# serving engine sees many batch shapes, so keep more. Read when oneDNN is first used.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 
 TRAITS = (
     "input_text",
@@ -251,6 +256,7 @@ class Engine:
                 "split the forward"
             )
         ctx_pages = self._page_ids(c.ctx_pages, "context page")
+        last = 0
         if len(ctx_pages):
             last = self._scalar(c.ctx_last_len, 1, ps + 1, "ctx_last_len")
             ctx_len = (len(ctx_pages) - 1) * ps + last
@@ -268,13 +274,18 @@ class Engine:
                     f"{len(out_pages)} output pages from offset {off} hold "
                     f"{len(out_pages) * ps - off} tokens, not {n}"
                 )
-            if len(np.unique(out_pages)) != len(out_pages):
+            out_list = out_pages.tolist()
+            if len(set(out_list)) != len(out_list):
                 raise Invalid("output pages repeat a page")
-            out_slots = (out_pages[:, None] * ps + np.arange(ps)).reshape(-1)[off : off + n]
-            if np.isin(out_slots, ctx_slots).any():
+            # New tokens may share only the last context page, after its valid tokens.
+            shared = set(out_list).intersection(ctx_pages.tolist())
+            if shared and (
+                shared != {int(ctx_pages[-1])} or out_list[0] != ctx_pages[-1] or off < last
+            ):
                 raise Invalid(
                     "output slots overlap the context; a token cannot overwrite its own context"
                 )
+            out_slots = (out_pages[:, None] * ps + np.arange(ps)).reshape(-1)[off : off + n]
         out_embeds = self._embed_ids(c.out_embeds, "output embed")
         out_idx = self._ids(c.out_indices, n, "output index", " (number of inputs)")
         if len(out_idx) != len(out_embeds):
@@ -339,6 +350,7 @@ class Engine:
             self.kv.attendable,
             self.kv.positions,
             self.cfg.sliding_window,
+            self.cfg.num_kv_heads,
         )
         x = take(self.embeds.hidden, in_slots_t)
         pos_t = torch.from_numpy(positions).to(dev)
