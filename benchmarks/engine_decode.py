@@ -200,12 +200,12 @@ def main() -> None:
         num_embeds=max(max(batches) * PROMPT, 512) + 4 * max(batches) + 64,
         num_host_pages=1,
     )
+    bw = read_bandwidth(device)  # first, in a fresh process, before any model is loaded
     engine = Engine.load(path, cfg)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     vocab = engine.info.vocab_size
     mc = engine.cfg
     streamed = mc.num_params - (0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size)
-    bw = read_bandwidth(device)
     roofline_ms = streamed * 2 / bw * 1e3
 
     print(f"# engine_decode: {engine.info.model_name} ({mc.num_params / 1e6:.0f}M params, bf16)")

@@ -130,6 +130,20 @@ def test_split_prefill_equals_single_call(make_tiny):
     np.testing.assert_allclose(split.step(toks[8:]), whole, atol=1e-6)
 
 
+def test_dependent_forwards_in_one_batch(make_tiny):
+    """Vertical batching: a forward on top of another forward of the same batch sees its KV
+    (the paper's split prefill, both calls in one batch)."""
+    eng = load(make_tiny("llama"))
+    v = eng.info.vocab_size
+    toks = prompt(9, v, 14)
+    whole = Seq(Pages(eng)).step(toks)
+    seq = Seq(Pages(eng, first_page=100, first_embed=1000))
+    first, _ = seq.forward_calls(toks[:6])
+    second, out = seq.forward_calls(toks[6:])
+    res = eng.execute([first[0], second[0], first[1], second[1], NextDist(out, k=v)])
+    np.testing.assert_allclose(dense(res[-1], v), whole, atol=1e-6)
+
+
 def run_alone(path, item):
     eng = load(path)
     seq = Seq(Pages(eng))

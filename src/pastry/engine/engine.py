@@ -342,6 +342,15 @@ class Engine:
         positions = self._cat(pos_all)
         store_rows_np = self._cat(store_rows)
         store_slots_np = self._cat(store_slots)
+        pos_t = torch.from_numpy(positions).to(dev)
+        if len(store_slots_np):
+            # Slots written by this batch are attendable (and positioned) for every item of
+            # it: a forward that extends another forward of the same batch sees its tokens,
+            # since each layer writes all new K/V before any item gathers its context.
+            slots_t = torch.from_numpy(store_slots_np).to(dev)
+            self.kv.attendable.index_fill_(0, slots_t, True)
+            rows_t = torch.from_numpy(store_rows_np).to(dev)
+            self.kv.positions.index_copy_(0, slots_t, take(pos_t, rows_t))
         meta = build_metadata(
             items,
             store_rows_np,
@@ -353,14 +362,8 @@ class Engine:
             self.cfg.num_kv_heads,
         )
         x = take(self.embeds.hidden, in_slots_t)
-        pos_t = torch.from_numpy(positions).to(dev)
         with forward_context(meta):
             hidden = self.model(x, pos_t)
-        if len(store_slots_np):
-            slots_t = torch.from_numpy(store_slots_np).to(dev)
-            self.kv.attendable.index_fill_(0, slots_t, True)
-            rows_t = torch.from_numpy(store_rows_np).to(dev)
-            self.kv.positions.index_copy_(0, slots_t, take(pos_t, rows_t))
         oe = self._cat(out_embeds)
         if len(oe):
             oe_t = torch.from_numpy(oe).to(dev)
