@@ -1,0 +1,197 @@
+"""The inferlet API: one language-neutral interface, implemented by the host.
+
+Every function takes and returns only integers (handles are integers local to the calling
+inferlet), floats, booleans, strings, bytes, lists and tuples of these, or ``None`` — so
+the same surface can be bound into a Wasm guest (a WIT file later) or any other language.
+Functions marked *queued* take a command queue ``q``, are executed in queue order by the
+batch scheduler, and return an awaitable that resolves when the call has run; they are
+submitted when called, so several queued calls can be issued before awaiting the last
+(that is what lets embed, forward and sample of one step share one engine batch).
+
+This module is the contract. ``pastry.control.controller.Session`` implements it for
+trusted inferlets; ``tests/test_api.py`` checks that every function here exists there with
+the same parameters. The traits (groups of functions a model implements) are listed in
+:data:`TRAITS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Protocol
+
+
+class ApiError(ValueError):
+    """An inferlet misused the API (a foreign or freed handle, a bad argument); raised in
+    that inferlet only, with a message naming the bad value."""
+
+
+TRAITS: dict[str, tuple[str, ...]] = {
+    "allocate": (
+        "get_kv_page_size",
+        "alloc_kvpages",
+        "dealloc_kvpages",
+        "alloc_embeds",
+        "dealloc_embeds",
+        "copy_kvpage",
+        "export_kvpages",
+        "import_kvpages",
+        "unexport_kvpages",
+        "list_exported_kvpages",
+    ),
+    "forward": ("forward", "mask_kvpage"),
+    "input_text": ("embed_txt",),
+    "tokenize": ("tokenize", "detokenize", "get_vocabs", "get_eos_token_ids"),
+    "output_text": ("get_next_dist", "sample"),
+}
+
+
+class InferletApi(Protocol):
+    # ------------------------------------------------------------------ runtime
+    def get_arguments(self) -> list[str]:
+        """Arguments the client passed at launch."""
+
+    def get_instance_id(self) -> int: ...
+
+    def get_version(self) -> str:
+        """Version of this API."""
+
+    def send(self, message: str) -> None:
+        """Send a message to the client that launched the inferlet."""
+
+    async def receive(self) -> str:
+        """The next message from the client."""
+
+    def available_models(self) -> list[str]: ...
+
+    def available_traits(self, model: str) -> list[str]: ...
+
+    def create_queue(self, model: str) -> int:
+        """A new command queue on ``model``; calls on different queues are independent."""
+
+    def synchronize(self, q: int) -> Awaitable[None]:
+        """Queued: resolves when every call queued on ``q`` before it has completed."""
+
+    def set_queue_priority(self, q: int, priority: int) -> None:
+        """Higher-priority queues are batched first (default 0)."""
+
+    # ------------------------------------------------------------------ allocate
+    def get_kv_page_size(self, q: int) -> int: ...
+
+    def alloc_kvpages(self, q: int, n: int) -> list[int]:
+        """``n`` new KV page handles (immediate)."""
+
+    def dealloc_kvpages(self, q: int, pages: list[int]) -> Awaitable[None]:
+        """Queued: free pages once the calls queued before have run."""
+
+    def alloc_embeds(self, q: int, n: int) -> list[int]: ...
+
+    def dealloc_embeds(self, q: int, embeds: list[int]) -> Awaitable[None]: ...
+
+    def copy_kvpage(
+        self, q: int, src: int, dst: int, src_offset: int, dst_offset: int, size: int
+    ) -> Awaitable[None]:
+        """Queued: copy ``size`` tokens of K/V (token level) from ``src`` to ``dst``."""
+
+    def export_kvpages(
+        self, q: int, pages: list[int], name: str, persistent: bool = False
+    ) -> Awaitable[None]:
+        """Queued: publish pages under ``name`` (shared by reference count); a persistent
+        export outlives this inferlet until unexported."""
+
+    def import_kvpages(self, q: int, name: str) -> list[int]:
+        """New handles to the pages exported as ``name``."""
+
+    def unexport_kvpages(self, q: int, name: str) -> None: ...
+
+    def list_exported_kvpages(self, q: int) -> list[tuple[str, int]]:
+        """(name, number of pages) of every export."""
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        q: int,
+        in_kv: list[int],
+        in_kv_last_len: int,
+        in_embeds: list[int],
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embeds: list[int],
+        mask: list[list[bool]] | None = None,
+    ) -> Awaitable[None]:
+        """Queued: the model over ``in_embeds`` (positions stored with them by
+        ``embed_txt``) on top of the context in ``in_kv`` (all tokens of every page, of the
+        last only ``in_kv_last_len``). New K/V go to ``out_kv`` from slot
+        ``out_kv_offset``; ``out_embeds`` receive the outputs of the last
+        ``len(out_embeds)`` inputs. ``mask``: one row per input over context + inputs,
+        True = attend (default: all context, causal among inputs). Leaving a page out of
+        ``in_kv`` masks its tokens."""
+
+    def mask_kvpage(self, q: int, page: int, mask: list[bool]) -> Awaitable[None]:
+        """Queued: ``mask[i]`` True makes token ``i`` of ``page`` not attendable."""
+
+    # ------------------------------------------------------------------ input text, tokenize
+    def embed_txt(
+        self, q: int, tokens: list[int], positions: list[int], embeds: list[int]
+    ) -> Awaitable[None]:
+        """Queued: embed ``tokens`` at ``positions`` into ``embeds``."""
+
+    def tokenize(self, q: int, text: str) -> list[int]: ...
+
+    def detokenize(self, q: int, tokens: list[int]) -> str: ...
+
+    def get_vocabs(self, q: int) -> list[bytes]:
+        """The bytes of every token id."""
+
+    def get_eos_token_ids(self, q: int) -> list[int]: ...
+
+    # ------------------------------------------------------------------ output
+    def get_next_dist(
+        self, q: int, embed: int, k: int = 256
+    ) -> Awaitable[tuple[list[int], list[float]]]:
+        """Queued: the top-``k`` next-token distribution at ``embed`` (ids, probabilities)."""
+
+    def sample(
+        self,
+        q: int,
+        embed: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+    ) -> Awaitable[int]:
+        """Queued: sample a token on the device (greedy at temperature 0)."""
+
+    # ------------------------------------------------------------------ messaging
+    def broadcast(self, topic: str, message: str) -> int:
+        """Deliver ``message`` to the subscribers of ``topic``; returns how many."""
+
+    def subscribe(self, topic: str) -> int: ...
+
+    async def next_message(self, sub: int) -> str: ...
+
+    def unsubscribe(self, sub: int) -> None: ...
+
+    # ------------------------------------------------------------------ key-value store
+    def store_get(self, key: str) -> str | None: ...
+
+    def store_set(self, key: str, value: str) -> None: ...
+
+    def store_delete(self, key: str) -> bool: ...
+
+    def store_exists(self, key: str) -> bool: ...
+
+    def store_list_keys(self, prefix: str = "") -> list[str]: ...
+
+    # ------------------------------------------------------------------ http
+    async def http_get(self, url: str) -> tuple[int, str]:
+        """GET an allowlisted URL: (status, body text)."""
+
+    async def http_post(self, url: str, body: str) -> tuple[int, str]: ...
+
+
+API_FUNCTIONS: tuple[str, ...] = tuple(
+    name
+    for name in InferletApi.__dict__
+    if not name.startswith("_") and callable(InferletApi.__dict__[name])
+)

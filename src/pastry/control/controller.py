@@ -1,0 +1,473 @@
+"""The controller: the host side of the inferlet API.
+
+One :class:`Controller` per server owns the models (an engine handle, its tokenizer, batch
+scheduler and resource manager each) and the shared services (messaging, key-value store,
+HTTP). Each inferlet instance talks to it through its own :class:`Session`, which
+implements every function of :class:`pastry.api.InferletApi` with the instance's own
+handle space: queues, KV pages, embeddings and subscriptions are small integers that mean
+nothing outside that session.
+
+Calls that touch the model are queued (:mod:`pastry.control.scheduler`) and translated to
+physical ids when they are batched; the rest are answered here directly. Misuse (a foreign
+or freed handle, a wrong queue, bad lengths) raises :class:`ApiError` in the calling
+inferlet only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pastry.api import ApiError
+from pastry.control.kvstore import KvStore
+from pastry.control.messaging import MessageBus
+from pastry.control.resources import ResourceError, ResourceManager
+from pastry.control.scheduler import BatchScheduler, Command, Policy, Queue, Stage
+from pastry.engine.calls import (
+    CopyKv,
+    Dist,
+    EmbedTxt,
+    EngineInfo,
+    Forward,
+    MaskKv,
+    NextDist,
+    Sample,
+    ids,
+)
+from pastry.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "0.1.0"
+
+
+@dataclass
+class Model:
+    """One served model: its engine, tokenizer, scheduler and memory bookkeeping."""
+
+    name: str
+    engine: object  # pastry.engine.process.EngineHandle
+    info: EngineInfo
+    tokenizer: Tokenizer
+    scheduler: BatchScheduler
+    resources: ResourceManager
+
+    @property
+    def traits(self) -> list[str]:
+        return list(self.info.traits)
+
+
+class Controller:
+    """Shared state of the control layer. Create inside a running event loop."""
+
+    def __init__(
+        self,
+        engines: Sequence[object],
+        policy: Policy | None = None,
+        http_allow: Sequence[str] = (),
+    ) -> None:
+        self.models: dict[str, Model] = {}
+        self.sessions: dict[int, Session] = {}
+        self.bus = MessageBus()
+        self.store = KvStore()
+        self.http_allow = list(http_allow)
+        self._http = None
+        self.on_terminate: Callable[[int, str], None] = lambda instance, reason: None
+        for eng in engines:
+            info = eng.info
+            sched = BatchScheduler(eng.execute, info.max_batch_tokens, info.page_size, policy)
+            res = ResourceManager(info.num_pages, info.num_embeds, on_terminate=self._evict)
+            tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
+            self.models[info.model_name] = Model(info.model_name, eng, info, tok, sched, res)
+            sched.start()
+
+    @property
+    def default_model(self) -> str:
+        return next(iter(self.models))
+
+    def session(self, instance: int, args: Sequence[str] = ()) -> Session:
+        s = Session(self, instance, list(args))
+        self.sessions[instance] = s
+        for m in self.models.values():
+            m.resources.add_instance(instance)
+        return s
+
+    def end_session(self, instance: int) -> None:
+        """Release everything an instance holds, however it ended. Idempotent."""
+        s = self.sessions.pop(instance, None)
+        if s is not None:
+            s.close()
+        for m in self.models.values():
+            m.resources.remove_instance(instance)
+        self.bus.unsubscribe_all(str(instance))
+
+    def _evict(self, instance: int, reason: str) -> None:
+        """Resource policy callback: end ``instance`` now so its memory can be reused."""
+        self.on_terminate(instance, reason)
+        self.end_session(instance)
+
+    @property
+    def http(self):
+        if self._http is None:
+            from pastry.control.http import HttpClient
+
+            self._http = HttpClient(self.http_allow)
+        return self._http
+
+    async def close(self) -> None:
+        for instance in list(self.sessions):
+            self.end_session(instance)
+        for m in self.models.values():
+            await m.scheduler.stop()
+
+
+@dataclass
+class _QueueRef:
+    model: Model
+    queue: Queue
+
+
+@dataclass
+class Session:
+    """The API as one inferlet instance sees it (see :class:`pastry.api.InferletApi`)."""
+
+    controller: Controller
+    instance: int
+    args: list[str]
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _queues: dict[int, _QueueRef] = field(default_factory=dict)
+    _subs: dict[int, object] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=itertools.count)
+    closed: bool = False
+
+    # ------------------------------------------------------------------ runtime
+
+    def get_arguments(self) -> list[str]:
+        return list(self.args)
+
+    def get_instance_id(self) -> int:
+        return self.instance
+
+    def get_version(self) -> str:
+        return API_VERSION
+
+    def send(self, message: str) -> None:
+        if not isinstance(message, str):
+            raise ApiError(f"send takes a string, got {type(message).__name__}")
+        self.outbox.put_nowait(("message", message))
+
+    async def receive(self) -> str:
+        return await self.inbox.get()
+
+    def available_models(self) -> list[str]:
+        return list(self.controller.models)
+
+    def available_traits(self, model: str) -> list[str]:
+        return self._model(model).traits
+
+    def create_queue(self, model: str) -> int:
+        m = self._model(model)
+        qid = next(self._ids)
+        self._queues[qid] = _QueueRef(m, m.scheduler.create_queue(self.instance))
+        return qid
+
+    def synchronize(self, q: int) -> asyncio.Future:
+        """Resolves when every command queued on ``q`` before this call has completed."""
+        return self._submit(q, Command(Stage.CONTROL, prepare=lambda: None))
+
+    def set_queue_priority(self, q: int, priority: int) -> None:
+        self._queue(q).queue.priority = int(priority)
+
+    # ------------------------------------------------------------------ allocate
+
+    def get_kv_page_size(self, q: int) -> int:
+        return self._queue(q).model.info.page_size
+
+    def alloc_kvpages(self, q: int, n: int) -> list[int]:
+        return self._alloc(q, "kv", n)
+
+    def alloc_embeds(self, q: int, n: int) -> list[int]:
+        return self._alloc(q, "embed", n)
+
+    def dealloc_kvpages(self, q: int, pages: list[int]) -> asyncio.Future:
+        return self._dealloc(q, "kv", pages)
+
+    def dealloc_embeds(self, q: int, embeds: list[int]) -> asyncio.Future:
+        return self._dealloc(q, "embed", embeds)
+
+    def copy_kvpage(
+        self, q: int, src: int, dst: int, src_offset: int, dst_offset: int, size: int
+    ) -> asyncio.Future:
+        ref = self._queue(q)
+
+        def prepare():
+            s, d = self._phys(ref, "kv", [src, dst])
+            return CopyKv(s, d, int(src_offset), int(dst_offset), int(size))
+
+        return self._submit(q, Command(Stage.KV, prepare=prepare))
+
+    def export_kvpages(
+        self, q: int, pages: list[int], name: str, persistent: bool = False
+    ) -> asyncio.Future:
+        """Publish pages under ``name`` once the commands queued before have run."""
+        ref = self._queue(q)
+        res = ref.model.resources
+        self._resource_call(lambda: res.translate(self.instance, "kv", list(pages)))
+
+        def prepare():
+            res.export(self.instance, "kv", list(pages), name, persistent)
+
+        return self._submit(q, Command(Stage.CONTROL, prepare=prepare))
+
+    def import_kvpages(self, q: int, name: str) -> list[int]:
+        ref = self._queue(q)
+        return self._resource_call(lambda: ref.model.resources.import_(self.instance, "kv", name))
+
+    def unexport_kvpages(self, q: int, name: str) -> None:
+        ref = self._queue(q)
+        self._resource_call(lambda: ref.model.resources.unexport(self.instance, name))
+
+    def list_exported_kvpages(self, q: int) -> list[tuple[str, int]]:
+        res = self._queue(q).model.resources
+        return [(name, n) for name, kind, n in res.list_exports() if kind == "kv"]
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        q: int,
+        in_kv: list[int],
+        in_kv_last_len: int,
+        in_embeds: list[int],
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embeds: list[int],
+        mask: list[list[bool]] | None = None,
+    ) -> asyncio.Future:
+        """Run the model over ``in_embeds`` on top of the context in ``in_kv``.
+
+        The new tokens' K/V go to ``out_kv`` from slot ``out_kv_offset`` on (no pages: not
+        stored); ``out_embeds[j]`` receives the output of the ``len(out_embeds)`` last
+        inputs. ``mask`` (one row per input over context + inputs, True = attend)
+        replaces the default causal attention.
+        """
+        ref = self._queue(q)
+        n = len(in_embeds)
+        if n == 0:
+            raise ApiError("forward needs at least one input embedding")
+        m = len(out_embeds)
+        if m > n:
+            raise ApiError(f"{m} output embeddings for {n} inputs")
+        mask_arr = None
+        if mask is not None:
+            mask_arr = np.asarray(mask, dtype=np.bool_)
+            if mask_arr.ndim != 2 or mask_arr.shape[0] != n:
+                raise ApiError(
+                    f"mask must have one row per input ({n}), got shape {mask_arr.shape}"
+                )
+
+        def prepare():
+            return Forward(
+                in_embeds=ids(self._phys(ref, "embed", in_embeds)),
+                ctx_pages=ids(self._phys(ref, "kv", in_kv)),
+                ctx_last_len=int(in_kv_last_len) if len(in_kv) else 0,
+                out_pages=ids(self._phys(ref, "kv", out_kv)),
+                out_offset=int(out_kv_offset),
+                out_embeds=ids(self._phys(ref, "embed", out_embeds)),
+                out_indices=ids(range(n - m, n)),
+                mask=mask_arr,
+            )
+
+        return self._submit(q, Command(Stage.FORWARD, prepare=prepare, tokens=n))
+
+    def mask_kvpage(self, q: int, page: int, mask: list[bool]) -> asyncio.Future:
+        """``mask[i]`` True makes token ``i`` of ``page`` not attendable."""
+        ref = self._queue(q)
+        arr = np.asarray(mask, dtype=np.bool_)
+
+        def prepare():
+            return MaskKv(self._phys(ref, "kv", [page])[0], arr)
+
+        return self._submit(q, Command(Stage.KV, prepare=prepare))
+
+    # ------------------------------------------------------------------ input text, tokenize
+
+    def embed_txt(
+        self, q: int, tokens: list[int], positions: list[int], embeds: list[int]
+    ) -> asyncio.Future:
+        ref = self._queue(q)
+        if not (len(tokens) == len(positions) == len(embeds)):
+            raise ApiError(
+                f"embed_txt needs as many positions and embeddings as tokens "
+                f"({len(tokens)} tokens, {len(positions)} positions, {len(embeds)} embeds)"
+            )
+        tok, pos = ids(tokens), ids(positions)
+
+        def prepare():
+            return EmbedTxt(tok, pos, ids(self._phys(ref, "embed", embeds)))
+
+        return self._submit(q, Command(Stage.EMBED, prepare=prepare))
+
+    def get_eos_token_ids(self, q: int) -> list[int]:
+        return list(self._queue(q).model.info.eos_token_ids)
+
+    def tokenize(self, q: int, text: str) -> list[int]:
+        return self._queue(q).model.tokenizer.encode(text)
+
+    def detokenize(self, q: int, tokens: list[int]) -> str:
+        return self._queue(q).model.tokenizer.decode(list(tokens))
+
+    def get_vocabs(self, q: int) -> list[bytes]:
+        return self._queue(q).model.tokenizer.get_vocabs()
+
+    # ------------------------------------------------------------------ output
+
+    def get_next_dist(self, q: int, embed: int, k: int = 256) -> asyncio.Future:
+        """Top-``k`` next-token distribution at ``embed``: (token ids, probabilities)."""
+        ref = self._queue(q)
+
+        def prepare():
+            return NextDist(self._phys(ref, "embed", [embed])[0], int(k))
+
+        def finish(d: Dist):
+            return d.ids.tolist(), d.probs.tolist()
+
+        return self._submit(q, Command(Stage.OUTPUT, prepare=prepare, finish=finish))
+
+    def sample(
+        self,
+        q: int,
+        embed: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+    ) -> asyncio.Future:
+        """Sample a token on the device (greedy at temperature 0)."""
+        ref = self._queue(q)
+
+        def prepare():
+            return Sample(
+                self._phys(ref, "embed", [embed])[0], temperature, top_k, top_p, min_p, seed
+            )
+
+        return self._submit(q, Command(Stage.OUTPUT, prepare=prepare))
+
+    # ------------------------------------------------------------------ messaging, store, http
+
+    def broadcast(self, topic: str, message: str) -> int:
+        return self.controller.bus.broadcast(str(self.instance), topic, message)
+
+    def subscribe(self, topic: str) -> int:
+        sid = next(self._ids)
+        self._subs[sid] = self.controller.bus.subscribe(str(self.instance), topic)
+        return sid
+
+    async def next_message(self, sub: int) -> str:
+        return await self._sub(sub).get()
+
+    def unsubscribe(self, sub: int) -> None:
+        self._sub(sub).close()
+        del self._subs[sub]
+
+    def store_get(self, key: str) -> str | None:
+        return self.controller.store.get(key)
+
+    def store_set(self, key: str, value: str) -> None:
+        self.controller.store.set(key, value, instance_id=str(self.instance))
+
+    def store_delete(self, key: str) -> bool:
+        return self.controller.store.delete(key)
+
+    def store_exists(self, key: str) -> bool:
+        return self.controller.store.exists(key)
+
+    def store_list_keys(self, prefix: str = "") -> list[str]:
+        return self.controller.store.list_keys(prefix)
+
+    async def http_get(self, url: str) -> tuple[int, str]:
+        r = await self.controller.http.get(url)
+        return r.status, r.text
+
+    async def http_post(self, url: str, body: str) -> tuple[int, str]:
+        r = await self.controller.http.post(url, body)
+        return r.status, r.text
+
+    # ------------------------------------------------------------------ helpers
+
+    def close(self) -> None:
+        self.closed = True
+        for ref in self._queues.values():
+            ref.model.scheduler.close_queue(ref.queue, "the inferlet ended")
+        self._queues.clear()
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()
+
+    def _model(self, name: str) -> Model:
+        try:
+            return self.controller.models[name]
+        except KeyError:
+            raise ApiError(
+                f"no model named '{name}' (available: {', '.join(self.controller.models)})"
+            ) from None
+
+    def _queue(self, q: int) -> _QueueRef:
+        self._check_open()
+        ref = self._queues.get(q)
+        if ref is None:
+            raise ApiError(
+                f"queue {q} does not exist in this inferlet (create one with create_queue)"
+            )
+        return ref
+
+    def _sub(self, sub: int):
+        s = self._subs.get(sub)
+        if s is None:
+            raise ApiError(f"subscription {sub} does not exist in this inferlet")
+        return s
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ApiError("this inferlet has ended")
+
+    def _alloc(self, q: int, kind: str, n: int) -> list[int]:
+        ref = self._queue(q)
+        if not isinstance(n, int) or n < 0:
+            raise ApiError(f"allocation size must be a non-negative integer, got {n!r}")
+        return self._resource_call(lambda: ref.model.resources.alloc(self.instance, kind, n))
+
+    def _dealloc(self, q: int, kind: str, handles: list[int]) -> asyncio.Future:
+        ref = self._queue(q)
+        handles = list(handles)
+        res = ref.model.resources
+        self._resource_call(lambda: res.translate(self.instance, kind, handles))  # fail fast
+
+        def prepare():
+            res.free(self.instance, kind, handles)
+
+        return self._submit(q, Command(Stage.CONTROL, prepare=prepare))
+
+    def _phys(self, ref: _QueueRef, kind: str, handles) -> list[int]:
+        return self._resource_call(
+            lambda: ref.model.resources.translate(self.instance, kind, list(handles))
+        )
+
+    @staticmethod
+    def _resource_call(fn):
+        try:
+            return fn()
+        except ResourceError as e:
+            raise ApiError(str(e)) from None
+
+    def _submit(self, q: int, cmd: Command) -> asyncio.Future:
+        """Queue ``cmd`` now; the returned future resolves when it has run."""
+        ref = self._queue(q)
+        return ref.model.scheduler.submit(ref.queue, cmd)

@@ -1,0 +1,165 @@
+"""The key-value store shared by all inferlets (``store-get`` / ``store-set`` / ... in Pie).
+
+One :class:`KvStore` per server, used from its event loop only. It is a single namespace on
+purpose: cooperating inferlets share state through it (e.g. one writes ``"plan/42"``, others
+``await wait_for("plan/42")``). Keys and values are strings; the last writer instance of each
+key is kept for debugging (:meth:`KvStore.last_writer`).
+
+Limits (:class:`KvStoreConfig`, all in UTF-8 bytes): key length, value size, and the total
+size of all keys plus values. A ``set`` that breaks one is rejected with
+:class:`KvStoreError` naming the limit and leaves the store unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+
+class KvStoreError(ValueError):
+    """A store operation was rejected (bad key, value too large, store full)."""
+
+
+@dataclass(frozen=True)
+class KvStoreConfig:
+    max_key_bytes: int = 1024
+    max_value_bytes: int = 1 << 20
+    max_total_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_key_bytes", "max_value_bytes", "max_total_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KvStoreConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    value: str
+    size: int  # bytes of key + value
+    writer: str | None
+
+
+def _nbytes(s: str) -> int:
+    return len(s) if s.isascii() else len(s.encode("utf-8"))
+
+
+class KvStore:
+    """A shared string-to-string store with size limits and ``wait_for``."""
+
+    def __init__(self, config: KvStoreConfig | None = None) -> None:
+        self.config = config or KvStoreConfig()
+        self._data: dict[str, _Entry] = {}
+        self._total = 0
+        self._waiters: dict[str, list[asyncio.Future[str]]] = {}
+
+    def get(self, key: str) -> str | None:
+        """The value of ``key``, or ``None`` if it is not set."""
+        entry = self._data.get(self._check_key(key))
+        return None if entry is None else entry.value
+
+    def set(self, key: str, value: str, *, instance_id: str | None = None) -> None:
+        """Set ``key`` to ``value`` (replacing any old value), recording ``instance_id`` as
+        its last writer, and wake every ``wait_for(key)``."""
+        key_size = _nbytes(self._check_key(key))
+        if not isinstance(value, str):
+            raise TypeError(f"value must be a str, got {type(value).__name__}")
+        value_size = _nbytes(value)
+        cfg = self.config
+        if value_size > cfg.max_value_bytes:
+            raise KvStoreError(
+                f"value for key {key[:64]!r} is {value_size} bytes, over the limit of "
+                f"{cfg.max_value_bytes} bytes (KvStoreConfig.max_value_bytes)"
+            )
+        old = self._data.get(key)
+        size = key_size + value_size
+        total = self._total - (old.size if old else 0) + size
+        if total > cfg.max_total_bytes:
+            raise KvStoreError(
+                f"setting key {key[:64]!r} ({size} bytes with its key) would grow the store to "
+                f"{total} bytes, over the limit of {cfg.max_total_bytes} bytes "
+                f"(KvStoreConfig.max_total_bytes); delete unused keys first"
+            )
+        self._data[key] = _Entry(value, size, instance_id)
+        self._total = total
+        for waiter in self._waiters.pop(key, ()):
+            if not waiter.done():
+                waiter.set_result(value)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; returns whether it was set."""
+        entry = self._data.pop(self._check_key(key), None)
+        if entry is None:
+            return False
+        self._total -= entry.size
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self._check_key(key) in self._data
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """All keys starting with ``prefix``, sorted."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        return sorted(k for k in self._data if k.startswith(prefix))
+
+    def last_writer(self, key: str) -> str | None:
+        """The instance id of the last ``set`` of ``key`` (``None`` if unset or unknown)."""
+        entry = self._data.get(self._check_key(key))
+        return None if entry is None else entry.writer
+
+    async def wait_for(self, key: str, timeout: float | None = None) -> str:
+        """The value of ``key``: at once if it is set, else as soon as some ``set`` sets it.
+        Raises ``TimeoutError`` after ``timeout`` seconds (``None``: wait forever)."""
+        value = self.get(key)
+        if value is not None:
+            return value
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, []).append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            raise TimeoutError(f"key {key[:64]!r} was not set within {timeout} s") from None
+        finally:
+            waiters = self._waiters.get(key)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[key]
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    @property
+    def total_bytes(self) -> int:
+        """UTF-8 bytes of all keys plus values (what ``max_total_bytes`` limits)."""
+        return self._total
+
+    def waiting(self) -> int:
+        """Pending ``wait_for`` calls."""
+        return sum(len(w) for w in self._waiters.values())
+
+    def check_integrity(self) -> None:
+        """Assert that the byte accounting is exact (for tests and idle checks)."""
+        total = 0
+        for key, entry in self._data.items():
+            assert entry.size == _nbytes(key) + _nbytes(entry.value), key
+            total += entry.size
+        assert total == self._total <= self.config.max_total_bytes, (total, self._total)
+        for key, waiters in self._waiters.items():
+            assert waiters and key not in self._data, key
+
+    def _check_key(self, key: str) -> str:
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        limit = self.config.max_key_bytes
+        if not key:
+            raise KvStoreError("key must not be empty")
+        if _nbytes(key) > limit:
+            raise KvStoreError(
+                f"key {key[:64]!r}... is {_nbytes(key)} bytes, over the limit of {limit} "
+                f"bytes (KvStoreConfig.max_key_bytes)"
+            )
+        return key

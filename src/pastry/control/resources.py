@@ -1,0 +1,574 @@
+"""Resource bookkeeping: per-inferlet virtual handles over the engine's physical memory.
+
+The engine owns the memory: KV pages ``[0, num_pages)`` and embedding slots
+``[0, num_embeds)``. This module owns who holds which of them (Pie §4.1, §5.2):
+
+- :class:`PhysicalPool` — a free list and a reference count per physical id.
+- :class:`ResourceManager` — one virtual handle space per inferlet instance and kind.
+  Handles are ``0, 1, 2, ...`` per instance and kind, never reused, so a stale handle can
+  never alias a newer allocation. A handle maps to one physical id; several handles (of one
+  or many instances) and the export registry may reference the same id, which returns to the
+  free list only when its last reference goes.
+- Export/import: ``export`` puts physical ids in a named registry entry that holds its own
+  references; ``import_`` gives the importer new handles to the same ids. A non-persistent
+  export ends with its exporter, a persistent one at ``unexport``. What an importer got stays
+  valid either way (it holds its own references).
+- Contention: when an ``alloc`` cannot be met, an :class:`EvictionPolicy` names instances to
+  terminate; the default :class:`TerminateNewest` is the paper's FCFS policy (the most
+  recently created inferlets end first).
+
+Used from the control loop only (no locks). Pure Python; numpy only for ``translate_array``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+Kind = Literal["kv", "embed"]
+KINDS: tuple[Kind, ...] = ("kv", "embed")
+
+_NOUN = {"kv": "kv page", "embed": "embed"}
+_PLURAL = {"kv": "KV pages", "embed": "embeds"}
+_SIZE_OPTION = {"kv": "num_pages", "embed": "num_embeds"}
+
+
+class ResourceError(Exception):
+    """A resource call was rejected; the message says why and what to do."""
+
+
+class InvalidHandle(ResourceError):
+    """A handle that this instance does not hold: freed, never allocated, or another's."""
+
+
+class OutOfResources(ResourceError):
+    """Not enough free physical ids, even after the eviction policy ran."""
+
+
+class ExportError(ResourceError):
+    """An export name that is unknown, already taken, of another kind, or not yours."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Physical ids
+
+
+class PhysicalPool:
+    """Physical ids ``[0, size)`` with a free list and a reference count each.
+
+    ``alloc`` hands out the lowest free ids first (deterministic, so tests can name ids).
+    An id is free exactly when its count is 0.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"pool size must be >= 0, got {size}")
+        self._size = size
+        self._free: list[int] = list(range(size))  # a min-heap (a sorted list is one)
+        self._refcount: list[int] = [0] * size
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self._size - len(self._free)
+
+    def refcount(self, pid: int) -> int:
+        return self._refcount[pid]
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` free ids, lowest first, each with count 1; all or nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of ids ({n})")
+        if n > len(self._free):
+            raise OutOfResources(f"cannot allocate {n} ids: {len(self._free)} of {self._size} free")
+        ids = [heapq.heappop(self._free) for _ in range(n)]
+        rc = self._refcount
+        for pid in ids:
+            rc[pid] = 1
+        return ids
+
+    def incref(self, ids: Iterable[int]) -> None:
+        """Add one reference per listed id (an id listed twice gets two); ids must be in use."""
+        ids = list(ids)
+        bad = [pid for pid in ids if not (0 <= pid < self._size) or self._refcount[pid] == 0]
+        if bad:
+            raise ValueError(f"incref of ids that are not in use: {sorted(set(bad))}")
+        rc = self._refcount
+        for pid in ids:
+            rc[pid] += 1
+
+    def decref(self, ids: Iterable[int]) -> list[int]:
+        """Drop one reference per listed id; returns the ids that became free (in the order
+        their counts hit 0). All or nothing: no count may go below 0."""
+        drops = Counter(ids)
+        bad = [
+            pid
+            for pid, k in drops.items()
+            if not (0 <= pid < self._size) or self._refcount[pid] < k
+        ]
+        if bad:
+            raise ValueError(f"decref below zero for ids {sorted(bad)}")
+        rc = self._refcount
+        freed = []
+        for pid, k in drops.items():
+            rc[pid] -= k
+            if rc[pid] == 0:
+                heapq.heappush(self._free, pid)
+                freed.append(pid)
+        return freed
+
+    def check_integrity(self) -> None:
+        """Assert free + used == size, free ids have count 0, used ids count > 0."""
+        free, rc, size = self._free, self._refcount, self._size
+        free_set = set(free)
+        assert len(free_set) == len(free), f"duplicate ids in the free list: {sorted(free)}"
+        assert all(0 <= pid < size for pid in free), f"free list has ids outside [0, {size})"
+        negative = [pid for pid, c in enumerate(rc) if c < 0]
+        assert not negative, f"negative refcounts at ids {negative}"
+        both = sorted(pid for pid in free_set if rc[pid] != 0)
+        assert not both, f"ids both free and referenced: {both}"
+        used = sum(1 for c in rc if c > 0)
+        assert len(free) + used == size, (
+            f"free ({len(free)}) + used ({used}) != size ({size}); ids neither free nor "
+            f"referenced: {[pid for pid, c in enumerate(rc) if c == 0 and pid not in free_set]}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Eviction policies
+
+
+class EvictionPolicy(Protocol):
+    """Chooses which inferlet instances to terminate when an ``alloc`` cannot be met.
+
+    Called by :meth:`ResourceManager.alloc` when fewer than ``needed`` ids of ``kind`` are
+    free, before anything has changed. It must only read the manager (``instances()``,
+    ``held()``, ``usage()``, ``reclaimable()``), never change it. It returns the instances to
+    terminate, in the order they should end; ``[]`` refuses (the requester gets
+    :class:`OutOfResources`). If the list contains ``requester`` the requester itself is the
+    one to give way: the manager then terminates nobody and raises :class:`OutOfResources`
+    to the requester. An optional ``description`` attribute names the policy in messages.
+    """
+
+    def choose_victims(
+        self, manager: ResourceManager, kind: Kind, needed: int, requester: int
+    ) -> list[int]: ...
+
+
+class TerminateNewest:
+    """The paper's FCFS policy: terminate the most recently created instances until enough
+    ids would return to the free list.
+
+    Walks instances newest first; reaching the requester means that the requester is the
+    newest one left, so it is returned (and nobody older is ever chosen). Only ids that would
+    really be freed count (those referenced by the chosen instances alone). A chosen instance
+    whose end would free nothing more (e.g. it holds only pages shared with older inferlets)
+    is left running.
+    """
+
+    description = "FCFS policy: the newest inferlets end first"
+
+    def choose_victims(
+        self, manager: ResourceManager, kind: Kind, needed: int, requester: int
+    ) -> list[int]:
+        free = manager.usage(kind)[0]
+        victims: list[int] = []
+        for inst in reversed(manager.instances()):
+            if inst == requester:
+                return [*victims, requester]
+            victims.append(inst)
+            if free + manager.reclaimable(kind, victims) >= needed:
+                break
+        else:
+            return victims  # the requester is not registered; the manager rejects the call
+        total = manager.reclaimable(kind, victims)
+        for inst in list(victims):
+            rest = [v for v in victims if v != inst]
+            if manager.reclaimable(kind, rest) == total:
+                victims = rest
+        return victims
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+
+
+@dataclass(frozen=True, slots=True)
+class _Export:
+    kind: Kind
+    ids: tuple[int, ...]
+    owner: int
+    persistent: bool
+
+
+class ResourceManager:
+    """Virtual handles of every inferlet instance over the engine's KV pages and embeds.
+
+    ``on_terminate(instance_id, reason)`` ends an instance chosen by ``policy``; it must call
+    :meth:`remove_instance` before returning (the manager calls it afterwards anyway, so the
+    memory is reclaimed even if the callback does not). Without ``on_terminate`` nobody can
+    be terminated and contention raises :class:`OutOfResources` at once.
+
+    Instances are ``int`` ids, remembered in creation order. Calls naming an instance that is
+    not registered raise :class:`ResourceError`; an unknown kind raises ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        num_embeds: int,
+        policy: EvictionPolicy | None = None,
+        on_terminate: Callable[[int, str], None] | None = None,
+    ) -> None:
+        self._pools: dict[Kind, PhysicalPool] = {
+            "kv": PhysicalPool(num_pages),
+            "embed": PhysicalPool(num_embeds),
+        }
+        self.policy: EvictionPolicy = policy if policy is not None else TerminateNewest()
+        self.on_terminate = on_terminate
+        # kind -> instance -> handle -> physical id (the hot-path table)
+        self._handles: dict[Kind, dict[int, dict[int, int]]] = {k: {} for k in KINDS}
+        # kind -> instance -> next handle
+        self._next: dict[Kind, dict[int, int]] = {k: {} for k in KINDS}
+        # instance -> names of its non-persistent exports; insertion order = creation order
+        self._instances: dict[int, set[str]] = {}
+        self._exports: dict[str, _Export] = {}
+
+    # ------------------------------------------------------------------ instances
+
+    def add_instance(self, instance_id: int) -> None:
+        if instance_id in self._instances:
+            raise ValueError(f"inferlet {instance_id} is already registered")
+        self._instances[instance_id] = set()
+        for kind in KINDS:
+            self._handles[kind][instance_id] = {}
+            self._next[kind][instance_id] = 0
+
+    def remove_instance(self, instance_id: int) -> None:
+        """Release everything the instance holds: its handles' references and its
+        non-persistent exports. Idempotent (an unknown id is a no-op)."""
+        names = self._instances.pop(instance_id, None)
+        if names is None:
+            return
+        for name in names:
+            exp = self._exports.pop(name)
+            self._pools[exp.kind].decref(exp.ids)
+        for kind in KINDS:
+            table = self._handles[kind].pop(instance_id)
+            del self._next[kind][instance_id]
+            self._pools[kind].decref(table.values())
+
+    def instances(self) -> list[int]:
+        """Registered instances, oldest first."""
+        return list(self._instances)
+
+    # ------------------------------------------------------------------ alloc / free
+
+    def alloc(self, instance: int, kind: Kind, n: int) -> list[int]:
+        """``n`` new handles of ``kind`` for ``instance`` (all or nothing).
+
+        When fewer than ``n`` ids are free, the policy's victims are terminated first; if
+        that is refused, chooses the requester, or frees too little, raises
+        :class:`OutOfResources`.
+        """
+        table = self._table(instance, kind)
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of {_PLURAL[kind]} ({n})")
+        pool = self._pools[kind]
+        if pool.free < n:
+            self._reclaim(instance, kind, n)
+        return self._bind(instance, kind, table, pool.alloc(n))
+
+    def free(self, instance: int, kind: Kind, handles: Iterable[int]) -> None:
+        """Drop the handles. Any bad handle (or one listed twice) raises
+        :class:`InvalidHandle` and nothing changes."""
+        table = self._table(instance, kind)
+        handles = list(handles)
+        if len(set(handles)) != len(handles) or not all(h in table for h in handles):
+            raise self._invalid(instance, kind, handles, twice_is_bad=True)
+        self._pools[kind].decref([table.pop(h) for h in handles])
+
+    def translate(self, instance: int, kind: Kind, handles: Sequence[int]) -> list[int]:
+        """Physical ids of ``handles`` (hot path: one dict lookup per handle)."""
+        try:
+            table = self._handles[kind][instance]
+            return [table[h] for h in handles]
+        except KeyError:
+            raise self._lookup_error(instance, kind, handles) from None
+
+    def translate_array(self, instance: int, kind: Kind, handles: np.ndarray) -> np.ndarray:
+        """:meth:`translate` for an integer array of any shape; returns int64 of that shape."""
+        arr = np.asarray(handles)
+        flat = arr.ravel().tolist()
+        try:
+            get = self._handles[kind][instance].__getitem__
+            out = np.fromiter(map(get, flat), dtype=np.int64, count=len(flat))
+        except KeyError:
+            raise self._lookup_error(instance, kind, flat) from None
+        return out.reshape(arr.shape)
+
+    # ------------------------------------------------------------------ export / import
+
+    def export(
+        self,
+        instance: int,
+        kind: Kind,
+        handles: Iterable[int],
+        name: str,
+        persistent: bool = False,
+    ) -> None:
+        """Publish the physical ids of ``handles`` under ``name`` (the registry takes its own
+        references). A non-persistent export is dropped when ``instance`` ends; a persistent
+        one lives until :meth:`unexport`. The handles stay the exporter's."""
+        table = self._table(instance, kind)
+        handles = list(handles)
+        if not all(h in table for h in handles):
+            raise self._invalid(instance, kind, handles)
+        if not isinstance(name, str) or not name:
+            raise ExportError(f"export name must be a non-empty string, got {name!r}")
+        if name in self._exports:
+            raise ExportError(
+                f"export name {name!r} is already taken; unexport it first or choose another name"
+            )
+        ids = tuple(table[h] for h in handles)
+        self._pools[kind].incref(ids)
+        self._exports[name] = _Export(kind, ids, instance, persistent)
+        if not persistent:
+            self._instances[instance].add(name)
+
+    def import_(self, instance: int, kind: Kind, name: str) -> list[int]:
+        """New handles of ``instance`` for the physical ids exported as ``name``, in the
+        exported order (each takes a reference)."""
+        table = self._table(instance, kind)
+        exp = self._exports.get(name)
+        if exp is None:
+            raise ExportError(f"no export named {name!r}; list_exports() shows what exists")
+        if exp.kind != kind:
+            raise ExportError(
+                f"export {name!r} holds {_PLURAL[exp.kind]}, not {_PLURAL[kind]}; "
+                f"import it as kind {exp.kind!r}"
+            )
+        self._pools[kind].incref(exp.ids)
+        return self._bind(instance, kind, table, list(exp.ids))
+
+    def unexport(self, instance: int | None, name: str) -> None:
+        """Drop the export ``name`` and its references (handles imported from it stay valid).
+
+        A non-persistent export may only be dropped by its exporter; a persistent one by any
+        instance. ``instance=None`` is the server itself and may drop any export.
+        """
+        if instance is not None:
+            self._require(instance)
+        exp = self._exports.get(name)
+        if exp is None:
+            raise ExportError(f"no export named {name!r}; list_exports() shows what exists")
+        if instance is not None and not exp.persistent and exp.owner != instance:
+            raise ExportError(
+                f"export {name!r} belongs to inferlet {exp.owner}; only its exporter can "
+                f"unexport a non-persistent export (it ends with its exporter)"
+            )
+        del self._exports[name]
+        if not exp.persistent:
+            self._instances[exp.owner].discard(name)
+        self._pools[exp.kind].decref(exp.ids)
+
+    def list_exports(self) -> list[tuple[str, str, int]]:
+        """``(name, kind, count)`` of every export, oldest first."""
+        return [(name, exp.kind, len(exp.ids)) for name, exp in self._exports.items()]
+
+    # ------------------------------------------------------------------ accounting
+
+    def held(self, instance: int, kind: Kind) -> int:
+        """Handles of ``kind`` that ``instance`` holds (shared ones included)."""
+        return len(self._table(instance, kind))
+
+    def usage(self, kind: Kind) -> tuple[int, int, int]:
+        """``(free, used, total)`` physical ids of ``kind``."""
+        pool = self._pool(kind)
+        return pool.free, pool.used, pool.size
+
+    def refcount(self, kind: Kind, pid: int) -> int:
+        """References to physical id ``pid`` (handles plus exports)."""
+        return self._pool(kind).refcount(pid)
+
+    def reclaimable(self, kind: Kind, instances: Iterable[int]) -> int:
+        """How many ids of ``kind`` would return to the free list if all of ``instances``
+        ended now (ids referenced only by their handles and non-persistent exports)."""
+        refs: Counter[int] = Counter()
+        for inst in set(instances):
+            names = self._instances.get(inst)
+            if names is None:
+                continue
+            refs.update(self._handles[kind][inst].values())
+            for name in names:
+                exp = self._exports[name]
+                if exp.kind == kind:
+                    refs.update(exp.ids)
+        pool = self._pools[kind]
+        return sum(1 for pid, k in refs.items() if pool.refcount(pid) == k)
+
+    def check_integrity(self) -> None:
+        """Assert that the pools are consistent and that every physical id's count equals
+        the references to it from handles and exports."""
+        assert self._instances.keys() == self._handles["kv"].keys() == self._handles["embed"].keys()
+        for kind in KINDS:
+            pool = self._pools[kind]
+            pool.check_integrity()
+            assert self._next[kind].keys() == self._instances.keys(), kind
+            refs: Counter[int] = Counter()
+            for inst, table in self._handles[kind].items():
+                nxt = self._next[kind][inst]
+                bad = [h for h in table if not 0 <= h < nxt]
+                assert not bad, f"inferlet {inst} has {kind} handles {bad} outside [0, {nxt})"
+                refs.update(table.values())
+            for exp in self._exports.values():
+                if exp.kind == kind:
+                    refs.update(exp.ids)
+            wrong = {
+                pid: (pool.refcount(pid), refs[pid])
+                for pid in range(pool.size)
+                if pool.refcount(pid) != refs[pid]
+            }
+            assert not wrong, f"{kind} ids whose (refcount, references) differ: {wrong}"
+        for inst, names in self._instances.items():
+            for name in names:
+                exp = self._exports.get(name)
+                assert exp is not None and exp.owner == inst and not exp.persistent, (inst, name)
+        for name, exp in self._exports.items():
+            if not exp.persistent:
+                assert name in self._instances.get(exp.owner, ()), (name, exp.owner)
+
+    # ------------------------------------------------------------------ internals
+
+    def _pool(self, kind: Kind) -> PhysicalPool:
+        pool = self._pools.get(kind)
+        if pool is None:
+            raise ValueError(f"unknown resource kind {kind!r} (one of {', '.join(KINDS)})")
+        return pool
+
+    def _require(self, instance: int) -> None:
+        if instance not in self._instances:
+            raise ResourceError(
+                f"inferlet {instance} is not registered (it has ended or was never added)"
+            )
+
+    def _table(self, instance: int, kind: Kind) -> dict[int, int]:
+        self._pool(kind)
+        self._require(instance)
+        return self._handles[kind][instance]
+
+    def _bind(self, instance: int, kind: Kind, table: dict[int, int], ids: list[int]) -> list[int]:
+        start = self._next[kind][instance]
+        handles = list(range(start, start + len(ids)))
+        table.update(zip(handles, ids, strict=True))
+        self._next[kind][instance] = start + len(ids)
+        return handles
+
+    def _reclaim(self, requester: int, kind: Kind, needed: int) -> None:
+        """Terminate the policy's victims so that ``needed`` ids are free, or raise."""
+        pool = self._pools[kind]
+        free = pool.free
+        if self.on_terminate is None:
+            raise self._out_of(requester, kind, needed, "no terminate callback, so nobody can end")
+        desc = getattr(self.policy, "description", type(self.policy).__name__)
+        victims = list(dict.fromkeys(self.policy.choose_victims(self, kind, needed, requester)))
+        if requester in victims:
+            raise self._out_of(
+                requester,
+                kind,
+                needed,
+                f"the {desc} chose inferlet {requester} itself to give way",
+            )
+        if not victims:
+            raise self._out_of(requester, kind, needed, f"the {desc} chose no inferlet to end")
+        reason = (
+            f"terminated to free {_PLURAL[kind]} for inferlet {requester} ({desc}): "
+            f"{needed} {_PLURAL[kind]} needed, {free} free"
+        )
+        ended = []
+        for victim in victims:
+            if victim not in self._instances:
+                continue
+            ended.append(victim)
+            try:
+                self.on_terminate(victim, reason)
+            finally:
+                self.remove_instance(victim)
+        self._require(requester)
+        if pool.free < needed:
+            raise self._out_of(
+                requester, kind, needed, f"still short after terminating inferlets {ended}"
+            )
+
+    def _out_of(self, requester: int, kind: Kind, needed: int, note: str) -> OutOfResources:
+        pool = self._pools[kind]
+        held = len(self._handles[kind].get(requester, ()))
+        return OutOfResources(
+            f"cannot allocate {needed} {_PLURAL[kind]} for inferlet {requester}: {pool.free} of "
+            f"{pool.size} free, inferlet {requester} holds {held} ({note}). Free "
+            f"{_PLURAL[kind]} it no longer needs, or give the server more "
+            f"({_SIZE_OPTION[kind]})"
+        )
+
+    def _lookup_error(self, instance: int, kind: Kind, handles: Sequence[int]) -> Exception:
+        """The error for a failed translate: unknown kind, instance, or handles."""
+        try:
+            self._table(instance, kind)
+        except (ValueError, ResourceError) as e:
+            return e
+        return self._invalid(instance, kind, handles)
+
+    def _invalid(
+        self, instance: int, kind: Kind, handles: Iterable[int], twice_is_bad: bool = False
+    ) -> InvalidHandle:
+        """An error naming every bad handle of ``handles`` and why it is bad."""
+        table = self._handles[kind][instance]
+        nxt = self._next[kind][instance]
+        other = "embed" if kind == "kv" else "kv"
+        problems: dict[str, None] = {}  # ordered set of messages
+        seen: set[int] = set()
+        for h in handles:
+            is_int = isinstance(h, (int, np.integer)) and not isinstance(h, bool)
+            what = f"{_NOUN[kind]} handle {int(h) if is_int else repr(h)}"
+            if h in table:
+                if twice_is_bad and h in seen:
+                    problems[f"{what} is listed twice"] = None
+                seen.add(h)
+            elif not is_int:
+                problems[f"{what} is not an integer handle"] = None
+            elif 0 <= h < nxt:
+                problems[f"{what} was freed"] = None
+            else:
+                hint = ""
+                if h in self._handles[other][instance]:
+                    hint = f"; it is one of its {_NOUN[other]} handles, wrong kind?"
+                problems[f"{what} is not owned by this inferlet (never allocated by it{hint})"] = (
+                    None
+                )
+        return InvalidHandle(f"inferlet {instance}: " + "; ".join(problems))
+
+
+__all__ = [
+    "KINDS",
+    "EvictionPolicy",
+    "ExportError",
+    "InvalidHandle",
+    "Kind",
+    "OutOfResources",
+    "PhysicalPool",
+    "ResourceError",
+    "ResourceManager",
+    "TerminateNewest",
+]

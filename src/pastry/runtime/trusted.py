@@ -1,0 +1,150 @@
+"""The trusted runner: inferlets as asyncio tasks inside the server process.
+
+A program is Python source defining ``async def main(args: list[str]) -> str | None`` (see
+:mod:`pastry.sdk`). It is compiled once (:class:`Program`); each launch creates an
+:class:`Instance` — a control-layer session plus one task running ``main`` with the SDK
+bound to that session. Hundreds run concurrently on one event loop; their model calls meet
+in the batch scheduler.
+
+An instance ends with its result, with the traceback of an exception it raised (only that
+instance ends), or terminated (by its client, or by the resource policy, with the reason).
+However it ends, the controller releases everything it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import itertools
+import linecache
+import logging
+import time
+import traceback
+import types
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from pastry.control.controller import Controller, Session
+from pastry.sdk import _current
+
+log = logging.getLogger(__name__)
+
+
+class ProgramError(ValueError):
+    """The program cannot be loaded (syntax error, no suitable ``main``)."""
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    digest: str  # sha256 of the source
+    main: Callable[[list[str]], Awaitable[str | None]]
+
+    @classmethod
+    def from_source(cls, name: str, source: str) -> Program:
+        digest = hashlib.sha256(source.encode()).hexdigest()
+        filename = f"<inferlet {name} {digest[:12]}>"
+        try:
+            code = compile(source, filename, "exec")
+        except SyntaxError as e:
+            raise ProgramError(f"{name}: syntax error at line {e.lineno}: {e.msg}") from None
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        module = types.ModuleType(f"inferlet_{digest[:12]}")
+        module.__file__ = filename
+        try:
+            exec(code, module.__dict__)
+        except Exception as e:
+            raise ProgramError(
+                f"{name}: error while loading: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+            ) from None
+        main = module.__dict__.get("main")
+        if main is None or not inspect.iscoroutinefunction(main):
+            raise ProgramError(f"{name}: an inferlet must define `async def main(args)`")
+        if len(inspect.signature(main).parameters) != 1:
+            raise ProgramError(f"{name}: main must take exactly one parameter (the argument list)")
+        return cls(name, digest, main)
+
+
+@dataclass(frozen=True)
+class Event:
+    """What an instance tells its client: ``message``, then one of ``result`` / ``error`` /
+    ``terminated`` as its last event."""
+
+    kind: str
+    data: str | None
+
+
+@dataclass(eq=False)
+class Instance:
+    id: int
+    program: Program
+    args: list[str]
+    session: Session
+    started: float = field(default_factory=time.time)
+    task: asyncio.Task | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    end: Event | None = None
+
+    async def events(self):
+        """Messages as they come, then the final event."""
+        while True:
+            kind, data = await self.session.outbox.get()
+            yield Event(kind, data)
+            if kind != "message":
+                return
+
+    def send(self, message: str) -> None:
+        """Deliver a client message to the inferlet's ``receive``."""
+        self.session.inbox.put_nowait(message)
+
+    async def wait(self) -> Event:
+        await self.done.wait()
+        return self.end
+
+
+class TrustedRuntime:
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.instances: dict[int, Instance] = {}
+        self._ids = itertools.count(1)
+        controller.on_terminate = self.terminate
+
+    def launch(self, program: Program, args: Sequence[str] = ()) -> Instance:
+        iid = next(self._ids)
+        session = self.controller.session(iid, args)
+        inst = Instance(iid, program, list(args), session)
+        self.instances[iid] = inst
+        inst.task = asyncio.get_running_loop().create_task(self._run(inst), name=f"inferlet-{iid}")
+        return inst
+
+    async def _run(self, inst: Instance) -> None:
+        _current.set(inst.session)
+        try:
+            result = await inst.program.main(list(inst.args))
+            if result is not None and not isinstance(result, str):
+                result = str(result)
+            self._finish(inst, Event("result", result))
+        except asyncio.CancelledError:
+            self._finish(inst, inst.end or Event("terminated", "terminated"))
+        except Exception:
+            self._finish(inst, Event("error", traceback.format_exc()))
+
+    def _finish(self, inst: Instance, event: Event) -> None:
+        if inst.done.is_set():
+            return
+        inst.end = event
+        self.controller.end_session(inst.id)
+        inst.session.outbox.put_nowait((event.kind, event.data))
+        inst.done.set()
+        self.instances.pop(inst.id, None)
+
+    def terminate(self, instance: int, reason: str) -> None:
+        """End an instance now (its client gets ``reason``); its resources are released."""
+        inst = self.instances.get(instance)
+        if inst is None:
+            return
+        log.info("terminating inferlet %d: %s", instance, reason)
+        self._finish(inst, Event("terminated", reason))
+        if inst.task is not None and not inst.task.done():
+            inst.task.cancel()

@@ -1,0 +1,209 @@
+"""``Context``: a token sequence with its KV cache, the support library's main abstraction.
+
+A context owns a command queue, KV pages and a few embedding slots. ``fill`` appends text
+or tokens (lazily: they are forwarded with the next ``generate`` or ``flush``),
+``generate`` runs the sample loop with a sampler and stop conditions, ``fork`` makes a
+child that shares every *full* page by reference (the partial last page is copied), and
+pages are allocated as the sequence grows and released when the context is.
+
+Within one step, embed, forward and sample are issued together and awaited once, so the
+scheduler can run them in one engine batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Sequence
+
+from pastry.api import ApiError, InferletApi
+from pastry.sdk.sampling import Sampler
+from pastry.sdk.stop import EosTokens, MaxTokens, StopCondition, StopStrings
+
+# Per-instance reference counts of KV page handles shared between forked contexts.
+_page_refs: weakref.WeakKeyDictionary[object, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _refs(a: InferletApi) -> dict[int, int]:
+    refs = _page_refs.get(a)
+    if refs is None:
+        refs = _page_refs[a] = {}
+    return refs
+
+
+class Context:
+    def __init__(self, model: str | None = None, *, queue: int | None = None) -> None:
+        from pastry.sdk import api
+
+        self.api = a = api()
+        self.model = model or a.available_models()[0]
+        self.queue = a.create_queue(self.model) if queue is None else queue
+        self.page_size = a.get_kv_page_size(self.queue)
+        self.pages: list[int] = []
+        self.kv_len = 0  # tokens whose K/V are in the pages
+        self.tokens: list[int] = []  # every token of the context, forwarded or not
+        self.pending: list[int] = []  # filled but not yet forwarded
+        self._embeds: list[int] = []
+        self._eos: list[int] | None = None
+        self.released = False
+
+    # ------------------------------------------------------------------ filling
+
+    def fill(self, text: str) -> None:
+        self.fill_tokens(self.api.tokenize(self.queue, text))
+
+    def fill_tokens(self, tokens: Sequence[int]) -> None:
+        self._check_live()
+        self.tokens.extend(tokens)
+        self.pending.extend(tokens)
+
+    async def flush(self) -> None:
+        """Forward the pending tokens into the KV cache."""
+        self._check_live()
+        if self.pending:
+            futs, _ = self._forward(self.pending, want_output=False)
+            self.pending = []
+            await asyncio.gather(*futs)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self, sampler: Sampler | None = None, stop: StopCondition | None = None
+    ) -> str:
+        """Generate until ``stop``; returns the generated text (stop strings trimmed, a final
+        end-of-sequence token left out). The tokens stay in the context."""
+        self._check_live()
+        sampler = sampler or Sampler()
+        stop = stop or (MaxTokens(256) | EosTokens(self.eos_ids))
+        if not self.pending:
+            raise ApiError("nothing to generate from: fill the context first")
+        a, q = self.api, self.queue
+        out: list[int] = []
+        text = ""
+        while True:
+            futs, emb = self._forward(self.pending, want_output=True)
+            if sampler.on_device:
+                results = await asyncio.gather(*futs, a.sample(q, emb, **sampler.params(len(out))))
+                tok = results[-1]
+            else:
+                results = await asyncio.gather(*futs, a.get_next_dist(q, emb))
+                tok = sampler.choose(*results[-1])
+            out.append(tok)
+            self.tokens.append(tok)
+            self.pending = [tok]
+            text = a.detokenize(q, out)
+            if stop.should_stop(out, text):
+                break
+        if out[-1] in self.eos_ids:
+            text = a.detokenize(q, out[:-1])
+        return stop.trim(text)
+
+    async def generate_until(
+        self,
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        sampler: Sampler | None = None,
+    ) -> str:
+        """Generate up to ``max_tokens``, stopping early at end-of-sequence or a stop string."""
+        cond: StopCondition = MaxTokens(max_tokens) | EosTokens(self.eos_ids)
+        if stop:
+            cond = cond | StopStrings(stop)
+        return await self.generate(sampler, cond)
+
+    @property
+    def eos_ids(self) -> list[int]:
+        if self._eos is None:
+            self._eos = self.api.get_eos_token_ids(self.queue)
+        return self._eos
+
+    @property
+    def text(self) -> str:
+        return self.api.detokenize(self.queue, self.tokens)
+
+    # ------------------------------------------------------------------ forking and release
+
+    async def fork(self) -> Context:
+        """A child context on its own queue sharing this one's full KV pages by reference.
+
+        Pending tokens are flushed first so the shared prefix is in the cache.
+        """
+        await self.flush()
+        child = Context(self.model)
+        refs = _refs(self.api)
+        full = self.kv_len // self.page_size
+        for p in self.pages[:full]:
+            refs[p] = refs.get(p, 1) + 1
+        child.pages = list(self.pages[:full])
+        rest = self.kv_len % self.page_size
+        if rest:
+            page = child._alloc_pages(1)[0]
+            await self.api.copy_kvpage(child.queue, self.pages[full], page, 0, 0, rest)
+        child.kv_len = self.kv_len
+        child.tokens = list(self.tokens)
+        return child
+
+    async def release(self) -> None:
+        """Give back pages (those no other context shares) and embedding slots."""
+        if self.released:
+            return
+        self.released = True
+        refs = _refs(self.api)
+        free = []
+        for p in self.pages:
+            n = refs.get(p, 1) - 1
+            if n <= 0:
+                refs.pop(p, None)
+                free.append(p)
+            else:
+                refs[p] = n
+        futs = []
+        if free:
+            futs.append(self.api.dealloc_kvpages(self.queue, free))
+        if self._embeds:
+            futs.append(self.api.dealloc_embeds(self.queue, self._embeds))
+        self.pages, self._embeds = [], []
+        await asyncio.gather(*futs)
+
+    async def __aenter__(self) -> Context:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.release()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise ApiError("this context was released")
+
+    def _alloc_pages(self, n: int) -> list[int]:
+        pages = self.api.alloc_kvpages(self.queue, n)
+        self.pages.extend(pages)
+        return pages
+
+    def _embed_slots(self, n: int) -> list[int]:
+        if len(self._embeds) < n:
+            self._embeds += self.api.alloc_embeds(self.queue, n - len(self._embeds))
+        return self._embeds[:n]
+
+    def _forward(self, tokens: list[int], want_output: bool):
+        """Issue embed + forward for ``tokens``; returns (futures, output embed slot)."""
+        a, q, ps = self.api, self.queue, self.page_size
+        n = len(tokens)
+        start = self.kv_len
+        need = -(-(start + n) // ps) - len(self.pages)
+        if need > 0:
+            self._alloc_pages(need)
+        embeds = self._embed_slots(n + 1)
+        ctx_pages = self.pages[: -(-start // ps)]
+        last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
+        out_pages = self.pages[start // ps : -(-(start + n) // ps)]
+        out = embeds[n]
+        futs = [
+            a.embed_txt(q, list(tokens), list(range(start, start + n)), embeds[:n]),
+            a.forward(
+                q, ctx_pages, last, embeds[:n], out_pages, start % ps, [out] if want_output else []
+            ),
+        ]
+        self.kv_len += n
+        return futs, out

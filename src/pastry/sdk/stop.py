@@ -1,0 +1,61 @@
+"""Stop conditions for generation; combine with ``|`` (stop when any holds)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopCondition:
+    def should_stop(self, tokens: list[int], text: str) -> bool:
+        """``tokens``/``text``: what has been generated so far."""
+        raise NotImplementedError
+
+    def trim(self, text: str) -> str:
+        """The text to return once stopped (e.g. without the stop string)."""
+        return text
+
+    def __or__(self, other: StopCondition) -> StopCondition:
+        return AnyOf([self, other])
+
+
+class AnyOf(StopCondition):
+    def __init__(self, conds: Sequence[StopCondition]) -> None:
+        self.conds = list(conds)
+
+    def should_stop(self, tokens, text) -> bool:
+        return any(c.should_stop(tokens, text) for c in self.conds)
+
+    def trim(self, text: str) -> str:
+        for c in self.conds:
+            text = c.trim(text)
+        return text
+
+
+class MaxTokens(StopCondition):
+    def __init__(self, n: int) -> None:
+        if n <= 0:
+            raise ValueError(f"max tokens must be positive, got {n}")
+        self.n = n
+
+    def should_stop(self, tokens, text) -> bool:
+        return len(tokens) >= self.n
+
+
+class EosTokens(StopCondition):
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = frozenset(ids)
+
+    def should_stop(self, tokens, text) -> bool:
+        return bool(tokens) and tokens[-1] in self.ids
+
+
+class StopStrings(StopCondition):
+    def __init__(self, strings: Sequence[str]) -> None:
+        self.strings = [s for s in strings if s]
+
+    def should_stop(self, tokens, text) -> bool:
+        return any(s in text for s in self.strings)
+
+    def trim(self, text: str) -> str:
+        cut = min((text.find(s) for s in self.strings if s in text), default=-1)
+        return text if cut < 0 else text[:cut]

@@ -1,0 +1,51 @@
+"""Run inferlets against an in-process engine (trusted runner), for tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from pastry.control.controller import Controller
+from pastry.control.scheduler import Policy
+from pastry.engine.config import EngineConfig
+from pastry.engine.engine import Engine
+from pastry.engine.process import InProcessEngine
+from pastry.runtime.trusted import Event, Program, TrustedRuntime
+
+POOLS = dict(num_pages=512, num_embeds=4096, num_host_pages=4, page_size=4)
+
+
+def load_engine(path, **kw) -> Engine:
+    return Engine.load(path, EngineConfig(dtype="float32", **{**POOLS, **kw}))
+
+
+async def start(engine: Engine, policy: Policy | None = None, **kw):
+    handle = InProcessEngine(engine)
+    controller = Controller([handle], policy, **kw)
+    return controller, TrustedRuntime(controller), handle
+
+
+async def run_all(
+    engine: Engine, launches: Sequence[tuple[str, Sequence[str]]], policy: Policy | None = None
+) -> tuple[list[list[Event]], Controller]:
+    """Launch every (source, args) at once; each instance's events, in launch order."""
+    controller, rt, handle = await start(engine, policy)
+    programs: dict[str, Program] = {}
+    insts = []
+    for src, args in launches:
+        prog = programs.get(src) or programs.setdefault(src, Program.from_source("test", src))
+        insts.append(rt.launch(prog, args))
+
+    async def collect(inst):
+        return [ev async for ev in inst.events()]
+
+    events = await asyncio.gather(*(collect(i) for i in insts))
+    await controller.close()
+    handle.close()
+    return events, controller
+
+
+def result(events: list[Event]) -> str:
+    end = events[-1]
+    assert end.kind == "result", f"{end.kind}: {end.data}"
+    return end.data
