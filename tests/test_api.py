@@ -1,0 +1,303 @@
+"""Every function of the inferlet API, called from inferlets on the trusted runner."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import numpy as np
+import pytest
+
+from inferlet_util import load_engine, result, run_all, start
+from pastry.api import API_FUNCTIONS, TRAITS, InferletApi
+from pastry.control.controller import Session
+from pastry.control.scheduler import Policy
+from pastry.runtime.trusted import Program, ProgramError
+
+NEUTRAL = {"int", "str", "bytes", "float", "bool", "None"}
+
+
+def test_session_implements_the_api_with_neutral_types():
+    for name in API_FUNCTIONS:
+        spec = inspect.signature(getattr(InferletApi, name))
+        impl = inspect.signature(getattr(Session, name))
+        assert list(spec.parameters) == list(impl.parameters), name
+        for p in spec.parameters.values():
+            if p.name == "self":
+                continue
+            words = str(p.annotation).replace("list[", " ").replace("tuple[", " ").replace("]", " ")
+            words = words.replace("|", " ").replace(",", " ").split()
+            assert set(words) <= NEUTRAL, (name, p.name, p.annotation)
+    traited = {f for fs in TRAITS.values() for f in fs}
+    assert traited <= set(API_FUNCTIONS)
+
+
+EVERYTHING = """
+import json
+import pastry.sdk as px
+
+async def main(args):
+    out = {}
+    out["args"] = px.get_arguments()
+    out["id"] = px.get_instance_id()
+    out["version"] = px.get_version()
+    model = px.available_models()[0]
+    out["traits"] = px.available_traits(model)
+    q = px.create_queue(model)
+    px.set_queue_priority(q, 5)
+    ps = px.get_kv_page_size(q)
+    text = "Hello, world. The quick brown fox jumps over the lazy dog."
+    toks = px.tokenize(q, text)
+    out["roundtrip"] = px.detokenize(q, toks) == text
+    vocab = px.get_vocabs(q)
+    out["vocab_ok"] = b"".join(vocab[t] for t in toks).decode() == text
+    out["eos"] = px.get_eos_token_ids(q)
+    # prefill 6 tokens, copy the first page token by token into a new page
+    kv = px.alloc_kvpages(q, 2)
+    emb = px.alloc_embeds(q, 8)
+    await px.embed_txt(q, toks[:6], list(range(6)), emb[:6])
+    await px.forward(q, [], 0, emb[:6], kv, 0, [emb[6]])
+    copy = px.alloc_kvpages(q, 2)
+    await px.copy_kvpage(q, kv[0], copy[0], 0, 0, ps)
+    await px.copy_kvpage(q, kv[1], copy[1], 0, 0, 6 - ps)
+    await px.synchronize(q)
+    # the same next token on top of the copy
+    await px.embed_txt(q, [toks[6]], [6], [emb[0]])
+    await px.forward(q, kv, 6 - ps, [emb[0]], [], 0, [emb[6]])
+    await px.forward(q, copy, 6 - ps, [emb[0]], [], 0, [emb[7]])
+    a = await px.get_next_dist(q, emb[6], 5)
+    b = await px.get_next_dist(q, emb[7], 5)
+    out["copy_equal"] = a[0] == b[0] and max(abs(x - y) for x, y in zip(a[1], b[1])) < 1e-6
+    out["greedy_is_top"] = (await px.sample(q, emb[6])) == a[0][0]
+    # masking the first token changes the distribution; unmasking restores it
+    await px.mask_kvpage(q, kv[0], [True] + [False] * (ps - 1))
+    await px.forward(q, kv, 6 - ps, [emb[0]], [], 0, [emb[7]])
+    c = await px.get_next_dist(q, emb[7], 5)
+    out["mask_changes"] = c != a
+    # export / import / list / unexport
+    await px.export_kvpages(q, kv, "prefix", False)
+    out["exports"] = px.list_exported_kvpages(q)
+    again = px.import_kvpages(q, "prefix")
+    out["imported"] = len(again)
+    px.unexport_kvpages(q, "prefix")
+    out["exports_after"] = px.list_exported_kvpages(q)
+    await px.dealloc_kvpages(q, again)
+    await px.dealloc_kvpages(q, kv + copy)
+    await px.dealloc_embeds(q, emb)
+    # key-value store and messaging (to itself: no subscribers but the sender)
+    px.store_set("k", "v")
+    out["store"] = [px.store_get("k"), px.store_exists("k"), px.store_list_keys(""), px.store_delete("k"), px.store_get("k")]
+    sub = px.subscribe("topic")
+    out["delivered"] = px.broadcast("topic", "hi")
+    px.unsubscribe(sub)
+    # the client
+    px.send("ready")
+    out["from_client"] = await px.receive()
+    out["http"] = await px.http_get(args[0])
+    out["http_post"] = await px.http_post(args[0], "payload")
+    return json.dumps(out)
+"""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self._reply(b"got " + self.path.encode())
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self._reply(b"posted " + body)
+
+    def _reply(self, body):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def http_server():
+    srv = HTTPServer(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_every_function_from_an_inferlet(make_tiny, http_server):
+    eng = load_engine(make_tiny("llama"))
+
+    async def go():
+        controller, rt, handle = await start(eng, http_allow=["127.0.0.1"])
+        inst = rt.launch(Program.from_source("everything", EVERYTHING), [http_server + "/x"])
+        events = []
+        async for ev in inst.events():
+            events.append(ev)
+            if ev.kind == "message" and ev.data == "ready":
+                inst.send("hello inferlet")
+        res = next(iter(controller.models.values())).resources
+        res.check_integrity()
+        used = res.usage("kv")[1], res.usage("embed")[1]
+        await controller.close()
+        handle.close()
+        return events, used
+
+    events, used = asyncio.run(go())
+    out = json.loads(result(events))
+    assert events[0].kind == "message" and events[0].data == "ready"
+    assert out["args"] == [http_server + "/x"] and out["id"] >= 1 and out["version"]
+    assert "forward" in out["traits"] and "tokenize" in out["traits"]
+    assert out["roundtrip"] and out["vocab_ok"]
+    assert out["eos"]
+    assert out["copy_equal"] and out["greedy_is_top"] and out["mask_changes"]
+    assert out["exports"] == [["prefix", 2]] and out["imported"] == 2 and out["exports_after"] == []
+    assert out["store"] == ["v", True, ["k"], True, None]
+    assert out["delivered"] == 0  # the sender does not hear itself
+    assert out["from_client"] == "hello inferlet"
+    assert out["http"] == [200, "got /x"] and out["http_post"] == [200, "posted payload"]
+    assert used == (0, 0)
+
+
+DENIED = """
+import pastry.sdk as px
+
+async def main(args):
+    try:
+        await px.http_get("http://example.com/")
+    except PermissionError as e:
+        return "denied: " + str(e)
+    return "allowed"
+"""
+
+
+def test_http_outside_the_allowlist_is_denied(make_tiny):
+    events, _ = asyncio.run(run_all(load_engine(make_tiny("llama")), [(DENIED, [])]))
+    assert result(events[0]).startswith("denied: ") and "example.com" in result(events[0])
+
+
+EXPORTER = """
+import pastry.sdk as px
+from pastry.sdk import Context
+
+async def main(args):
+    ctx = Context()
+    ctx.fill_tokens([int(t) for t in args[0].split(",")])
+    await ctx.flush()
+    await px.export_kvpages(ctx.queue, ctx.pages, "system", True)
+    px.broadcast("ready", "system")
+    return "exported %d" % len(ctx.pages)
+"""
+
+IMPORTER = """
+import pastry.sdk as px
+from pastry.sdk import Context, MaxTokens
+
+async def main(args):
+    sub = px.subscribe("ready")
+    name = await px.next_message(sub)
+    ctx = Context()
+    pages = px.import_kvpages(ctx.queue, name)
+    prefix = [int(t) for t in args[0].split(",")]
+    ctx.pages = list(pages)
+    ctx.kv_len = len(prefix)
+    ctx.tokens = list(prefix)
+    ctx.fill_tokens([int(args[1])])
+    await ctx.generate(stop=MaxTokens(4))
+    return ",".join(map(str, ctx.tokens))
+"""
+
+PLAIN = """
+from pastry.sdk import Context, MaxTokens
+
+async def main(args):
+    ctx = Context()
+    ctx.fill_tokens([int(t) for t in args[0].split(",")] + [int(args[1])])
+    await ctx.generate(stop=MaxTokens(4))
+    return ",".join(map(str, ctx.tokens))
+"""
+
+
+def test_export_import_between_inferlets(make_tiny):
+    """One inferlet exports a prefilled prefix (persistent) and tells others by broadcast;
+    importers continue on the shared pages and get what a full prefill gives."""
+    eng = load_engine(make_tiny("llama"))
+    prefix = np.random.default_rng(3).integers(0, eng.info.vocab_size, 8).tolist()
+    p = ",".join(map(str, prefix))
+    launches = [(IMPORTER, [p, "5"]), (IMPORTER, [p, "9"]), (EXPORTER, [p])]
+    events, controller = asyncio.run(run_all(eng, launches))
+    assert result(events[2]) == "exported 2"
+    plain, _ = asyncio.run(
+        run_all(load_engine(make_tiny("llama")), [(PLAIN, [p, "5"]), (PLAIN, [p, "9"])])
+    )
+    assert result(events[0]) == result(plain[0]) and result(events[1]) == result(plain[1])
+    res = next(iter(controller.models.values())).resources
+    assert res.list_exports() == [("system", "kv", 2)]  # persistent: outlives its exporter
+    res.check_integrity()
+
+
+HOG = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    px.alloc_kvpages(q, int(args[0]))
+    px.send("allocated")
+    more = int(await px.receive())
+    if more:
+        px.alloc_kvpages(q, more)
+    return "finished"
+"""
+
+
+def test_out_of_pages_terminates_the_newest(make_tiny):
+    """The paper's FCFS policy: when an older inferlet needs pages, the newest ones end
+    (their client is told why); a newest requester that cannot be served gets an error."""
+    eng = load_engine(make_tiny("llama"), num_pages=64)
+
+    async def go():
+        controller, rt, handle = await start(eng)
+        prog = Program.from_source("hog", HOG)
+        old = rt.launch(prog, ["40"])
+        young = rt.launch(prog, ["20"])
+        for inst in (old, young):
+            assert (await inst.events().__anext__()).data == "allocated"
+        newest = rt.launch(prog, ["30"])  # 4 free: the newest cannot be served
+        old.send("10")  # needs 10, 4 free: the young one must go
+        ends = [await i.wait() for i in (old, young, newest)]
+        res = next(iter(controller.models.values())).resources
+        res.check_integrity()
+        await controller.close()
+        handle.close()
+        return ends
+
+    old, young, newest = asyncio.run(go())
+    assert old.kind == "result", old
+    assert young.kind == "terminated" and "FCFS" in young.data, young
+    assert newest.kind == "error" and "cannot allocate 30 KV pages" in newest.data, newest
+
+
+def test_program_errors_are_clear():
+    with pytest.raises(ProgramError, match="syntax error at line 1"):
+        Program.from_source("bad", "def main(:\n")
+    with pytest.raises(ProgramError, match="async def main"):
+        Program.from_source("bad", "def main(args): pass\n")
+
+
+@pytest.mark.parametrize("kind", Policy.KINDS)
+def test_every_policy_gives_the_same_tokens(make_tiny, kind):
+    from test_inferlets import CONTEXT_TOKENS
+
+    eng = load_engine(make_tiny("llama"))
+    rng = np.random.default_rng(4)
+    launches = [
+        (CONTEXT_TOKENS, [",".join(map(str, rng.integers(0, 500, 5).tolist())), "5"])
+        for _ in range(12)
+    ]
+    events, controller = asyncio.run(run_all(eng, launches, Policy(kind=kind, k=6, t_ms=2)))
+    ref, _ = asyncio.run(run_all(load_engine(make_tiny("llama")), launches))
+    assert [result(e) for e in events] == [result(e) for e in ref]
