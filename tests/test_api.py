@@ -301,3 +301,6 @@ def test_every_policy_gives_the_same_tokens(make_tiny, kind):
     events, controller = asyncio.run(run_all(eng, launches, Policy(kind=kind, k=6, t_ms=2)))
     ref, _ = asyncio.run(run_all(load_engine(make_tiny("llama")), launches))
     assert [result(e) for e in events] == [result(e) for e in ref]
+    sched = next(iter(controller.models.values())).scheduler
+    assert sched.policy.kind == kind
+    assert sched.stats.forward_items == 12 * 5  # a prefill and 4 decode steps each
