@@ -187,7 +187,7 @@ from pastry.sdk import Context
 async def main(args):
     ctx = Context()
     ctx.fill_tokens([int(t) for t in args[0].split(",")])
-    await ctx.flush()
+    await ctx.flush(keep_last=False)
     await px.export_kvpages(ctx.queue, ctx.pages, "system", True)
     px.broadcast("ready", "system")
     return "exported %d" % len(ctx.pages)

@@ -223,3 +223,40 @@ def test_misuse_fails_only_that_inferlet(make_tiny):
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
     assert res.usage("kv")[1] == 0 and res.usage("embed")[1] == 0
+
+
+FORK = """
+import asyncio, json
+from pastry.sdk import Context, MaxTokens, Sampler
+
+async def main(args):
+    ctx = Context()
+    ctx.fill_tokens([int(t) for t in args[0].split(",")])
+    kids = [await ctx.fork() for _ in range(3)]
+    outs = await asyncio.gather(*(k.generate(Sampler(), MaxTokens(4)) for k in kids))
+    shared = [k.pages[:2] == ctx.pages[:2] and k.pages[2] != ctx.pages[2] for k in kids]
+    for k in kids:
+        await k.release()
+    await ctx.release()
+    return json.dumps({"tokens": [k.tokens for k in kids], "shared": shared})
+"""
+
+
+def test_fork_shares_full_pages_and_branches_batch(make_tiny):
+    import json
+
+    eng = load_engine(make_tiny("llama"))
+    prefix = np.random.default_rng(5).integers(0, eng.info.vocab_size, 10).tolist()
+    p = ",".join(map(str, prefix))
+    events, controller = asyncio.run(run_all(eng, [(FORK, [p])]))
+    out = json.loads(result(events[0]))
+    assert out["shared"] == [True, True, True]
+    plain, _ = asyncio.run(run_all(load_engine(make_tiny("llama")), [(CONTEXT_TOKENS, [p, "4"])]))
+    want = [int(t) for t in result(plain[0]).split(",")]
+    assert out["tokens"] == [want] * 3
+    stats = next(iter(controller.models.values())).scheduler.stats
+    # the three branches decode together: 1 prefill + 4 steps in batches of 3 forwards
+    assert stats.forward_items / stats.forward_batches > 2, stats
+    res = next(iter(controller.models.values())).resources
+    res.check_integrity()
+    assert res.usage("kv")[1] == 0

@@ -132,7 +132,7 @@ class _QueueRef:
     queue: Queue
 
 
-@dataclass
+@dataclass(eq=False)
 class Session:
     """The API as one inferlet instance sees it (see :class:`pastry.api.InferletApi`)."""
 

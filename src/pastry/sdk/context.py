@@ -57,12 +57,18 @@ class Context:
         self.tokens.extend(tokens)
         self.pending.extend(tokens)
 
-    async def flush(self) -> None:
-        """Forward the pending tokens into the KV cache."""
+    async def flush(self, keep_last: bool = True) -> None:
+        """Forward the pending tokens into the KV cache.
+
+        By default the last token stays pending: generation starts from its output, so a
+        flushed context can still ``generate``. ``keep_last=False`` stores every token
+        (e.g. before exporting the pages of a finished prompt).
+        """
         self._check_live()
-        if self.pending:
-            futs, _ = self._forward(self.pending, want_output=False)
-            self.pending = []
+        todo = self.pending[:-1] if keep_last else self.pending
+        if todo:
+            futs, _ = self._forward(todo, want_output=False)
+            self.pending = self.pending[len(todo) :]
             await asyncio.gather(*futs)
 
     # ------------------------------------------------------------------ generation
@@ -125,7 +131,8 @@ class Context:
     async def fork(self) -> Context:
         """A child context on its own queue sharing this one's full KV pages by reference.
 
-        Pending tokens are flushed first so the shared prefix is in the cache.
+        Pending tokens but the last are flushed first so the shared prefix is in the cache;
+        the last one stays pending in both.
         """
         await self.flush()
         child = Context(self.model)
@@ -140,6 +147,7 @@ class Context:
             await self.api.copy_kvpage(child.queue, self.pages[full], page, 0, 0, rest)
         child.kv_len = self.kv_len
         child.tokens = list(self.tokens)
+        child.pending = list(self.pending)
         return child
 
     async def release(self) -> None:
