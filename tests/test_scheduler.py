@@ -1,0 +1,165 @@
+"""The batch scheduler in isolation, against a recording fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pastry.control.scheduler import BatchScheduler, Command, Policy, Stage
+from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
+
+
+class Recorder:
+    def __init__(self):
+        self.batches = []
+
+    async def execute(self, batch):
+        self.batches.append([type(c).__name__ for c in batch])
+        await asyncio.sleep(0)
+        return [7 if isinstance(c, Sample) else None for c in batch]
+
+
+def fwd(n=1, out_pages=(), ctx=(), last=0, ins=None, outs=()):
+    return Forward(
+        in_embeds=ids(ins if ins is not None else range(n)),
+        ctx_pages=ids(ctx),
+        ctx_last_len=last,
+        out_pages=ids(out_pages),
+        out_embeds=ids(outs),
+        out_indices=ids(range(len(outs))),
+    )
+
+
+def cmd(stage, call, tokens=0):
+    return Command(stage, prepare=lambda: call, tokens=tokens)
+
+
+def run(fn):
+    return asyncio.run(fn())
+
+
+def test_vertical_and_horizontal_batching_in_stage_order():
+    async def go():
+        rec = Recorder()
+        s = BatchScheduler(rec.execute, max_batch_tokens=100, page_size=4)
+        a, b = s.create_queue(1), s.create_queue(2)
+        futs = [
+            s.submit(a, cmd(Stage.EMBED, EmbedTxt(ids([1]), ids([0]), ids([0])))),
+            s.submit(a, cmd(Stage.FORWARD, fwd(ins=[0], out_pages=[0], outs=[1]), 1)),
+            s.submit(a, cmd(Stage.OUTPUT, Sample(1))),
+            s.submit(a, cmd(Stage.EMBED, EmbedTxt(ids([2]), ids([1]), ids([0])))),  # next step
+            s.submit(b, cmd(Stage.EMBED, EmbedTxt(ids([1]), ids([0]), ids([5])))),
+            s.submit(b, cmd(Stage.FORWARD, fwd(ins=[5], out_pages=[1]), 1)),
+        ]
+        first = s.form_batch()
+        return first, futs, s
+
+    first, _futs, s = run(go)
+    # queue a: embed, forward, sample (its second embed goes back down a stage: next batch);
+    # queue b: embed, forward
+    assert [type(c.call).__name__ for c in first] == [
+        "EmbedTxt",
+        "Forward",
+        "Sample",
+        "EmbedTxt",
+        "Forward",
+    ]
+    assert len(s.queues[0].pending) == 1 and len(s.queues[1].pending) == 0
+
+
+def test_conflicting_forwards_split_and_extending_ones_join():
+    async def go():
+        s = BatchScheduler(Recorder().execute, max_batch_tokens=100, page_size=4)
+        q = s.create_queue(1)
+        # B extends A's KV (reads what A writes): may share the batch
+        s.submit(q, cmd(Stage.FORWARD, fwd(n=4, out_pages=[0]), 4))
+        s.submit(q, cmd(Stage.FORWARD, fwd(ins=[4], ctx=[0], last=4, out_pages=[1]), 1))
+        # C rewrites page 0, which A and B use: must wait
+        s.submit(q, cmd(Stage.FORWARD, fwd(ins=[5], out_pages=[0]), 1))
+        b1 = s.form_batch()
+        b2 = s.form_batch()
+        return len(b1), len(b2)
+
+    assert run(go) == (2, 1)
+
+
+def test_priority_first_and_token_limit():
+    async def go():
+        s = BatchScheduler(Recorder().execute, max_batch_tokens=10, page_size=4)
+        low, high = s.create_queue(1), s.create_queue(2, priority=5)
+        s.submit(low, cmd(Stage.FORWARD, fwd(n=6, out_pages=[0, 1]), 6))
+        s.submit(high, cmd(Stage.FORWARD, fwd(n=6, out_pages=[2, 3]), 6))
+        first = s.form_batch()
+        second = s.form_batch()
+        return [c.tokens for c in first], first[0].call.out_pages.tolist(), len(second)
+
+    tokens, pages, n2 = run(go)
+    assert tokens == [6] and pages == [2, 3] and n2 == 1  # high priority first; 12 > 10 tokens
+
+
+def test_oversized_command_still_runs_alone():
+    async def go():
+        s = BatchScheduler(Recorder().execute, max_batch_tokens=4, page_size=4)
+        q = s.create_queue(1)
+        s.submit(q, cmd(Stage.FORWARD, fwd(n=9, out_pages=[0, 1, 2]), 9))
+        return len(s.form_batch())
+
+    assert run(go) == 1
+
+
+def test_rejected_prepare_fails_only_that_command():
+    async def go():
+        rec = Recorder()
+        s = BatchScheduler(rec.execute, max_batch_tokens=100, page_size=4, policy=Policy("eager"))
+        s.start()
+        q = s.create_queue(1)
+
+        def bad():
+            raise ValueError("handle 3 was freed")
+
+        f_bad = s.submit(q, Command(Stage.OUTPUT, prepare=bad))
+        f_ok = s.submit(q, cmd(Stage.OUTPUT, Sample(0)))
+        res = await asyncio.gather(f_bad, f_ok, return_exceptions=True)
+        await s.stop()
+        return res
+
+    bad, ok = run(go)
+    assert "handle 3 was freed" in str(bad) and ok == 7
+
+
+def test_control_commands_resolve_after_earlier_commands():
+    async def go():
+        rec = Recorder()
+        s = BatchScheduler(rec.execute, max_batch_tokens=100, page_size=4)
+        s.start()
+        q = s.create_queue(1)
+        order = []
+        f1 = s.submit(q, cmd(Stage.OUTPUT, Sample(0)))
+        f1.add_done_callback(lambda f: order.append("sample"))
+        f2 = s.submit(q, Command(Stage.CONTROL, prepare=lambda: None))
+        f2.add_done_callback(lambda f: order.append("sync"))
+        await f2
+        await s.stop()
+        return order
+
+    assert run(go) == ["sample", "sync"]
+
+
+def test_closed_queue_fails_pending_commands():
+    async def go():
+        s = BatchScheduler(Recorder().execute, max_batch_tokens=100, page_size=4)
+        q = s.create_queue(1)
+        f = s.submit(q, cmd(Stage.OUTPUT, Sample(0)))
+        s.close_queue(q, "the inferlet ended")
+        try:
+            await f
+        except Exception as e:
+            return str(e)
+
+    assert run(go) == "the inferlet ended"
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="unknown batching policy"):
+        Policy("fastest")
