@@ -17,6 +17,15 @@ from pastry.control.controller import Session
 from pastry.control.scheduler import Policy
 from pastry.runtime.trusted import Program, ProgramError
 
+try:  # the session-scoped fixture that writes PEFT adapters
+    from test_lora import adapters
+except pytest.skip.Exception:  # peft is not installed
+
+    @pytest.fixture
+    def adapters():
+        pytest.skip("peft is not installed")
+
+
 NEUTRAL = {"int", "str", "bytes", "float", "bool", "None"}
 
 
@@ -304,3 +313,56 @@ def test_every_policy_gives_the_same_tokens(make_tiny, kind):
     sched = next(iter(controller.models.values())).scheduler
     assert sched.policy.kind == kind
     assert sched.stats.forward_items == 12 * 5  # a prefill and 4 decode steps each
+
+
+ADAPTED = """
+import json
+import pastry.sdk as px
+
+async def main(args):
+    tokens = [int(t) for t in args[0].split(",")]
+    q = px.create_queue(px.available_models()[0])
+    n = len(tokens)
+    emb = px.alloc_embeds(q, n + 2)
+    await px.embed_txt(q, tokens, list(range(n)), emb[:n])
+    f1 = px.forward(q, [], 0, emb[:n], [], 0, [emb[n]])
+    f2 = px.forward_with_adapter(q, args[1], [], 0, emb[:n], [], 0, [emb[n + 1]])
+    await f1; await f2
+    base = await px.get_next_dist(q, emb[n], 8)
+    lora = await px.get_next_dist(q, emb[n + 1], 8)
+    try:
+        px.forward_with_adapter(q, "nope", [], 0, emb[:n], [], 0, [])
+    except px.ApiError as e:
+        err = str(e)
+    return json.dumps({"adapters": px.get_adapters(q), "base": base, "lora": lora, "err": err,
+                       "traits": px.available_traits(px.available_models()[0])})
+"""
+
+
+def test_forward_with_adapter_from_an_inferlet(adapters):
+    """The inferlet's adapted forward equals the engine's own adapted forward (which
+    tests/test_lora.py checks against peft + transformers)."""
+    from pastry.engine.calls import EmbedTxt, Forward, NextDist, ids
+
+    path, dirs = adapters("llama")
+    adapter_dir = dirs["all7"]
+    eng = load_engine(path)
+    eng.load_adapter(adapter_dir, name="mine")
+    tokens = np.random.default_rng(6).integers(0, eng.info.vocab_size, 7).tolist()
+    events, _ = asyncio.run(run_all(eng, [(ADAPTED, [",".join(map(str, tokens)), "mine"])]))
+    out = json.loads(result(events[0]))
+    assert out["adapters"] == ["mine"] and "forward_with_adapter" in out["traits"]
+    assert "no adapter named 'nope'" in out["err"]
+    n = len(tokens)
+    res = eng.execute(
+        [
+            EmbedTxt(ids(tokens), ids(range(n)), ids(range(n))),
+            Forward(
+                in_embeds=ids(range(n)), out_embeds=ids([n]), out_indices=ids([n - 1]), adapter=0
+            ),
+            NextDist(n, k=8),
+        ]
+    )
+    assert out["lora"][0] == res[2].ids.tolist()
+    np.testing.assert_allclose(out["lora"][1], res[2].probs, atol=1e-6)
+    assert out["lora"] != out["base"]

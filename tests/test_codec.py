@@ -320,7 +320,7 @@ def set_at(path, value):
         (set_at([2, 0, 1], 0), "count must be"),
         (set_at([2, 0, 1], 2), "2 arrays of 2 do not fill 2"),
         (lambda h: h[2][1].__setitem__(1, 2), "Sample.embed: expected 2 items, got 1"),
-        (lambda h: h[2][0][2].pop(), "expected 9 fields, got 8"),
+        (lambda h: h[2][0][2].pop(), "expected 10 fields, got 9"),
         (lambda h: h[2][1][2].append([0, [None]]), "expected 6 fields, got 7"),
         (set_at([2, 0, 2, 0, 0], 7), "unknown column kind"),
         (set_at([2, 0, 2, 0, 1, 0], 9), "unknown dtype code"),

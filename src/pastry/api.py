@@ -39,6 +39,7 @@ TRAITS: dict[str, tuple[str, ...]] = {
         "list_exported_kvpages",
     ),
     "forward": ("forward", "mask_kvpage"),
+    "forward_with_adapter": ("forward_with_adapter", "get_adapters"),
     "input_text": ("embed_txt",),
     "tokenize": ("tokenize", "detokenize", "get_vocabs", "get_eos_token_ids"),
     "output_text": ("get_next_dist", "sample"),
@@ -125,6 +126,23 @@ class InferletApi(Protocol):
         ``len(out_embeds)`` inputs. ``mask``: one row per input over context + inputs,
         True = attend (default: all context, causal among inputs). Leaving a page out of
         ``in_kv`` masks its tokens."""
+
+    def forward_with_adapter(
+        self,
+        q: int,
+        adapter: str,
+        in_kv: list[int],
+        in_kv_last_len: int,
+        in_embeds: list[int],
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embeds: list[int],
+        mask: list[list[bool]] | None = None,
+    ) -> Awaitable[None]:
+        """Queued: ``forward`` with the LoRA adapter named ``adapter`` applied."""
+
+    def get_adapters(self, q: int) -> list[str]:
+        """Names of the LoRA adapters loaded on the queue's model."""
 
     def mask_kvpage(self, q: int, page: int, mask: list[bool]) -> Awaitable[None]:
         """Queued: ``mask[i]`` True makes token ``i`` of ``page`` not attendable."""

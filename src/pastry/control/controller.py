@@ -57,6 +57,8 @@ class Model:
     scheduler: BatchScheduler
     resources: ResourceManager
 
+    adapters: dict[str, int] = field(default_factory=dict)  # LoRA adapter name -> engine id
+
     @property
     def traits(self) -> list[str]:
         return list(self.info.traits)
@@ -83,7 +85,13 @@ class Controller:
             sched = BatchScheduler(eng.execute, info.max_batch_tokens, info.page_size, policy)
             res = ResourceManager(info.num_pages, info.num_embeds, on_terminate=self._evict)
             tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
-            self.models[info.model_name] = Model(info.model_name, eng, info, tok, sched, res)
+            # Adapters are loaded on the engine at start-up; an in-process engine lists them.
+            inner = getattr(eng, "engine", None)
+            names = inner.adapters() if hasattr(inner, "adapters") else []
+            adapters = {name: i for i, name in enumerate(names)}
+            self.models[info.model_name] = Model(
+                info.model_name, eng, info, tok, sched, res, adapters
+            )
             sched.start()
 
     @property
@@ -257,6 +265,13 @@ class Session:
         inputs. ``mask`` (one row per input over context + inputs, True = attend)
         replaces the default causal attention.
         """
+        return self._forward(
+            q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, -1
+        )
+
+    def _forward(
+        self, q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, adapter
+    ) -> asyncio.Future:
         ref = self._queue(q)
         n = len(in_embeds)
         if n == 0:
@@ -282,9 +297,41 @@ class Session:
                 out_embeds=ids(self._phys(ref, "embed", out_embeds)),
                 out_indices=ids(range(n - m, n)),
                 mask=mask_arr,
+                adapter=adapter,
             )
 
         return self._submit(q, Command(Stage.FORWARD, prepare=prepare, tokens=n))
+
+    def forward_with_adapter(
+        self,
+        q: int,
+        adapter: str,
+        in_kv: list[int],
+        in_kv_last_len: int,
+        in_embeds: list[int],
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embeds: list[int],
+        mask: list[list[bool]] | None = None,
+    ) -> asyncio.Future:
+        ref = self._queue(q)
+        if adapter not in ref.model.adapters:
+            names = ", ".join(ref.model.adapters) or "none"
+            raise ApiError(f"no adapter named '{adapter}' on {ref.model.name} (loaded: {names})")
+        return self._forward(
+            q,
+            in_kv,
+            in_kv_last_len,
+            in_embeds,
+            out_kv,
+            out_kv_offset,
+            out_embeds,
+            mask,
+            ref.model.adapters[adapter],
+        )
+
+    def get_adapters(self, q: int) -> list[str]:
+        return list(self._queue(q).model.adapters)
 
     def mask_kvpage(self, q: int, page: int, mask: list[bool]) -> asyncio.Future:
         """``mask[i]`` True makes token ``i`` of ``page`` not attendable."""

@@ -59,6 +59,9 @@ class Forward:
 
     ``positions`` are the RoPE positions of the inputs; ``None`` takes the positions stored
     with the input embedding slots by ``EmbedTxt``.
+
+    ``adapter`` is the id of a LoRA adapter (from ``Engine.load_adapter``) applied to this
+    call's tokens, or -1 for the base model; calls of one batch may name different adapters.
     """
 
     in_embeds: np.ndarray
@@ -70,6 +73,7 @@ class Forward:
     out_indices: np.ndarray = field(default_factory=lambda: _EMPTY)
     positions: np.ndarray | None = None
     mask: np.ndarray | None = None
+    adapter: int = -1
 
     @property
     def num_inputs(self) -> int:

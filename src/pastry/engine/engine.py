@@ -35,6 +35,7 @@ from pastry.engine.calls import (
     SwapOut,
 )
 from pastry.engine.config import EngineConfig, ModelConfig
+from pastry.engine.lora import Adapter, plan_adapters, use_adapters
 from pastry.engine.model import LlamaModel
 from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
 from pastry.engine.sampling import SamplingParams, sample, top_k_dist
@@ -45,14 +46,15 @@ log = logging.getLogger(__name__)
 # serving engine sees many batch shapes, so keep more. Read when oneDNN is first used.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 
+# The API trait groups this engine implements (see pastry.api.TRAITS), plus engine-level
+# capabilities the control layer may use (kv_swap).
 TRAITS = (
+    "allocate",
+    "forward",
+    "forward_with_adapter",
     "input_text",
     "tokenize",
-    "forward",
     "output_text",
-    "output_distribution",
-    "kv_copy",
-    "kv_mask",
     "kv_swap",
 )
 
@@ -95,6 +97,7 @@ class Engine:
         for layer, k, v in zip(model.layers, self.kv.k, self.kv.v, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         self._rng = np.random.default_rng(config.seed)
+        self._adapters: list[Adapter] = []
         self.info = EngineInfo(
             model_name=name or self.cfg.name,
             arch=self.cfg.arch,
@@ -162,6 +165,36 @@ class Engine:
             engine.info.num_embeds,
         )
         return engine
+
+    # ------------------------------------------------------------------ adapters
+
+    def load_adapter(self, path: str | Path, name: str | None = None) -> int:
+        """Load a PEFT LoRA adapter directory (default name: the directory's); returns the
+        id that ``Forward.adapter`` names. Batches validated after it returns may use it."""
+        name = name or Path(path).name
+        if name in (names := self.adapters()):
+            raise ValueError(
+                f"an adapter named '{name}' is already loaded (id {names.index(name)})"
+            )
+        adapter = Adapter.load(path, self.cfg, self.dtype, self.device, name)
+        self._adapters.append(adapter)
+        log.info(
+            "loaded adapter %d '%s' (r=%d, %s)",
+            len(names),
+            name,
+            adapter.rank,
+            ", ".join(adapter.targets),
+        )
+        return len(names)
+
+    def adapters(self) -> list[str]:
+        """Names of the loaded adapters, by id."""
+        return [a.name for a in self._adapters]
+
+    def _adapter_ids(self) -> str:
+        n = len(self._adapters)
+        loaded = f"0..{n - 1} for the {n} loaded adapters" if n else "no adapter is loaded"
+        return f"valid ids: -1 for the base model, {loaded}"
 
     # ------------------------------------------------------------------ execution
 
@@ -301,7 +334,10 @@ class Engine:
                 raise Invalid(
                     "every input token must attend to at least one token (mask row is empty)"
                 )
-        return ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask
+        adapter = self._scalar(c.adapter, -(1 << 62), 1 << 62, "adapter")
+        if not -1 <= adapter < len(self._adapters):
+            raise Invalid(f"adapter {adapter} is not loaded ({self._adapter_ids()})")
+        return ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask, adapter
 
     def _forward(self, run, results) -> None:
         ok = self._accept(run, results, self._check_forward)
@@ -327,7 +363,8 @@ class Engine:
         items, store_rows, store_slots, pos_all = [], [], [], []
         out_embeds, out_rows = [], []
         row = 0
-        for _, _, (ins, ctx_slots, out_slots, oe, oi, positions, mask) in ok:
+        lora_spans = []
+        for _, _, (ins, ctx_slots, out_slots, oe, oi, positions, mask, adapter) in ok:
             n = len(ins)
             if positions is None:
                 positions = stored_pos[row : row + n]
@@ -338,6 +375,8 @@ class Engine:
                 store_slots.append(out_slots)
             out_embeds.append(oe)
             out_rows.append(oi + row)
+            if adapter >= 0:
+                lora_spans.append((row, n, adapter))
             row += n
         positions = self._cat(pos_all)
         store_rows_np = self._cat(store_rows)
@@ -362,7 +401,8 @@ class Engine:
             self.cfg.num_kv_heads,
         )
         x = take(self.embeds.hidden, in_slots_t)
-        with forward_context(meta):
+        lora = plan_adapters(lora_spans, self._adapters, dev)
+        with forward_context(meta), use_adapters(lora):
             hidden = self.model(x, pos_t)
         oe = self._cat(out_embeds)
         if len(oe):

@@ -15,11 +15,13 @@ from torch import nn
 from pastry.engine.attention import paged_attention
 from pastry.engine.config import CheckpointError, ModelConfig
 from pastry.engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
+from pastry.engine.lora import DOWN, GATE_UP, OUT, QKV, add_lora
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # which LoRA deltas apply (see lora.add_lora)
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -35,7 +37,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = add_lora(self.qkv_proj(x), x, self.layer_idx, QKV)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k are adjacent columns: rotate both heads' sets in one pass
@@ -46,29 +48,32 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, self.scale).reshape(n, self.q_size)
+        return add_lora(self.o_proj(o), o, self.layer_idx, OUT)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = add_lora(self.gate_up_proj(x), x, self.layer_idx, GATE_UP)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        return add_lora(self.down_proj(h), h, self.layer_idx, DOWN)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer_idx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -88,7 +93,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg)
