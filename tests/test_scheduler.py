@@ -52,7 +52,7 @@ def test_vertical_and_horizontal_batching_in_stage_order():
             s.submit(b, cmd(Stage.EMBED, EmbedTxt(ids([1]), ids([0]), ids([5])))),
             s.submit(b, cmd(Stage.FORWARD, fwd(ins=[5], out_pages=[1]), 1)),
         ]
-        first = s.form_batch()
+        first = s.take_batch()
         return first, futs, s
 
     first, _futs, s = run(go)
@@ -77,8 +77,8 @@ def test_conflicting_forwards_split_and_extending_ones_join():
         s.submit(q, cmd(Stage.FORWARD, fwd(ins=[4], ctx=[0], last=4, out_pages=[1]), 1))
         # C rewrites page 0, which A and B use: must wait
         s.submit(q, cmd(Stage.FORWARD, fwd(ins=[5], out_pages=[0]), 1))
-        b1 = s.form_batch()
-        b2 = s.form_batch()
+        b1 = s.take_batch()
+        b2 = s.take_batch()
         return len(b1), len(b2)
 
     assert run(go) == (2, 1)
@@ -90,8 +90,8 @@ def test_priority_first_and_token_limit():
         low, high = s.create_queue(1), s.create_queue(2, priority=5)
         s.submit(low, cmd(Stage.FORWARD, fwd(n=6, out_pages=[0, 1]), 6))
         s.submit(high, cmd(Stage.FORWARD, fwd(n=6, out_pages=[2, 3]), 6))
-        first = s.form_batch()
-        second = s.form_batch()
+        first = s.take_batch()
+        second = s.take_batch()
         return [c.tokens for c in first], first[0].call.out_pages.tolist(), len(second)
 
     tokens, pages, n2 = run(go)
@@ -103,7 +103,7 @@ def test_oversized_command_still_runs_alone():
         s = BatchScheduler(Recorder().execute, max_batch_tokens=4, page_size=4)
         q = s.create_queue(1)
         s.submit(q, cmd(Stage.FORWARD, fwd(n=9, out_pages=[0, 1, 2]), 9))
-        return len(s.form_batch())
+        return len(s.take_batch())
 
     assert run(go) == 1
 
@@ -163,3 +163,47 @@ def test_closed_queue_fails_pending_commands():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="unknown batching policy"):
         Policy("fastest")
+
+
+def test_batch_prepared_while_the_engine_runs():
+    """Commands arriving while a batch executes are taken and translated right away; the
+    next batch goes out when the engine is free, with everything ready by then."""
+
+    async def go():
+        release = asyncio.Event()
+        sizes = []
+
+        async def slow_execute(batch):
+            sizes.append(len(batch))
+            if len(sizes) == 1:
+                await release.wait()
+            return [None] * len(batch)
+
+        s = BatchScheduler(slow_execute, max_batch_tokens=100, page_size=4)
+        s.start()
+        qs = [s.create_queue(i) for i in range(4)]
+        prepared = []
+
+        def cmd_for(i):
+            call = Sample(i)
+
+            def prepare():
+                prepared.append(i)
+                return call
+
+            return Command(Stage.OUTPUT, prepare=prepare)
+
+        first = s.submit(qs[0], cmd_for(0))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert sizes == [1]  # batch 1 is running
+        later = [s.submit(q, cmd_for(i)) for i, q in enumerate(qs[1:], 1)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert prepared == [0, 1, 2, 3]  # translated while batch 1 runs
+        release.set()
+        await asyncio.gather(first, *later)
+        await s.stop()
+        return sizes
+
+    assert run(go) == [1, 3]

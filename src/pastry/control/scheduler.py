@@ -134,6 +134,25 @@ class Policy:
             )
 
 
+@dataclass(eq=False)
+class _Forming:
+    """The batch being formed: commands taken so far and where each queue stopped."""
+
+    commands: list[Command] = field(default_factory=list)
+    tokens: int = 0
+    per_queue: dict[Queue, list[Command]] = field(default_factory=dict)
+    stage: dict[Queue, Stage] = field(default_factory=dict)
+    blocked: set[Queue] = field(default_factory=set)  # no more from these in this batch
+
+    def drop(self, q: Queue) -> list[Command]:
+        mine = self.per_queue.pop(q, [])
+        if mine:
+            gone = set(map(id, mine))
+            self.commands = [c for c in self.commands if id(c) not in gone]
+            self.tokens -= sum(c.tokens for c in mine)
+        return mine
+
+
 @dataclass
 class SchedulerStats:
     batches: int = 0
@@ -171,6 +190,7 @@ class BatchScheduler:
         self._inflight = 0
         self._task: asyncio.Task | None = None
         self._qids = itertools.count()
+        self._forming: _Forming | None = None
 
     # ---------------------------------------------------------------- queues and commands
 
@@ -180,10 +200,14 @@ class BatchScheduler:
         return q
 
     def close_queue(self, q: Queue, reason: str = "queue closed") -> None:
-        """Drop a queue; its pending commands fail with ``reason``."""
+        """Drop a queue; its pending commands (also those already taken into the batch
+        being prepared) fail with ``reason``."""
         q.closed = True
-        while q.pending:
-            cmd = q.pending.popleft()
+        dropped = list(q.pending)
+        q.pending.clear()
+        if self._forming is not None:
+            dropped += self._forming.drop(q)
+        for cmd in dropped:
             if not cmd.future.done():
                 cmd.future.set_exception(CommandError(reason))
         if q in self.queues:
@@ -215,23 +239,22 @@ class BatchScheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if p.kind != "eager" and self._inflight >= p.max_inflight:
+                # The engine is busy: prepare the next batch (take and translate what is
+                # ready) so that only late arrivals are left to do when it goes idle.
+                self.form_batch()
+                continue
             if p.kind == "adaptive":
-                if self._inflight >= p.max_inflight:
-                    continue
                 for _ in range(p.settle_ticks):  # let just-resumed inferlets queue their calls
                     await asyncio.sleep(0)
             elif p.kind == "k-only":
-                if self._inflight >= p.max_inflight:
-                    continue
                 deadline = time.perf_counter() + p.t_ms / 1e3
                 while self._ready_count() < p.k and time.perf_counter() < deadline:
                     await asyncio.sleep(min(1e-3, p.t_ms / 1e3))
             elif p.kind == "t-only":
-                if self._inflight >= p.max_inflight:
-                    continue
                 await asyncio.sleep(p.t_ms / 1e3)
             while True:
-                batch = self.form_batch()
+                batch = self.take_batch()
                 if batch is None:
                     break
                 self._dispatch(batch)
@@ -239,49 +262,55 @@ class BatchScheduler:
                     break
 
     def _ready_count(self) -> int:
-        return sum(1 for q in self.queues if q.pending)
+        taken = len(self._forming.commands) if self._forming is not None else 0
+        return taken + sum(1 for q in self.queues if q.pending)
 
     # ---------------------------------------------------------------- forming a batch
 
     def form_batch(self) -> list[Command] | None:
-        """Take commands from the queues into one batch; None if nothing is ready.
+        """Take ready commands into the batch being formed; returns it (None if empty).
 
-        Control commands at the heads of queues are carried out here too.
+        Can be called repeatedly while the engine is busy: each call adds what became
+        ready since, continuing every queue where it stopped. Control commands are taken
+        in queue order but act only when the batch is dispatched.
         """
+        f = self._forming
+        if f is None:
+            f = self._forming = _Forming()
         order = sorted(
-            (q for q in self.queues if q.pending),
+            (q for q in self.queues if q.pending and q not in f.blocked),
             key=lambda q: (-q.priority, q.pending[0].created),
         )
-        taken: list[Command] = []
-        tokens = 0
         for q in order:
-            stage = Stage.KV
-            mine: list[Command] = []
+            mine = f.per_queue.setdefault(q, [])
+            stage = f.stage.get(q, Stage.KV)
             while q.pending:
                 cmd = q.pending[0]
                 if cmd.stage != Stage.CONTROL:
-                    over = tokens + cmd.tokens > self.max_batch_tokens and (taken or mine)
+                    over = f.tokens + cmd.tokens > self.max_batch_tokens and f.commands
                     if cmd.stage < stage or over:
+                        f.blocked.add(q)
                         break
                     if not self._prepare(cmd):  # rejected: its future holds the error
                         q.pending.popleft()
                         continue
                     if cmd.stage == stage and _conflicts(mine, cmd, self.page_size):
                         cmd.call = None  # prepared again when it is taken later
+                        f.blocked.add(q)
                         break
                     stage = cmd.stage
-                    tokens += cmd.tokens
-                    mine.append(cmd)
-                else:
-                    if not self._prepare(cmd):
-                        q.pending.popleft()
-                        continue
-                    mine.append(cmd)
+                    f.tokens += cmd.tokens
+                mine.append(cmd)
+                f.commands.append(cmd)
                 q.pending.popleft()
-            taken.extend(mine)
-        if not taken:
-            return None
-        return taken
+            f.stage[q] = stage
+        return f.commands or None
+
+    def take_batch(self) -> list[Command] | None:
+        """Finish forming the current batch and hand it over (None if nothing is ready)."""
+        batch = self.form_batch()
+        self._forming = None
+        return batch
 
     def _prepare(self, cmd: Command) -> bool:
         try:
@@ -295,6 +324,9 @@ class BatchScheduler:
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, batch: list[Command]) -> None:
+        for c in batch:  # control commands act now, in queue order (see form_batch)
+            if c.stage == Stage.CONTROL:
+                self._prepare(c)
         engine_cmds = [c for c in batch if c.call is not None]
         engine_cmds.sort(key=lambda c: (_STAGE[type(c.call)], _TYPE_ORDER[type(c.call)]))
         self.stats.batches += 1
@@ -329,7 +361,7 @@ class BatchScheduler:
             except Exception as e:
                 c.future.set_exception(e)
         for c in batch:  # control commands resolve once the commands before them are done
-            if c.call is None and not c.future.done():
+            if c.stage == Stage.CONTROL and not c.future.done():
                 try:
                     c.future.set_result(c.finish(None))
                 except Exception as e:
