@@ -64,6 +64,7 @@ async def main(args):
     vocab = px.get_vocabs(q)
     out["vocab_ok"] = b"".join(vocab[t] for t in toks).decode() == text
     out["eos"] = px.get_eos_token_ids(q)
+    out["chat"] = px.apply_chat_template(q, [("user", "hi there")])
     # prefill 6 tokens, copy the first page token by token into a new page
     kv = px.alloc_kvpages(q, 2)
     emb = px.alloc_embeds(q, 8)
@@ -163,6 +164,7 @@ def test_every_function_from_an_inferlet(make_tiny, http_server):
     assert "forward" in out["traits"] and "tokenize" in out["traits"]
     assert out["roundtrip"] and out["vocab_ok"]
     assert out["eos"]
+    assert "hi there" in out["chat"] and out["chat"].count("<|im_start|>") == 2
     assert out["copy_equal"] and out["greedy_is_top"] and out["mask_changes"]
     assert out["exports"] == [["prefix", 2]] and out["imported"] == 2 and out["exports_after"] == []
     assert out["store"] == ["v", True, ["k"], True, None]

@@ -41,7 +41,13 @@ TRAITS: dict[str, tuple[str, ...]] = {
     "forward": ("forward", "mask_kvpage"),
     "forward_with_adapter": ("forward_with_adapter", "get_adapters"),
     "input_text": ("embed_txt",),
-    "tokenize": ("tokenize", "detokenize", "get_vocabs", "get_eos_token_ids"),
+    "tokenize": (
+        "tokenize",
+        "detokenize",
+        "get_vocabs",
+        "get_eos_token_ids",
+        "apply_chat_template",
+    ),
     "output_text": ("get_next_dist", "sample"),
 }
 
@@ -161,6 +167,11 @@ class InferletApi(Protocol):
         """The bytes of every token id."""
 
     def get_eos_token_ids(self, q: int) -> list[int]: ...
+
+    def apply_chat_template(
+        self, q: int, messages: list[tuple[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render (role, content) messages with the model's chat template."""
 
     # ------------------------------------------------------------------ output
     def get_next_dist(

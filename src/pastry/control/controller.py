@@ -364,6 +364,20 @@ class Session:
     def get_eos_token_ids(self, q: int) -> list[int]:
         return list(self._queue(q).model.info.eos_token_ids)
 
+    def apply_chat_template(
+        self, q: int, messages: list[tuple[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        tok = self._queue(q).model.tokenizer
+        msgs = []
+        for m in messages:
+            if len(m) != 2 or not all(isinstance(x, str) for x in m):
+                raise ApiError(f"messages must be (role, content) string pairs, got {m!r}")
+            msgs.append({"role": m[0], "content": m[1]})
+        try:
+            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise ApiError(str(e)) from None
+
     def tokenize(self, q: int, text: str) -> list[int]:
         return self._queue(q).model.tokenizer.encode(text)
 

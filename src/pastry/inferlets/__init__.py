@@ -1,0 +1,1 @@
+"""Built-in inferlets, launchable by name (file name with dashes)."""

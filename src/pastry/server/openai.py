@@ -1,0 +1,5 @@
+"""OpenAI-compatible HTTP endpoints (being written)."""
+
+
+def routes(server):
+    return []

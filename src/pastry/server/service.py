@@ -1,0 +1,176 @@
+"""``PastryServer``: engines, the control layer, the runner and the program registry, wired.
+
+Start-up: one engine per device in ``engine_devices`` (its own process, reached over
+ZeroMQ IPC; or in-process when ``in_process``), a :class:`Controller` over them, a
+:class:`TrustedRuntime`, and a :class:`ProgramRegistry` with the built-in inferlets.
+Instances are launched by program name or hash; the endpoints (``server/ws.py``,
+``server/openai.py``) track which connection owns which instance.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pastry.control.controller import Controller
+from pastry.control.scheduler import Policy
+from pastry.engine.config import EngineConfig
+from pastry.runtime.trusted import Instance, TrustedRuntime
+from pastry.server.registry import ProgramRegistry
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """The server cannot start with this configuration."""
+
+
+def pastry_home() -> Path:
+    return Path(os.environ.get("PASTRY_HOME") or Path.home() / ".cache" / "pastry")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: Path | None = None  # None: the embedded default model
+    host: str = "127.0.0.1"
+    port: int = 8080
+    auth_token: str | None = None
+    engine_devices: tuple[str, ...] = ("cpu",)
+    dtype: str = "auto"
+    page_size: int = 16
+    num_pages: int = 0  # 0: from available memory
+    num_embeds: int = 0
+    policy: str = "adaptive"
+    http_allow: tuple[str, ...] = ()
+    max_upload_bytes: int = 1 << 20
+    programs_dir: Path | None = None  # default: $PASTRY_HOME/programs
+    in_process: bool = False  # run the engine in this process (tests, smallest setups)
+    engine_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.auth_token and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to listen on {self.host} without an auth token: anyone who can "
+                "reach it could run programs. Set --auth-token (or PASTRY_AUTH_TOKEN), or "
+                "bind 127.0.0.1"
+            )
+        Policy(self.policy)  # validates the name
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class PastryServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.controller: Controller | None = None
+        self.runtime: TrustedRuntime | None = None
+        self.registry = ProgramRegistry(
+            config.programs_dir or pastry_home() / "programs", config.max_upload_bytes
+        )
+        self.registry.add_builtins()
+        self._procs: list = []
+        self._handles: list = []
+        self.owners: dict[int, object] = {}  # instance id -> owning connection (None: detached)
+        self.loop = None  # the event loop the server runs on, set by start()
+
+    async def start(self) -> None:
+        from pastry.engine.tiny import ensure_default_model
+
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        cfg = self.config
+        model = cfg.model or ensure_default_model()
+        for device in cfg.engine_devices:
+            econf = EngineConfig(
+                device=device,
+                dtype=cfg.dtype,
+                page_size=cfg.page_size,
+                num_pages=cfg.num_pages,
+                num_embeds=cfg.num_embeds,
+                **cfg.engine_kwargs,
+            )
+            self._handles.append(await self._start_engine(model, econf))
+        if len({h.info.model_name for h in self._handles}) != len(self._handles):
+            raise ConfigError(
+                "several engines of one model are not served yet (data parallel is future "
+                "work): give one device"
+            )
+        self.controller = Controller(self._handles, Policy(cfg.policy), http_allow=cfg.http_allow)
+        self.runtime = TrustedRuntime(self.controller)
+        for h in self._handles:
+            i = h.info
+            log.info(
+                "model %s (%s, %s on %s): %d KV pages x %d tokens, %d embeds, max %d tokens/batch",
+                i.model_name, i.arch, i.dtype, i.device, i.num_pages, i.page_size,
+                i.num_embeds, i.max_batch_tokens,
+            )  # fmt: skip
+
+    async def _start_engine(self, model: Path, econf: EngineConfig):
+        if self.config.in_process:
+            from pastry.engine.engine import Engine
+            from pastry.engine.process import InProcessEngine
+
+            return InProcessEngine(Engine.load(model, econf))
+        from pastry.engine.process import RemoteEngine, spawn_engine
+
+        proc = spawn_engine(model, econf)
+        self._procs.append(proc)
+        return await RemoteEngine.connect(proc.endpoint)
+
+    async def stop(self) -> None:
+        if self.controller is not None:
+            for inst in list(self.runtime.instances.values()):
+                self.runtime.terminate(inst.id, "the server is shutting down")
+            await self.controller.close()
+        for h in self._handles:
+            if hasattr(h, "aclose"):
+                await h.aclose()
+            else:
+                h.close()
+        for p in self._procs:
+            p.terminate()
+        self._handles, self._procs = [], []
+
+    # ------------------------------------------------------------------ instances
+
+    def launch(
+        self, program: str, args: Sequence[str] = (), owner: object | None = None
+    ) -> Instance:
+        """Launch a program by name or hash; ``owner`` None means detached."""
+        inst = self.runtime.launch(self.registry.get(program), list(args))
+        self.owners[inst.id] = owner
+        return inst
+
+    def instance(self, iid: int) -> Instance | None:
+        return self.runtime.instances.get(iid)
+
+    def owned_by(self, owner: object) -> list[Instance]:
+        return [i for i in self.runtime.instances.values() if self.owners.get(i.id) is owner]
+
+    def disown(self, owner: object) -> None:
+        """A connection closed: end the instances it owns (detached ones live on)."""
+        for inst in self.owned_by(owner):
+            self.runtime.terminate(inst.id, "the client that launched it disconnected")
+        for iid in [i for i, o in self.owners.items() if o is owner]:
+            self.owners.pop(iid, None)
+
+    def check_token(self, token: str | None) -> bool:
+        expected = self.config.auth_token
+        return expected is None or (token is not None and secrets.compare_digest(token, expected))
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.controller.models) if self.controller else []

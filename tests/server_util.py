@@ -1,0 +1,72 @@
+"""A real server (uvicorn on a free loopback port, engine in-process) for endpoint tests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+
+import uvicorn
+
+from pastry.server.app import create_app
+from pastry.server.service import PastryServer, ServerConfig
+
+SMALL = dict(num_pages=1024, num_embeds=4096, dtype="float32", page_size=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(model, tmp_path, **overrides):
+    """Yield ``(base_url, server)``; the server runs in a thread with its own event loop.
+
+    Inspect server state from the test thread only through ``call(server, fn)``.
+    """
+    cfg = ServerConfig(
+        model=model, port=free_port(), in_process=True, programs_dir=tmp_path / "programs", **SMALL
+    )
+    cfg = replace(cfg, **overrides)
+    server = PastryServer(cfg)
+    app = create_app(server)
+    uv = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not uv.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{cfg.host}:{cfg.port}", server
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+
+
+def call(server: PastryServer, fn):
+    """Run ``fn()`` on the server's event loop thread and return its result."""
+    async def run():
+        return fn()
+
+    return asyncio.run_coroutine_threadsafe(run(), server.loop).result(timeout=30)
+
+
+def integrity(server: PastryServer) -> tuple[int, int]:
+    """Check every model's pool integrity; returns (kv pages used, embeds used)."""
+
+    def check():
+        used = [0, 0]
+        for m in server.controller.models.values():
+            m.resources.check_integrity()
+            used[0] += m.resources.usage("kv")[1]
+            used[1] += m.resources.usage("embed")[1]
+        return tuple(used)
+
+    return call(server, check)
