@@ -19,9 +19,10 @@ effect when they reach the head of their queue and resolve when the commands bef
 have completed.
 
 When to dispatch is a :class:`Policy`: ``adaptive`` (work-conserving: as soon as the engine
-is idle, after letting just-woken inferlets queue their next calls), ``eager`` (every
-pending command at once, many small batches in flight), ``k-only`` (wait for k commands)
-and ``t-only`` (a batch every t ms).
+is idle, after letting just-woken inferlets queue their next calls), ``eager`` (no
+horizontal batching: each queue's ready commands go out at once as their own batch, many
+batches in flight), ``k-only`` (batches of at most k commands, sent when k are ready or after
+``t_ms``) and ``t-only`` (a batch every ``t_ms``, whatever is ready).
 """
 
 from __future__ import annotations
@@ -236,13 +237,17 @@ class BatchScheduler:
 
     async def _run(self) -> None:
         p = self.policy
+        caps = dict(
+            max_queues=1 if p.kind == "eager" else None,
+            max_commands=p.k if p.kind == "k-only" else None,
+        )
         while True:
             await self._wake.wait()
             self._wake.clear()
             if p.kind != "eager" and self._inflight >= p.max_inflight:
                 # The engine is busy: prepare the next batch (take and translate what is
                 # ready) so that only late arrivals are left to do when it goes idle.
-                self.form_batch()
+                self.form_batch(**caps)
                 continue
             if p.kind == "adaptive":
                 for _ in range(p.settle_ticks):  # let just-resumed inferlets queue their calls
@@ -254,7 +259,7 @@ class BatchScheduler:
             elif p.kind == "t-only":
                 await asyncio.sleep(p.t_ms / 1e3)
             while True:
-                batch = self.take_batch()
+                batch = self.take_batch(**caps)
                 if batch is None:
                     break
                 self._dispatch(batch)
@@ -267,7 +272,9 @@ class BatchScheduler:
 
     # ---------------------------------------------------------------- forming a batch
 
-    def form_batch(self) -> list[Command] | None:
+    def form_batch(
+        self, max_queues: int | None = None, max_commands: int | None = None
+    ) -> list[Command] | None:
         """Take ready commands into the batch being formed; returns it (None if empty).
 
         Can be called repeatedly while the engine is busy: each call adds what became
@@ -281,10 +288,14 @@ class BatchScheduler:
             (q for q in self.queues if q.pending and q not in f.blocked),
             key=lambda q: (-q.priority, q.pending[0].created),
         )
+        if max_queues is not None:  # continue the queues already in, then new ones
+            fresh = [q for q in order if q not in f.per_queue]
+            order = [q for q in order if q in f.per_queue] + fresh[: max_queues - len(f.per_queue)]
+        cap = max_commands if max_commands is not None else float("inf")
         for q in order:
             mine = f.per_queue.setdefault(q, [])
             stage = f.stage.get(q, Stage.KV)
-            while q.pending:
+            while q.pending and len(f.commands) < cap:
                 cmd = q.pending[0]
                 if cmd.stage != Stage.CONTROL:
                     over = f.tokens + cmd.tokens > self.max_batch_tokens and f.commands
@@ -306,9 +317,11 @@ class BatchScheduler:
             f.stage[q] = stage
         return f.commands or None
 
-    def take_batch(self) -> list[Command] | None:
+    def take_batch(
+        self, max_queues: int | None = None, max_commands: int | None = None
+    ) -> list[Command] | None:
         """Finish forming the current batch and hand it over (None if nothing is ready)."""
-        batch = self.form_batch()
+        batch = self.form_batch(max_queues, max_commands)
         self._forming = None
         return batch
 

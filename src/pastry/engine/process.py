@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import gc
 import importlib
 import itertools
 import logging
@@ -675,6 +676,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine = _load_factory(args.engine_factory)(args.model, config)
     except CheckpointError as e:
         raise SystemExit(f"cannot load the model: {e}") from e
+    # Objects alive now (model, tokenizer) live forever: keep them out of every future
+    # garbage collection, which otherwise rescans them on each full pass.
+    gc.collect()
+    gc.freeze()
     try:
         serve(engine, args.endpoint)
     except zmq.ZMQError as e:

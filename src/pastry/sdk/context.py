@@ -85,7 +85,6 @@ class Context:
             raise ApiError("nothing to generate from: fill the context first")
         a, q = self.api, self.queue
         out: list[int] = []
-        text = ""
         while True:
             futs, emb = self._forward(self.pending, want_output=True)
             if sampler.on_device:
@@ -97,12 +96,12 @@ class Context:
             out.append(tok)
             self.tokens.append(tok)
             self.pending = [tok]
-            text = a.detokenize(q, out)
-            if stop.should_stop(out, text):
+            tail = a.detokenize(q, out[-stop.tail_tokens :]) if stop.tail_tokens else ""
+            if stop.should_stop(out, tail):
                 break
         if out[-1] in self.eos_ids:
-            text = a.detokenize(q, out[:-1])
-        return stop.trim(text)
+            out = out[:-1]
+        return stop.trim(a.detokenize(q, out))
 
     async def generate_until(
         self,

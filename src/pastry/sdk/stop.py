@@ -6,8 +6,12 @@ from collections.abc import Sequence
 
 
 class StopCondition:
+    # How many trailing tokens' text ``should_stop`` needs (0: none, so generation never
+    # decodes while it runs).
+    tail_tokens: int = 0
+
     def should_stop(self, tokens: list[int], text: str) -> bool:
-        """``tokens``/``text``: what has been generated so far."""
+        """``tokens``: generated so far; ``text``: the text of the last ``tail_tokens``."""
         raise NotImplementedError
 
     def trim(self, text: str) -> str:
@@ -21,6 +25,7 @@ class StopCondition:
 class AnyOf(StopCondition):
     def __init__(self, conds: Sequence[StopCondition]) -> None:
         self.conds = list(conds)
+        self.tail_tokens = max(c.tail_tokens for c in self.conds)
 
     def should_stop(self, tokens, text) -> bool:
         return any(c.should_stop(tokens, text) for c in self.conds)
@@ -52,6 +57,8 @@ class EosTokens(StopCondition):
 class StopStrings(StopCondition):
     def __init__(self, strings: Sequence[str]) -> None:
         self.strings = [s for s in strings if s]
+        # a string of L characters spans at most 4 L byte-level tokens (+1 for a boundary)
+        self.tail_tokens = 4 * max((len(s) for s in self.strings), default=0) + 1
 
     def should_stop(self, tokens, text) -> bool:
         return any(s in text for s in self.strings)

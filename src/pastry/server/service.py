@@ -9,6 +9,7 @@ Instances are launched by program name or hash; the endpoints (``server/ws.py``,
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import os
@@ -86,9 +87,9 @@ class PastryServer:
         self.loop = None  # the event loop the server runs on, set by start()
 
     async def start(self) -> None:
-        from pastry.engine.tiny import ensure_default_model
-
         import asyncio
+
+        from pastry.engine.tiny import ensure_default_model
 
         self.loop = asyncio.get_running_loop()
         cfg = self.config
@@ -110,6 +111,11 @@ class PastryServer:
             )
         self.controller = Controller(self._handles, Policy(cfg.policy), http_allow=cfg.http_allow)
         self.runtime = TrustedRuntime(self.controller)
+        # Long-lived objects (tokenizers, an in-process model) stay out of later garbage
+        # collections, which otherwise rescan them on every full pass (measured: about
+        # half of the control layer's per-step time at 128 inferlets).
+        gc.collect()
+        gc.freeze()
         for h in self._handles:
             i = h.info
             log.info(

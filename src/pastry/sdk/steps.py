@@ -1,0 +1,118 @@
+"""Steps on a :class:`Context` beyond ``generate``: outputs at several positions, and rollback.
+
+``Context.generate`` forwards the pending tokens and keeps only the one token it samples.
+Techniques that score or verify several tokens in one forward (speculative and Jacobi
+decoding, output validation) or that need the distribution itself (beam search,
+watermarking) need three more operations, built here on the context's pages:
+
+- :func:`next_dist` forwards the pending tokens and returns the next-token distribution;
+  the caller picks a token and appends it with ``fill_tokens``.
+- :func:`greedy_after` / :func:`dists_after` append a run of tokens and forward it together
+  with the pending ones in *one* forward call, reading the model's output after each of
+  them: the greedy token (argmax, on the device) or the top-k distribution.
+- :func:`truncate` drops tokens from the end, e.g. rejected draft tokens. Their K/V stay in
+  the slots after the new end but are never read: a forward attends to the context only up
+  to ``kv_len`` (the last page up to ``in_kv_last_len``), and the next forward writes its
+  own tokens' K/V from slot ``kv_len`` on, over them. Pages shared with a fork are never
+  written: a shared page that would be is replaced by a private copy.
+
+Each function issues its embed, forward and output calls together and awaits them once, so
+they run in one engine batch (and batch with other queues' calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+
+from pastry.api import ApiError
+from pastry.sdk.context import Context, _refs
+
+Dist = tuple[list[int], list[float]]  # token ids by decreasing probability, probabilities
+
+
+async def next_dist(ctx: Context, k: int = 256) -> Dist:
+    """Forward the pending tokens; the top-``k`` distribution of the token after them.
+
+    Afterwards nothing is pending: append the chosen token with ``ctx.fill_tokens``.
+    """
+    *_, dist = await asyncio.gather(*_forward_pending(ctx, 1, k))
+    return dist
+
+
+async def greedy_after(ctx: Context, tokens: Sequence[int]) -> list[int]:
+    """Append ``tokens`` and forward them with the pending tokens in one forward call.
+
+    Returns ``len(tokens) + 1`` greedy (argmax) tokens: element ``i`` is the model's choice
+    after the last pending token (``i = 0``) or after ``tokens[i - 1]``. Every appended
+    token's K/V is stored; drop the ones you do not keep with :func:`truncate`.
+    """
+    ctx.fill_tokens(tokens)
+    results = await asyncio.gather(*_forward_pending(ctx, len(tokens) + 1, None))
+    return results[2:]
+
+
+async def dists_after(ctx: Context, tokens: Sequence[int], k: int = 256) -> list[Dist]:
+    """Like :func:`greedy_after`, but the top-``k`` distribution after each token."""
+    ctx.fill_tokens(tokens)
+    results = await asyncio.gather(*_forward_pending(ctx, len(tokens) + 1, k))
+    return results[2:]
+
+
+async def truncate(ctx: Context, length: int) -> None:
+    """Keep only the first ``length`` tokens of ``ctx`` (see the module docstring for what
+    happens to the K/V of the dropped ones). Spare pages are kept for the tokens to come."""
+    ctx._check_live()
+    if not 0 <= length <= len(ctx.tokens):
+        raise ApiError(f"cannot truncate a context of {len(ctx.tokens)} tokens to {length}")
+    a, ps, refs = ctx.api, ctx.page_size, _refs(ctx.api)
+    ctx.tokens = ctx.tokens[:length]
+    ctx.kv_len = min(ctx.kv_len, length)
+    ctx.pending = ctx.tokens[ctx.kv_len :]
+    used = -(-ctx.kv_len // ps)
+    # The next forward writes from slot kv_len on: into the last used page if it is partial,
+    # then into the spare pages. None of them may be a page a fork still reads.
+    spare = ctx.pages[used:]
+    shared = {p for p in spare if refs.get(p, 1) > 1}
+    for p in shared:
+        refs[p] -= 1
+    ctx.pages = ctx.pages[:used] + [p for p in spare if p not in shared]
+    rest = ctx.kv_len % ps
+    if rest and refs.get(ctx.pages[used - 1], 1) > 1:
+        old = ctx.pages[used - 1]
+        new = a.alloc_kvpages(ctx.queue, 1)[0]
+        refs[old] -= 1
+        ctx.pages[used - 1] = new
+        await a.copy_kvpage(ctx.queue, old, new, 0, 0, rest)
+
+
+def _forward_pending(ctx: Context, n_out: int, k: int | None) -> list[Awaitable]:
+    """Issue embed + forward of every pending token, then one output call for each of the
+    last ``n_out``: ``get_next_dist(k)``, or a greedy ``sample`` when ``k`` is None.
+
+    Returns the futures (embed, forward, outputs...); the tokens count as forwarded.
+    """
+    ctx._check_live()
+    tokens = ctx.pending
+    n = len(tokens)
+    if n == 0:
+        raise ApiError("nothing to forward: fill the context first")
+    assert 1 <= n_out <= n, (n_out, n)
+    a, q, ps = ctx.api, ctx.queue, ctx.page_size
+    start = ctx.kv_len
+    need = -(-(start + n) // ps) - len(ctx.pages)
+    if need > 0:
+        ctx._alloc_pages(need)
+    slots = ctx._embed_slots(n + n_out)
+    ins, outs = slots[:n], slots[n:]
+    ctx_pages = ctx.pages[: -(-start // ps)]
+    last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
+    out_pages = ctx.pages[start // ps : -(-(start + n) // ps)]
+    futs = [
+        a.embed_txt(q, list(tokens), list(range(start, start + n)), ins),
+        a.forward(q, ctx_pages, last, ins, out_pages, start % ps, outs),
+    ]
+    futs += [a.sample(q, e) if k is None else a.get_next_dist(q, e, k) for e in outs]
+    ctx.kv_len += n
+    ctx.pending = []
+    return futs
