@@ -20,8 +20,8 @@ have completed.
 
 When to dispatch is a :class:`Policy`: ``adaptive`` (work-conserving: as soon as the engine
 is idle, after letting just-woken inferlets queue their next calls), ``eager`` (no
-horizontal batching: each queue's ready commands go out at once as their own batch, many
-batches in flight), ``k-only`` (batches of at most k commands, sent when k are ready or after
+horizontal batching: each queue's ready commands go out at once as their own batch),
+``k-only`` (batches of at most k commands, sent when k are ready or after
 ``t_ms``) and ``t-only`` (a batch every ``t_ms``, whatever is ready).
 """
 
@@ -123,7 +123,7 @@ class Policy:
     kind: str = "adaptive"
     k: int = 64  # k-only: commands to wait for
     t_ms: float = 5.0  # t-only: batch interval; k-only: give up waiting after this
-    max_inflight: int = 1  # batches on the engine at once (adaptive, k-only, t-only)
+    max_inflight: int = 1  # batches on the engine at once
     settle_ticks: int = 3  # adaptive: event-loop turns to let woken inferlets submit
 
     KINDS = ("adaptive", "eager", "k-only", "t-only")
@@ -244,7 +244,7 @@ class BatchScheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if p.kind != "eager" and self._inflight >= p.max_inflight:
+            if self._inflight >= p.max_inflight:
                 # The engine is busy: prepare the next batch (take and translate what is
                 # ready) so that only late arrivals are left to do when it goes idle.
                 self.form_batch(**caps)
@@ -263,7 +263,7 @@ class BatchScheduler:
                 if batch is None:
                     break
                 self._dispatch(batch)
-                if p.kind != "eager" and self._inflight >= p.max_inflight:
+                if self._inflight >= p.max_inflight:
                     break
 
     def _ready_count(self) -> int:
