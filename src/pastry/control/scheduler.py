@@ -21,8 +21,8 @@ have completed.
 When to dispatch is a :class:`Policy`: ``adaptive`` (work-conserving: as soon as the engine
 is idle, after letting just-woken inferlets queue their next calls), ``eager`` (no
 horizontal batching: each queue's ready commands go out at once as their own batch),
-``k-only`` (batches of at most k commands, sent when k are ready or after
-``t_ms``) and ``t-only`` (a batch every ``t_ms``, whatever is ready).
+``k-only`` (batches of at most k forward calls, sent when k queues are ready or
+after ``t_ms``) and ``t-only`` (a batch every ``t_ms``, whatever is ready).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Policy:
     """When the scheduler dispatches. See the module docstring."""
 
     kind: str = "adaptive"
-    k: int = 64  # k-only: commands to wait for
+    k: int = 64  # k-only: forward calls per batch (and to wait for)
     t_ms: float = 5.0  # t-only: batch interval; k-only: give up waiting after this
     max_inflight: int = 1  # batches on the engine at once
     settle_ticks: int = 3  # adaptive: event-loop turns to let woken inferlets submit
@@ -141,6 +141,7 @@ class _Forming:
 
     commands: list[Command] = field(default_factory=list)
     tokens: int = 0
+    forwards: int = 0
     per_queue: dict[Queue, list[Command]] = field(default_factory=dict)
     stage: dict[Queue, Stage] = field(default_factory=dict)
     blocked: set[Queue] = field(default_factory=set)  # no more from these in this batch
@@ -151,6 +152,7 @@ class _Forming:
             gone = set(map(id, mine))
             self.commands = [c for c in self.commands if id(c) not in gone]
             self.tokens -= sum(c.tokens for c in mine)
+            self.forwards -= sum(c.stage == Stage.FORWARD for c in mine)
         return mine
 
 
@@ -239,7 +241,7 @@ class BatchScheduler:
         p = self.policy
         caps = dict(
             max_queues=1 if p.kind == "eager" else None,
-            max_commands=p.k if p.kind == "k-only" else None,
+            max_forwards=p.k if p.kind == "k-only" else None,
         )
         while True:
             await self._wake.wait()
@@ -273,7 +275,7 @@ class BatchScheduler:
     # ---------------------------------------------------------------- forming a batch
 
     def form_batch(
-        self, max_queues: int | None = None, max_commands: int | None = None
+        self, max_queues: int | None = None, max_forwards: int | None = None
     ) -> list[Command] | None:
         """Take ready commands into the batch being formed; returns it (None if empty).
 
@@ -291,12 +293,15 @@ class BatchScheduler:
         if max_queues is not None:  # continue the queues already in, then new ones
             fresh = [q for q in order if q not in f.per_queue]
             order = [q for q in order if q in f.per_queue] + fresh[: max_queues - len(f.per_queue)]
-        cap = max_commands if max_commands is not None else float("inf")
+        cap = max_forwards if max_forwards is not None else float("inf")
         for q in order:
             mine = f.per_queue.setdefault(q, [])
             stage = f.stage.get(q, Stage.KV)
-            while q.pending and len(f.commands) < cap:
+            while q.pending:
                 cmd = q.pending[0]
+                if cmd.stage == Stage.FORWARD and f.forwards >= cap:
+                    f.blocked.add(q)
+                    break
                 if cmd.stage != Stage.CONTROL:
                     over = f.tokens + cmd.tokens > self.max_batch_tokens and f.commands
                     if cmd.stage < stage or over:
@@ -311,6 +316,7 @@ class BatchScheduler:
                         break
                     stage = cmd.stage
                     f.tokens += cmd.tokens
+                    f.forwards += cmd.stage == Stage.FORWARD
                 mine.append(cmd)
                 f.commands.append(cmd)
                 q.pending.popleft()
@@ -318,10 +324,10 @@ class BatchScheduler:
         return f.commands or None
 
     def take_batch(
-        self, max_queues: int | None = None, max_commands: int | None = None
+        self, max_queues: int | None = None, max_forwards: int | None = None
     ) -> list[Command] | None:
         """Finish forming the current batch and hand it over (None if nothing is ready)."""
-        batch = self.form_batch(max_queues, max_commands)
+        batch = self.form_batch(max_queues, max_forwards)
         self._forming = None
         return batch
 
