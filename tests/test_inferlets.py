@@ -232,7 +232,7 @@ from pastry.sdk import Context, MaxTokens, Sampler
 async def main(args):
     ctx = Context()
     ctx.fill_tokens([int(t) for t in args[0].split(",")])
-    kids = [await ctx.fork() for _ in range(3)]
+    kids = await asyncio.gather(*(ctx.fork() for _ in range(3)))  # concurrent forks
     outs = await asyncio.gather(*(k.generate(Sampler(), MaxTokens(4)) for k in kids))
     shared = [k.pages[:2] == ctx.pages[:2] and k.pages[2] != ctx.pages[2] for k in kids]
     for k in kids:

@@ -46,6 +46,7 @@ TRAITS: dict[str, tuple[str, ...]] = {
         "detokenize",
         "get_vocabs",
         "get_eos_token_ids",
+        "get_vocab_size",
         "apply_chat_template",
     ),
     "output_text": ("get_next_dist", "sample"),
@@ -80,6 +81,9 @@ class InferletApi(Protocol):
 
     def set_queue_priority(self, q: int, priority: int) -> None:
         """Higher-priority queues are batched first (default 0)."""
+
+    def close_queue(self, q: int) -> None:
+        """Drop a queue (its pending calls fail); resources stay with the inferlet."""
 
     # ------------------------------------------------------------------ allocate
     def get_kv_page_size(self, q: int) -> int: ...
@@ -167,6 +171,9 @@ class InferletApi(Protocol):
         """The bytes of every token id."""
 
     def get_eos_token_ids(self, q: int) -> list[int]: ...
+
+    def get_vocab_size(self, q: int) -> int:
+        """Rows of the model's output distribution (may exceed the tokenizer's vocabulary)."""
 
     def apply_chat_template(
         self, q: int, messages: list[tuple[str, str]], add_generation_prompt: bool = True

@@ -192,6 +192,11 @@ class Session:
     def set_queue_priority(self, q: int, priority: int) -> None:
         self._queue(q).queue.priority = int(priority)
 
+    def close_queue(self, q: int) -> None:
+        ref = self._queue(q)
+        ref.model.scheduler.close_queue(ref.queue, f"queue {q} was closed")
+        del self._queues[q]
+
     # ------------------------------------------------------------------ allocate
 
     def get_kv_page_size(self, q: int) -> int:
@@ -363,6 +368,9 @@ class Session:
 
     def get_eos_token_ids(self, q: int) -> list[int]:
         return list(self._queue(q).model.info.eos_token_ids)
+
+    def get_vocab_size(self, q: int) -> int:
+        return self._queue(q).model.info.vocab_size
 
     def apply_chat_template(
         self, q: int, messages: list[tuple[str, str]], add_generation_prompt: bool = True

@@ -19,6 +19,7 @@ import inspect
 import itertools
 import linecache
 import logging
+import sys
 import time
 import traceback
 import types
@@ -52,6 +53,9 @@ class Program:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         module = types.ModuleType(f"inferlet_{digest[:12]}")
         module.__file__ = filename
+        # Registered like an imported module, so that dataclasses, pickling-free
+        # introspection and `from __future__ import annotations` work inside programs.
+        sys.modules[module.__name__] = module
         try:
             exec(code, module.__dict__)
         except Exception as e:

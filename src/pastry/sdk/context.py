@@ -38,6 +38,7 @@ class Context:
         self.api = a = api()
         self.model = model or a.available_models()[0]
         self.queue = a.create_queue(self.model) if queue is None else queue
+        self._own_queue = queue is None
         self.page_size = a.get_kv_page_size(self.queue)
         self.pages: list[int] = []
         self.kv_len = 0  # tokens whose K/V are in the pages
@@ -45,6 +46,7 @@ class Context:
         self.pending: list[int] = []  # filled but not yet forwarded
         self._embeds: list[int] = []
         self._eos: list[int] | None = None
+        self._last: asyncio.Future | None = None  # the latest flush still in flight
         self.released = False
 
     # ------------------------------------------------------------------ filling
@@ -69,7 +71,9 @@ class Context:
         if todo:
             futs, _ = self._forward(todo, want_output=False)
             self.pending = self.pending[len(todo) :]
-            await asyncio.gather(*futs)
+            self._last = asyncio.gather(*futs)
+        if self._last is not None:  # also when a concurrent flush (or fork) issued it
+            await self._last
 
     # ------------------------------------------------------------------ generation
 
@@ -170,6 +174,8 @@ class Context:
             futs.append(self.api.dealloc_embeds(self.queue, self._embeds))
         self.pages, self._embeds = [], []
         await asyncio.gather(*futs)
+        if self._own_queue:
+            self.api.close_queue(self.queue)
 
     async def __aenter__(self) -> Context:
         return self

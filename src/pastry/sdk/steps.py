@@ -61,7 +61,11 @@ async def dists_after(ctx: Context, tokens: Sequence[int], k: int = 256) -> list
 
 async def truncate(ctx: Context, length: int) -> None:
     """Keep only the first ``length`` tokens of ``ctx`` (see the module docstring for what
-    happens to the K/V of the dropped ones). Spare pages are kept for the tokens to come."""
+    happens to the K/V of the dropped ones). Spare pages are kept for the tokens to come.
+
+    Kept tokens already forwarded stay in the KV cache, so when ``length`` is at most the
+    number forwarded nothing is pending: append a token before ``generate``.
+    """
     ctx._check_live()
     if not 0 <= length <= len(ctx.tokens):
         raise ApiError(f"cannot truncate a context of {len(ctx.tokens)} tokens to {length}")
