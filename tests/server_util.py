@@ -52,6 +52,7 @@ def running_server(model, tmp_path, **overrides):
 
 def call(server: PastryServer, fn):
     """Run ``fn()`` on the server's event loop thread and return its result."""
+
     async def run():
         return fn()
 

@@ -423,3 +423,20 @@ def test_cuda_matches_cpu(make_tiny, dtype):
     assert np.abs(p_cpu - p_gpu).max() < (1e-4 if dtype == "float32" else 0.05)
     if dtype == "float32":
         assert Seq(Pages(gpu)).greedy(toks, 16) == Seq(Pages(cpu)).greedy(toks, 16)
+
+
+def test_single_token_items_without_context_or_storage(make_tiny):
+    """Decode-shaped items (one token) whose K/V are not stored take the cat path; a
+    batch of them equals each alone (regression: a view of a permuted tensor)."""
+    eng = load(make_tiny("llama"))
+    v = eng.info.vocab_size
+    calls = []
+    for i, t in enumerate([5, 9, 13]):
+        calls += [
+            EmbedTxt(ids([t]), ids([0]), ids([i])),
+            Forward(in_embeds=ids([i]), out_embeds=ids([10 + i]), out_indices=ids([0])),
+        ]
+    res = eng.execute([*calls[0::2], *calls[1::2], *[NextDist(10 + i, k=v) for i in range(3)]])
+    for i, t in enumerate([5, 9, 13]):
+        alone = Seq(Pages(eng, first_page=100, first_embed=500 + 10 * i)).step([t])
+        np.testing.assert_allclose(dense(res[6 + i], v), alone, atol=1e-6)

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import jinja2
 import numpy as np
 
 from pastry.api import ApiError
@@ -383,7 +384,7 @@ class Session:
             msgs.append({"role": m[0], "content": m[1]})
         try:
             return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-        except ValueError as e:
+        except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(str(e)) from None
 
     def tokenize(self, q: int, text: str) -> list[int]:

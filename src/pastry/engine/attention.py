@@ -269,7 +269,9 @@ def _decode_attention(
     hq = q.shape[2]
     rep = hq // hkv
     qq = q.view(g, hkv, rep, d).transpose(0, 1).reshape(hkv * g, rep, d)
-    scores = torch.baddbmm(bias, qq, k.view(hkv * g, length, d).transpose(1, 2), alpha=scale)
+    # k/v are contiguous when gathered from the pool, permuted views when the group's new
+    # tokens are not stored (reshape copies only then).
+    scores = torch.baddbmm(bias, qq, k.reshape(hkv * g, length, d).transpose(1, 2), alpha=scale)
     probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
-    out = torch.bmm(probs, v.view(hkv * g, length, d)).view(hkv, g, rep, d)
+    out = torch.bmm(probs, v.reshape(hkv * g, length, d)).view(hkv, g, rep, d)
     return out.transpose(0, 1).reshape(g, 1, hq, d)

@@ -70,7 +70,9 @@ async def serve(config: ServerConfig, log_level: str = "info") -> None:
     server = PastryServer(config)
     app = create_app(server)
     uv = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, ws="websockets")
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_level=log_level, ws="websockets"
+        )
     )
     log.info("serving on http://%s:%d (WebSocket /ws, OpenAI API /v1)", config.host, config.port)
     await uv.serve()

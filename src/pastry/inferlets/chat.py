@@ -1,0 +1,34 @@
+"""Chat: messages in, the assistant's reply out — the program behind
+``POST /v1/chat/completions``. It renders the model's chat template, then continues exactly
+like ``text-completion`` (same options, streaming and result), with ``messages`` in place
+of ``prompt``.
+
+    pastry run chat -- "Tell me a story"
+    pastry run chat -- '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64}'
+
+Plain words are one user message, answered greedily and sent as raw text messages.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pastry.sdk as px
+from pastry.inferlets.text_completion import OPTIONS, complete, parse
+from pastry.sdk import Context
+
+CHAT_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "prompt"}
+CHAT_OPTIONS.update(messages=[], max_tokens=256)  # messages: [{"role", "content"}]
+
+
+async def main(args: list[str]) -> str | None:
+    opts = parse(args, CHAT_OPTIONS)
+    plain = opts is None
+    if plain:
+        user = {"role": "user", "content": " ".join(args)}
+        opts = {**CHAT_OPTIONS, "messages": [user], "temperature": 0.0}
+    ctx = Context(opts["model"])
+    messages = [(m["role"], m["content"]) for m in opts["messages"]]
+    ctx.fill(px.apply_chat_template(ctx.queue, messages))
+    result = await complete(ctx, opts, plain)
+    return None if plain else json.dumps(result)
