@@ -368,3 +368,47 @@ def test_forward_with_adapter_from_an_inferlet(adapters):
     assert out["lora"][0] == res[2].ids.tolist()
     np.testing.assert_allclose(out["lora"][1], res[2].probs, atol=1e-6)
     assert out["lora"] != out["base"]
+
+
+WRITER = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    ps = px.get_kv_page_size(q)
+    kv = px.alloc_kvpages(q, 4)
+    emb = px.alloc_embeds(q, 4 * ps)
+    toks = [int(t) for t in args[0].split(",")] * ps
+    n = 4 * ps
+    await px.embed_txt(q, toks[:n], list(range(n)), emb[:n])
+    await px.forward(q, [], 0, emb[:n], kv, 0, [])
+    await px.dealloc_kvpages(q, kv)
+    return "wrote"
+"""
+
+READER = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    ps = px.get_kv_page_size(q)
+    kv = px.alloc_kvpages(q, 4)  # very likely the writer's old pages
+    emb = px.alloc_embeds(q, 3)
+    await px.embed_txt(q, [7], [4 * ps], [emb[0]])
+    # claim the (never written) pages as context: nothing of the writer's may be seen
+    await px.forward(q, kv, ps, [emb[0]], [], 0, [emb[1]])
+    await px.forward(q, [], 0, [emb[0]], [], 0, [emb[2]])
+    a = await px.get_next_dist(q, emb[1], 8)
+    b = await px.get_next_dist(q, emb[2], 8)
+    return repr((a, b))
+"""
+
+
+def test_fresh_pages_never_show_another_inferlets_kv(make_tiny):
+    eng = load_engine(make_tiny("llama"), num_pages=8)
+    events, _ = asyncio.run(run_all(eng, [(WRITER, ["3,1,4,1"])]))
+    assert result(events[0]) == "wrote"
+    events, _ = asyncio.run(run_all(eng, [(READER, [])]))
+    (a_ids, a_p), (b_ids, b_p) = eval(result(events[0]))
+    assert a_ids == b_ids
+    np.testing.assert_allclose(a_p, b_p, atol=1e-6)

@@ -135,6 +135,12 @@ class Controller:
             await m.scheduler.stop()
 
 
+def _consume(fut: asyncio.Future) -> None:
+    """Retrieve a fire-and-forget command's outcome (failures surface on later calls)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 @dataclass
 class _QueueRef:
     model: Model
@@ -204,7 +210,17 @@ class Session:
         return self._queue(q).model.info.page_size
 
     def alloc_kvpages(self, q: int, n: int) -> list[int]:
-        return self._alloc(q, "kv", n)
+        """New pages, every slot not attendable until this inferlet writes it: a page may
+        hold another inferlet's stale K/V, which must never be visible."""
+        ref = self._queue(q)
+        pages = self._alloc(q, "kv", n)
+        if pages:
+            phys = self._phys(ref, "kv", pages)
+            hidden = np.ones(ref.model.info.page_size, dtype=np.bool_)
+            for p in phys:
+                fut = self._submit(q, Command(Stage.KV, prepare=lambda p=p: MaskKv(p, hidden)))
+                fut.add_done_callback(_consume)
+        return pages
 
     def alloc_embeds(self, q: int, n: int) -> list[int]:
         return self._alloc(q, "embed", n)
