@@ -172,3 +172,20 @@ def test_deltas_hold_back_partial_characters_and_stop_prefixes():
     for n in range(1, 5):
         d.should_stop([6] * n, "")
     assert sent == []  # all of "abababab" may still be the start of the stop string
+
+
+def test_every_builtin_loads(tmp_path):
+    """A built-in that fails to load is only logged by the server: catch it here."""
+    from importlib import resources
+
+    from pastry.server.registry import ProgramRegistry
+
+    reg = ProgramRegistry(tmp_path)
+    reg.add_builtins()
+    files = [
+        e.name for e in resources.files("pastry.inferlets").iterdir()
+        if e.name.endswith(".py") and not e.name.startswith("_")
+    ]  # fmt: skip
+    assert len([p for p in reg.list() if p.builtin]) == len(files)
+    with pytest.raises(Exception, match="built-in"):
+        reg.upload("async def main(args): return 'x'\n", name="text-completion")

@@ -672,6 +672,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     if args.exit_with_parent:
         threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
+        # Ctrl-C in a terminal reaches the whole process group; the parent decides when
+        # the engine stops (it terminates us, or we exit when it goes away).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = _load_factory(args.engine_factory)(args.model, config)
     except CheckpointError as e:

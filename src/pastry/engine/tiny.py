@@ -345,15 +345,18 @@ def create_tiny(
     return out
 
 
-def default_model_dir(arch: str = "llama", size: str = "tiny") -> Path:
-    """Where :func:`ensure_default_model` keeps its checkpoint: ``$PASTRY_HOME/models/...``,
-    else ``$XDG_CACHE_HOME/pastry/models/...`` (``~/.cache`` when unset)."""
+def pastry_home() -> Path:
+    """Pastry's cache root: ``$PASTRY_HOME``, else ``$XDG_CACHE_HOME/pastry`` (``~/.cache``
+    when unset). Models, programs and built runtimes live below it."""
     home = os.environ.get("PASTRY_HOME")
     if home:
-        base = Path(home)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pastry"
-    return base / "models" / f"default-{arch}-{size}"
+        return Path(home)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pastry"
+
+
+def default_model_dir(arch: str = "llama", size: str = "tiny") -> Path:
+    """Where :func:`ensure_default_model` keeps its checkpoint: ``pastry_home()/models/``."""
+    return pastry_home() / "models" / f"default-{arch}-{size}"
 
 
 def ensure_default_model(arch: str = "llama", size: str = "tiny") -> Path:

@@ -51,7 +51,11 @@ def create_app(server: PastryServer) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await server.start()
+        try:
+            await server.start()
+        except BaseException:
+            await server.stop()  # engines already started must not outlive a failed start
+            raise
         try:
             yield
         finally:
@@ -70,9 +74,7 @@ async def serve(config: ServerConfig, log_level: str = "info") -> None:
     server = PastryServer(config)
     app = create_app(server)
     uv = uvicorn.Server(
-        uvicorn.Config(
-            app, host=config.host, port=config.port, log_level=log_level, ws="websockets"
-        )
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level)
     )
     log.info("serving on http://%s:%d (WebSocket /ws, OpenAI API /v1)", config.host, config.port)
     await uv.serve()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -17,6 +18,8 @@ from importlib import resources
 from pathlib import Path
 
 from pastry.runtime.trusted import Program, ProgramError
+
+log = logging.getLogger(__name__)
 
 
 class RegistryError(ValueError):
@@ -49,11 +52,18 @@ class ProgramRegistry:
                     self._names[info.name] = info.hash
 
     def add_builtins(self) -> None:
-        """Register every ``pastry/inferlets/*.py`` by its name (underscores as dashes)."""
+        """Register every ``pastry/inferlets/*.py`` by its name (underscores as dashes).
+
+        A built-in that fails to load is logged and left out rather than stopping the
+        server (``tests/test_builtins.py`` checks that all of them load).
+        """
         for entry in resources.files("pastry.inferlets").iterdir():
             if entry.name.endswith(".py") and not entry.name.startswith("_"):
                 name = entry.name[:-3].replace("_", "-")
-                self._add(entry.read_text(), name, builtin=True)
+                try:
+                    self._add(entry.read_text(), name, builtin=True)
+                except ProgramError as e:
+                    log.error("built-in inferlet %s does not load: %s", name, e)
 
     def upload(self, source: str | bytes, name: str | None = None) -> ProgramInfo:
         """Validate and store a program; returns its info (idempotent for the same bytes)."""
@@ -66,6 +76,8 @@ class ProgramRegistry:
             text = data.decode()
         except UnicodeDecodeError as e:
             raise RegistryError(f"program is not UTF-8 text: {e}") from None
+        if name is not None and name in self._names and self._infos[self._names[name]].builtin:
+            raise RegistryError(f"'{name}' is a built-in program; upload under another name")
         return self._add(text, name, builtin=False)
 
     def _add(self, text: str, name: str | None, builtin: bool) -> ProgramInfo:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
-import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from pathlib import Path
 from pastry.control.controller import Controller
 from pastry.control.scheduler import Policy
 from pastry.engine.config import EngineConfig
+from pastry.engine.tiny import pastry_home
 from pastry.runtime.trusted import Instance, TrustedRuntime
 from pastry.server.registry import ProgramRegistry
 
@@ -29,10 +29,6 @@ log = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """The server cannot start with this configuration."""
-
-
-def pastry_home() -> Path:
-    return Path(os.environ.get("PASTRY_HOME") or Path.home() / ".cache" / "pastry")
 
 
 @dataclass(frozen=True)
@@ -158,6 +154,12 @@ class PastryServer:
         """Launch a program by name or hash; ``owner`` None means detached."""
         inst = self.runtime.launch(self.registry.get(program), list(args))
         self.owners[inst.id] = owner
+
+        async def forget() -> None:
+            await inst.wait()
+            self.owners.pop(inst.id, None)
+
+        self.loop.create_task(forget())
         return inst
 
     def instance(self, iid: int) -> Instance | None:
