@@ -124,7 +124,8 @@ class Policy:
     k: int = 64  # k-only: forward calls per batch (and to wait for)
     t_ms: float = 5.0  # t-only: batch interval; k-only: give up waiting after this
     max_inflight: int = 1  # batches on the engine at once
-    settle_ticks: int = 3  # adaptive: event-loop turns to let woken inferlets submit
+    settle_ticks: int = 3  # adaptive: event-loop turns to let woken inferlets submit,
+    max_settle_ticks: int = 64  # and more while they keep submitting
 
     KINDS = ("adaptive", "eager", "k-only", "t-only")
 
@@ -252,8 +253,7 @@ class BatchScheduler:
                 self.form_batch(**caps)
                 continue
             if p.kind == "adaptive":
-                for _ in range(p.settle_ticks):  # let just-resumed inferlets queue their calls
-                    await asyncio.sleep(0)
+                await self._settle()
             elif p.kind == "k-only":
                 deadline = time.perf_counter() + p.t_ms / 1e3
                 while self._ready_count() < p.k and time.perf_counter() < deadline:
@@ -267,6 +267,22 @@ class BatchScheduler:
                 self._dispatch(batch)
                 if self._inflight >= p.max_inflight:
                     break
+
+    async def _settle(self) -> None:
+        """Let the inferlets that the last results woke up queue their next calls.
+
+        Event-loop turns until one passes without a new command (at least
+        ``settle_ticks``, at most ``max_settle_ticks``): a batch sent earlier would leave
+        late inferlets to the next one, and their Python work would then compete with the
+        engine for the CPU (and, in process, the GIL) while it runs.
+        """
+        p = self.policy
+        seen = self.stats.commands
+        for tick in range(p.max_settle_ticks):
+            await asyncio.sleep(0)
+            if tick + 1 >= p.settle_ticks and self.stats.commands == seen:
+                return
+            seen = self.stats.commands
 
     def _ready_count(self) -> int:
         taken = len(self._forming.commands) if self._forming is not None else 0
