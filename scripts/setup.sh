@@ -12,3 +12,6 @@ python -m pip install --quiet --upgrade pip
 # first) downloads gigabytes of CUDA packages.
 python -m pip install --quiet "torch==${PASTRY_TORCH_VERSION:-2.13.0}"
 python -m pip install --quiet -e ".[test]"
+# The sandbox's CPython-on-WASI runtime: built once (about a minute) and cached compiled
+# under $PASTRY_HOME; rebuilt only when its inputs change.
+python -m pastry.runtime.build_pyrt

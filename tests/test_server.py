@@ -582,3 +582,30 @@ def test_cli_serve_until_sigterm(make_tiny, tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert "Application shutdown complete" in err
+
+
+SNOOP = """
+import os
+
+async def main(args):
+    try:
+        open("/etc/passwd").read()
+        return "read it"
+    except OSError as e:
+        return f"denied: {type(e).__name__}; env empty: {os.environ == {}}"
+"""
+
+
+def test_uploads_run_sandboxed_unless_the_operator_trusts_them(make_tiny, tmp_path):
+    pytest.importorskip("wasmtime")
+
+    async def go(url):
+        async with await Client.connect(url) as c:
+            await c.upload(SNOOP, name="snoop")
+            inst = await c.launch("snoop")
+            return await inst.result()
+
+    with running_server(make_tiny("llama"), tmp_path / "a") as (url, _srv):
+        assert run(go(url)) == "denied: FileNotFoundError; env empty: True"
+    with running_server(make_tiny("llama"), tmp_path / "b", trusted_uploads=True) as (url, _srv):
+        assert run(go(url)) == "read it"

@@ -214,6 +214,12 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="hosts inferlets may reach over HTTP (default: none)",
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--trusted-uploads",
+        action="store_true",
+        help="run uploaded programs in the server process instead of the WebAssembly "
+        "sandbox (only for programs you trust)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -239,6 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
             num_embeds=args.num_embeds,
             policy=args.policy,
             http_allow=tuple(args.http_allow),
+            trusted_uploads=args.trusted_uploads,
         )
     except ConfigError as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)

@@ -35,8 +35,9 @@ class ProgramInfo:
 
 
 class ProgramRegistry:
-    def __init__(self, root: Path, max_bytes: int = 1 << 20) -> None:
+    def __init__(self, root: Path, max_bytes: int = 1 << 20, sandbox_uploads: bool = True) -> None:
         self.root = Path(root)
+        self.sandbox_uploads = sandbox_uploads
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._index_path = self.root / "index.json"
@@ -84,7 +85,7 @@ class ProgramRegistry:
         digest = hashlib.sha256(text.encode()).hexdigest()
         name = name or f"program-{digest[:12]}"
         if digest not in self._compiled:
-            self._compiled[digest] = self._compile(name, text)
+            self._compiled[digest] = self._compile(name, text, sandboxed=not builtin)
         info = ProgramInfo(digest, name, len(text.encode()), builtin)
         known = self._infos.get(digest)
         if known is None or known.name != name:
@@ -94,9 +95,22 @@ class ProgramRegistry:
             self._store(digest, text)
         return self._infos[digest]
 
-    def _compile(self, name: str, text: str) -> Program:
+    def _compile(self, name: str, text: str, sandboxed: bool) -> Program:
+        """Built-ins (and uploads when the operator allows it) run trusted, in the server;
+        uploads run in the WebAssembly sandbox."""
         self.compiles += 1
-        return Program.from_source(name, text)  # raises ProgramError
+        if not (sandboxed and self.sandbox_uploads):
+            return Program.from_source(name, text)  # raises ProgramError
+        try:
+            from pastry.runtime.wasm import SandboxError, sandboxed_program
+
+            return sandboxed_program(name, text)
+        except (ImportError, SandboxError, FileNotFoundError) as e:
+            raise RegistryError(
+                f"uploads run in the WebAssembly sandbox, which is not available ({e}); build "
+                "it with `python -m pastry.runtime.build_pyrt`, or let the operator run "
+                "uploads trusted with `pastry serve --trusted-uploads`"
+            ) from None
 
     def _store(self, digest: str, text: str) -> None:
         path = self.root / f"{digest}.py"
@@ -126,7 +140,8 @@ class ProgramRegistry:
         prog = self._compiled.get(digest)
         if prog is None:  # stored by an earlier server run: compile once now
             text = (self.root / f"{digest}.py").read_text()
-            prog = self._compiled[digest] = self._compile(self._infos[digest].name, text)
+            info = self._infos[digest]
+            prog = self._compiled[digest] = self._compile(info.name, text, not info.builtin)
         return prog
 
     def info(self, ref: str) -> ProgramInfo:

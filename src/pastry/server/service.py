@@ -47,6 +47,7 @@ class ServerConfig:
     max_upload_bytes: int = 1 << 20
     programs_dir: Path | None = None  # default: $PASTRY_HOME/programs
     in_process: bool = False  # run the engine in this process (tests, smallest setups)
+    trusted_uploads: bool = False  # run uploaded programs in the server, not the sandbox
     engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,7 +75,9 @@ class PastryServer:
         self.controller: Controller | None = None
         self.runtime: TrustedRuntime | None = None
         self.registry = ProgramRegistry(
-            config.programs_dir or pastry_home() / "programs", config.max_upload_bytes
+            config.programs_dir or pastry_home() / "programs",
+            config.max_upload_bytes,
+            sandbox_uploads=not config.trusted_uploads,
         )
         self.registry.add_builtins()
         self._procs: list = []

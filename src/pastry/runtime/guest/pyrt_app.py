@@ -1,0 +1,316 @@
+"""The guest side of the generic Python runtime ("pyrt"): runs inside WebAssembly.
+
+Built into a component by :mod:`pastry.runtime.build_pyrt` together with the pure-Python
+parts of ``pastry`` (``pastry.api`` and ``pastry.sdk`` without ``grammar``), so inferlets
+run the *same* SDK as trusted ones. ``run_source`` compiles the inferlet's source and runs
+its ``async def main(args)`` on :class:`GuestLoop`, an asyncio event loop whose only way
+to wait is the host's blocking ``wait`` import: while the inferlet waits, its Wasmtime
+fiber is suspended and the host runs other inferlets and the batch scheduler.
+
+Queued API calls return asyncio futures at once (the host returns a ``pending`` handle),
+so ``asyncio.gather`` over embed, forward and sample submits them all before waiting, as
+in the trusted runner. This module never runs on the host (it imports the generated
+``wit_world`` bindings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import asyncio.base_events
+import collections
+import contextvars
+import dataclasses
+import functools
+import heapq
+import itertools
+import json
+import linecache
+import math
+import random
+import re
+import string
+import sys
+import time
+import traceback
+import types
+import typing
+import weakref
+
+import wit_world
+from componentize_py_types import Err
+from wit_world.imports import api as host
+
+import pastry.sdk
+from pastry.api import ApiError
+
+# Modules imported here (or by pastry.sdk) are in the snapshot; nothing else of the
+# standard library can be imported by an inferlet.
+STDLIB = (
+    asyncio, collections, contextvars, dataclasses, functools, heapq, itertools, json, math,
+    random, re, string, time, typing, weakref,
+)  # fmt: skip
+
+
+def _call(fn, *args):
+    """Call a host import, turning its ``err`` into the SDK's :class:`ApiError`."""
+    try:
+        return fn(*args)
+    except Err as e:
+        raise ApiError(e.value) from None
+
+
+class _HostSelector:
+    """Stands in for the loop's selector: waiting = the host's blocking ``wait``."""
+
+    def __init__(self, loop: GuestLoop) -> None:
+        self.loop = loop
+
+    def select(self, timeout: float | None) -> list:
+        loop = self.loop
+        if timeout is not None and timeout <= 0:
+            return []
+        if not loop.pending:
+            if timeout is None:
+                raise RuntimeError(
+                    "the inferlet waits for nothing: no API call is in flight and no task "
+                    "can make progress (a deadlock in the inferlet)"
+                )
+            time.sleep(timeout)  # only asyncio.sleep with nothing in flight gets here
+            return []
+        ns = None if timeout is None else int(timeout * 1e9)
+        for pid in host.wait(list(loop.pending), ns):
+            fut = loop.pending.pop(pid)
+            try:
+                value = host.take(pid)
+            except Err as e:
+                if not fut.done():
+                    fut.set_exception(ApiError(e.value))
+                continue
+            if not fut.done():
+                fut.set_result(_unwrap(value))
+        return []
+
+
+def _unwrap(v):
+    if isinstance(v, wit_world.imports.api.Value_Dist):
+        ids, probs = v.value
+        return list(ids), list(probs)
+    if isinstance(v, wit_world.imports.api.Value_Http):
+        return tuple(v.value)
+    return getattr(v, "value", None)
+
+
+class GuestLoop(asyncio.base_events.BaseEventLoop):
+    """A complete asyncio loop (tasks, futures, gather, timers) without sockets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[int, asyncio.Future] = {}
+        self._selector = _HostSelector(self)
+
+    def _process_events(self, event_list) -> None:
+        pass
+
+    def _write_to_self(self) -> None:
+        pass
+
+    def track(self, pid: int) -> asyncio.Future:
+        fut = self.create_future()
+        self.pending[pid] = fut
+        return fut
+
+
+class GuestApi:
+    """:class:`pastry.api.InferletApi` over the host imports (see ``wit/pastry.wit``)."""
+
+    def __init__(self, loop: GuestLoop) -> None:
+        self.loop = loop
+
+    def _queued(self, fn, *args) -> asyncio.Future:
+        return self.loop.track(_call(fn, *args))
+
+    # runtime
+    def get_arguments(self):
+        return list(host.get_arguments())
+
+    def get_instance_id(self):
+        return host.get_instance_id()
+
+    def get_version(self):
+        return host.get_version()
+
+    def send(self, message):
+        if not isinstance(message, str):
+            raise ApiError(f"send takes a string, got {type(message).__name__}")
+        _call(host.send, message)
+
+    def receive(self):
+        return self.loop.track(host.receive())
+
+    def available_models(self):
+        return list(host.available_models())
+
+    def available_traits(self, model):
+        return list(_call(host.available_traits, model))
+
+    def create_queue(self, model):
+        return _call(host.create_queue, model)
+
+    def synchronize(self, q):
+        return self._queued(host.synchronize, q)
+
+    def set_queue_priority(self, q, priority):
+        _call(host.set_queue_priority, q, int(priority))
+
+    def close_queue(self, q):
+        _call(host.close_queue, q)
+
+    # allocate
+    def get_kv_page_size(self, q):
+        return _call(host.get_kv_page_size, q)
+
+    def alloc_kvpages(self, q, n):
+        return list(_call(host.alloc_kvpages, q, n))
+
+    def dealloc_kvpages(self, q, pages):
+        return self._queued(host.dealloc_kvpages, q, list(pages))
+
+    def alloc_embeds(self, q, n):
+        return list(_call(host.alloc_embeds, q, n))
+
+    def dealloc_embeds(self, q, embeds):
+        return self._queued(host.dealloc_embeds, q, list(embeds))
+
+    def copy_kvpage(self, q, src, dst, src_offset, dst_offset, size):
+        return self._queued(host.copy_kvpage, q, src, dst, src_offset, dst_offset, size)
+
+    def export_kvpages(self, q, pages, name, persistent=False):
+        return self._queued(host.export_kvpages, q, list(pages), name, bool(persistent))
+
+    def import_kvpages(self, q, name):
+        return list(_call(host.import_kvpages, q, name))
+
+    def unexport_kvpages(self, q, name):
+        _call(host.unexport_kvpages, q, name)
+
+    def list_exported_kvpages(self, q):
+        return [tuple(x) for x in _call(host.list_exported_kvpages, q)]
+
+    # forward
+    def forward(self, q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds,
+                mask=None):  # fmt: skip
+        m = None if mask is None else [[bool(x) for x in row] for row in mask]
+        return self._queued(
+            host.forward, q, list(in_kv), in_kv_last_len, list(in_embeds), list(out_kv),
+            out_kv_offset, list(out_embeds), m,
+        )  # fmt: skip
+
+    def forward_with_adapter(self, q, adapter, in_kv, in_kv_last_len, in_embeds, out_kv,
+                             out_kv_offset, out_embeds, mask=None):  # fmt: skip
+        m = None if mask is None else [[bool(x) for x in row] for row in mask]
+        return self._queued(
+            host.forward_with_adapter, q, adapter, list(in_kv), in_kv_last_len,
+            list(in_embeds), list(out_kv), out_kv_offset, list(out_embeds), m,
+        )  # fmt: skip
+
+    def get_adapters(self, q):
+        return list(_call(host.get_adapters, q))
+
+    def mask_kvpage(self, q, page, mask):
+        return self._queued(host.mask_kvpage, q, page, [bool(x) for x in mask])
+
+    # input text, tokenize
+    def embed_txt(self, q, tokens, positions, embeds):
+        return self._queued(host.embed_txt, q, list(tokens), list(positions), list(embeds))
+
+    def tokenize(self, q, text):
+        return list(_call(host.tokenize, q, text))
+
+    def detokenize(self, q, tokens):
+        return _call(host.detokenize, q, list(tokens))
+
+    def get_vocabs(self, q):
+        return [bytes(b) for b in _call(host.get_vocabs, q)]
+
+    def get_eos_token_ids(self, q):
+        return list(_call(host.get_eos_token_ids, q))
+
+    def get_vocab_size(self, q):
+        return _call(host.get_vocab_size, q)
+
+    def apply_chat_template(self, q, messages, add_generation_prompt=True):
+        msgs = [(str(r), str(c)) for r, c in messages]
+        return _call(host.apply_chat_template, q, msgs, bool(add_generation_prompt))
+
+    # output
+    def get_next_dist(self, q, embed, k=256):
+        return self._queued(host.get_next_dist, q, embed, k)
+
+    def sample(self, q, embed, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None):
+        return self._queued(
+            host.sample, q, embed, float(temperature), int(top_k), float(top_p),
+            float(min_p), None if seed is None else int(seed),
+        )  # fmt: skip
+
+    # messaging
+    def broadcast(self, topic, message):
+        return _call(host.broadcast, topic, message)
+
+    def subscribe(self, topic):
+        return _call(host.subscribe, topic)
+
+    def next_message(self, sub):
+        return self._queued(host.next_message, sub)
+
+    def unsubscribe(self, sub):
+        _call(host.unsubscribe, sub)
+
+    # key-value store
+    def store_get(self, key):
+        return host.store_get(key)
+
+    def store_set(self, key, value):
+        _call(host.store_set, key, value)
+
+    def store_delete(self, key):
+        return host.store_delete(key)
+
+    def store_exists(self, key):
+        return host.store_exists(key)
+
+    def store_list_keys(self, prefix=""):
+        return list(host.store_list_keys(prefix))
+
+    # http
+    def http_get(self, url):
+        return self.loop.track(host.http_get(url))
+
+    def http_post(self, url, body):
+        return self.loop.track(host.http_post(url, body))
+
+
+def _load(name: str, source: str):
+    filename = f"<inferlet {name}>"
+    code = compile(source, filename, "exec")
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    module = types.ModuleType("inferlet")
+    module.__file__ = filename
+    sys.modules["inferlet"] = module
+    exec(code, module.__dict__)
+    main = module.__dict__.get("main")
+    if main is None or not asyncio.iscoroutinefunction(main):
+        raise ValueError(f"{name}: an inferlet must define `async def main(args)`")
+    return main
+
+
+class WitWorld(wit_world.WitWorld):
+    def run_source(self, name: str, source: str, args: list[str]) -> str | None:
+        try:
+            main = _load(name, source)
+            loop = GuestLoop()
+            asyncio.set_event_loop(loop)
+            pastry.sdk._current.set(GuestApi(loop))
+            result = loop.run_until_complete(main(list(args)))
+        except BaseException:
+            raise Err(traceback.format_exc()) from None
+        return None if result is None else str(result)

@@ -1,0 +1,260 @@
+"""Sandboxed (WebAssembly) inferlets: same results as trusted ones, limits, escapes.
+
+Needs wasmtime and componentize-py; the Python runtime component is built once (about a
+minute) and cached under $PASTRY_HOME, so later runs start in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("wasmtime")
+pytest.importorskip("componentize_py")
+
+from inferlet_util import load_engine, result, start
+from pastry.runtime.trusted import Program, ProgramError
+from pastry.runtime.wasm import SandboxLimits, WasmSandbox, sandboxed_program
+from test_inferlets import CONTEXT_TOKENS, GREEDY_LOOP, THREE_LINES
+
+
+@pytest.fixture(scope="module")
+def box() -> WasmSandbox:
+    from pastry.runtime import build_pyrt
+
+    try:
+        build_pyrt.build()
+    except build_pyrt.BuildError as e:
+        pytest.skip(f"cannot build the Python runtime component: {e}")
+    return WasmSandbox()
+
+
+@pytest.fixture(scope="module")
+def eng(make_tiny):
+    return load_engine(make_tiny("llama"), num_pages=256)
+
+
+def run(eng, launches):
+    """Launch every (program, args) at once on one controller; events and controller."""
+
+    async def go():
+        controller, rt, handle = await start(eng)
+        insts = [rt.launch(p, a) for p, a in launches]
+        events = await asyncio.gather(*(_collect(i) for i in insts))
+        await controller.close()
+        handle.close()
+        return events, controller
+
+    return asyncio.run(go())
+
+
+async def _collect(inst):
+    return [ev async for ev in inst.events()]
+
+
+def error(events) -> str:
+    end = events[-1]
+    assert end.kind == "error", f"{end.kind}: {end.data}"
+    return end.data
+
+
+def _released(controller) -> None:
+    res = next(iter(controller.models.values())).resources
+    res.check_integrity()
+    assert res.usage("kv")[1] == 0 and res.usage("embed")[1] == 0
+
+
+def test_same_source_same_results(eng, box):
+    tokens = ",".join(map(str, np.random.default_rng(0).integers(0, 500, 9).tolist()))
+    cases = [(GREEDY_LOOP, [tokens, "8"]), (THREE_LINES, ["Hello,", "8"])]
+    launches = []
+    for src, args in cases:
+        launches += [
+            (Program.from_source("t", src), args),
+            (sandboxed_program("s", src, box=box), args),
+        ]
+    events, controller = run(eng, launches)
+    for i in range(0, len(events), 2):
+        assert result(events[i + 1]) == result(events[i])
+    _released(controller)
+
+
+def test_sandboxed_and_trusted_batch_together(eng, box):
+    rng = np.random.default_rng(2)
+    prompts = [",".join(map(str, rng.integers(0, 500, 5).tolist())) for _ in range(6)]
+    trusted = Program.from_source("t", CONTEXT_TOKENS)
+    boxed = sandboxed_program("s", CONTEXT_TOKENS, box=box)
+    launches = [(trusted, [p, "6"]) for p in prompts] + [(boxed, [p, "6"]) for p in prompts]
+    events, controller = run(eng, launches)
+    for a, b in zip(events[:6], events[6:], strict=True):
+        assert result(a) == result(b)
+    stats = next(iter(controller.models.values())).scheduler.stats
+    assert stats.forward_items / stats.forward_batches > 6, stats  # mixed batches
+    _released(controller)
+
+
+MESSAGES = """
+import pastry.sdk as px
+
+async def main(args):
+    px.send("ready")
+    got = await px.receive()
+    px.store_set("k", got)
+    return px.store_get("k") + "/" + str(px.get_arguments())
+"""
+
+
+def test_messages_and_store(eng, box):
+    async def go():
+        controller, rt, handle = await start(eng)
+        inst = rt.launch(sandboxed_program("m", MESSAGES, box=box), ["a"])
+        evs = inst.events()
+        assert (await anext(evs)).data == "ready"
+        inst.send("pong")
+        end = await anext(evs)
+        await controller.close()
+        handle.close()
+        return end
+
+    end = asyncio.run(go())
+    assert (end.kind, end.data) == ("result", "pong/['a']")
+
+
+HEALTHY = (THREE_LINES, ["Hello,", "4"])
+
+RUNAWAY = """
+async def main(args):
+    while True:
+        pass
+"""
+
+MEMORY_BOMB = """
+async def main(args):
+    blocks = []
+    while True:
+        blocks.append(bytearray(8 << 20))
+"""
+
+PAGE_HOG = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    px.alloc_kvpages(q, 3)
+    px.alloc_kvpages(q, 3)
+    return "not stopped"
+"""
+
+BIG_MESSAGE = """
+import pastry.sdk as px
+
+async def main(args):
+    px.send("x" * (2 << 20))
+    return "not stopped"
+"""
+
+RECURSION = """
+import sys
+
+async def main(args):
+    sys.setrecursionlimit(10**7)
+    def f(n):
+        return f(n + 1) + 1
+    return str(f(0))
+"""
+
+BAD_HOST_CALL = """
+from wit_world.imports import api
+
+async def main(args):
+    api.wait([12345], None)
+    return "not stopped"
+"""
+
+
+def test_limits_stop_only_that_inferlet(eng, box):
+    limits = SandboxLimits(memory_bytes=64 << 20, cpu_seconds=0.5, max_kv_pages=4)
+    progs = {
+        name: sandboxed_program(name, src, limits, box=box)
+        for name, src in [
+            ("runaway", RUNAWAY),
+            ("memory", MEMORY_BOMB),
+            ("pages", PAGE_HOG),
+            ("message", BIG_MESSAGE),
+            ("recursion", RECURSION),
+            ("badcall", BAD_HOST_CALL),
+        ]
+    }
+    healthy = sandboxed_program("ok", HEALTHY[0], box=box)
+    launches = [(p, []) for p in progs.values()] + [(healthy, HEALTHY[1])]
+    events, controller = run(eng, launches)
+    errors = dict(zip(progs, (error(e) for e in events[: len(progs)]), strict=True))
+    assert "CPU budget of 0.5 s exceeded" in errors["runaway"]
+    assert "MemoryError" in errors["memory"]
+    assert "KV page quota exceeded" in errors["pages"]
+    assert "exceeds the limit of 1048576" in errors["message"]
+    assert "RecursionError" in errors["recursion"] or "trapped" in errors["recursion"]
+    assert "pending call 12345 does not exist" in errors["badcall"]
+    alone, _ = run(eng, [(Program.from_source("t", HEALTHY[0]), HEALTHY[1])])
+    assert result(events[-1]) == result(alone[0])
+    _released(controller)
+
+
+ESCAPES = """
+import json
+
+async def main(args):
+    out = {}
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = "allowed"
+        except BaseException as e:
+            out[name] = type(e).__name__
+    attempt("open", lambda: open("/etc/passwd").read())
+    attempt("listdir", lambda: __import__("os").listdir("/"))
+    def connect():
+        import socket
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.connect(("127.0.0.1", 80))
+    attempt("socket", connect)
+    def spawn():
+        import subprocess
+        subprocess.run(["ls"])
+    attempt("subprocess", spawn)
+    attempt("ctypes", lambda: __import__("ctypes"))
+    attempt("numpy", lambda: __import__("numpy"))
+    out["environ"] = dict(__import__("os").environ)
+    return json.dumps(out)
+"""
+
+
+def test_escape_attempts_fail(eng, box):
+    events, _ = run(eng, [(sandboxed_program("e", ESCAPES, box=box), [])])
+    out = json.loads(result(events[0]))
+    assert out.pop("environ") == {}
+    assert all(v != "allowed" for v in out.values()), out
+
+
+def test_terminate_and_syntax_error(eng, box):
+    with pytest.raises(ProgramError, match="syntax error"):
+        sandboxed_program("bad", "def main(:\n", box=box)
+
+    async def go():
+        controller, rt, handle = await start(eng)
+        inst = rt.launch(sandboxed_program("r", MESSAGES, box=box), [])
+        evs = inst.events()
+        await anext(evs)  # it waits in receive now
+        rt.terminate(inst.id, "stopped by the test")
+        end = await anext(evs)
+        await asyncio.sleep(0.01)
+        assert not box._guests  # the fiber and store are gone
+        await controller.close()
+        handle.close()
+        return end
+
+    end = asyncio.run(go())
+    assert (end.kind, end.data) == ("terminated", "stopped by the test")
