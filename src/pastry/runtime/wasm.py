@@ -147,6 +147,10 @@ class _Guest:
     scheduled: bool = False
     finished: bool = False
     kill_reason: str | None = None
+    core: bool = False  # a core-module guest (pastry.runtime.wasm_core)
+    memory: Any = None  # its wasmtime_memory_t
+    core_result: str | None = None
+    core_error: str | None = None
 
     def track(self, fut) -> int:
         pid = next(self.pids)
@@ -442,6 +446,29 @@ class WasmSandbox:
                     raise wasmtime.WasmtimeError._from_ptr(err)
         self._guests: dict[int, _Guest] = {}
         self._ids = itertools.count(1)
+        self._core = None
+
+    def _core_linker(self):
+        if self._core is None:
+            from pastry.runtime.wasm_core import CoreLinker
+
+            self._core = CoreLinker(self)
+        return self._core
+
+    async def run_core(
+        self, name: str, wasm: bytes, args: list[str], limits: SandboxLimits = SandboxLimits()
+    ) -> str | None:
+        """Run a core wasm module's ``run()`` (imports under module ``"pastry"``, see
+        :mod:`pastry.runtime.wasm_core`) in a fresh Store bound to the calling inferlet's
+        Session."""
+        from pastry.runtime import wasm_core
+        from pastry.sdk import api
+
+        g = wasm_core.start(self, api(), name, wasm, args, limits)
+        try:
+            return await g.result
+        finally:
+            self._end(g)
 
     # ------------------------------------------------------------------ running a guest
 
@@ -549,6 +576,10 @@ class WasmSandbox:
             self._schedule(g)  # yielded at an epoch tick: let the others run, then go on
 
     def _complete(self, g: _Guest) -> None:
+        if g.core:
+            from pastry.runtime import wasm_core
+
+            return wasm_core.complete(self, g)
         _params, result, err, _func = g.keep[:4]
         ffi.wasmtime_call_future_delete(g.future)
         g.future = None
@@ -597,7 +628,7 @@ class WasmSandbox:
         self._guests.pop(g.ctx_addr, None)
         if not g.result.done():
             g.result.set_exception(SandboxError(g.kill_reason or "terminated"))
-        if g.keep:  # the call's arguments are ours to free
+        if g.keep and not g.core:  # the call's arguments are ours to free
             for i in range(3):
                 ffi.wasmtime_component_val_delete(ctypes.byref(g.keep[0][i]))
         g.keep = []
@@ -643,5 +674,23 @@ def sandboxed_program(
 
     async def main(args: list[str]) -> str | None:
         return await box.run(name, source, args, limits)
+
+    return Program(name, digest, main)
+
+
+def core_program(
+    name: str, wasm: bytes, limits: SandboxLimits = SandboxLimits(), box: WasmSandbox | None = None
+) -> Program:
+    """A :class:`Program` whose instances run a core wasm module (C, Zig, ...) in the
+    sandbox; it is compiled now (cached by content), each launch instantiates it."""
+    box = box or sandbox()
+    try:
+        box._core_linker().module(wasm)
+    except wasmtime.WasmtimeError as e:
+        raise ProgramError(f"{name}: not a valid wasm module: {e}") from None
+    digest = hashlib.sha256(wasm).hexdigest()
+
+    async def main(args: list[str]) -> str | None:
+        return await box.run_core(name, wasm, args, limits)
 
     return Program(name, digest, main)
