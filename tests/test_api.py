@@ -412,3 +412,27 @@ def test_fresh_pages_never_show_another_inferlets_kv(make_tiny):
     (a_ids, a_p), (b_ids, b_p) = eval(result(events[0]))
     assert a_ids == b_ids
     np.testing.assert_allclose(a_p, b_p, atol=1e-6)
+
+
+MUTATING = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    emb = px.alloc_embeds(q, 6)
+    slots = emb[:5]
+    f1 = px.embed_txt(q, [5, 6, 7, 8, 9], [0, 1, 2, 3, 4], slots)
+    if args[0] == "mutate":
+        slots.reverse()  # after issuing, before it runs: must not change the call
+    f2 = px.forward(q, [], 0, emb[:5], [], 0, [emb[5]])
+    await f1; await f2
+    return repr(await px.get_next_dist(q, emb[5], 4))
+"""
+
+
+def test_queued_calls_snapshot_their_arguments(make_tiny):
+    eng = load_engine(make_tiny("llama"))
+    events, _ = asyncio.run(run_all(eng, [(MUTATING, ["mutate"]), (MUTATING, ["keep"])]))
+    (a_ids, a_p), (b_ids, b_p) = (eval(result(e)) for e in events)
+    assert a_ids == b_ids
+    np.testing.assert_allclose(a_p, b_p, rtol=1e-5)

@@ -248,10 +248,11 @@ class Session:
         """Publish pages under ``name`` once the commands queued before have run."""
         ref = self._queue(q)
         res = ref.model.resources
-        self._resource_call(lambda: res.translate(self.instance, "kv", list(pages)))
+        pages = list(pages)
+        self._resource_call(lambda: res.translate(self.instance, "kv", pages))
 
         def prepare():
-            res.export(self.instance, "kv", list(pages), name, persistent)
+            res.export(self.instance, "kv", pages, name, persistent)
 
         return self._submit(q, Command(Stage.CONTROL, prepare=prepare))
 
@@ -295,6 +296,11 @@ class Session:
         self, q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, adapter
     ) -> asyncio.Future:
         ref = self._queue(q)
+        # Snapshot the handle lists now: the command is prepared later, and the caller may
+        # change its lists in the meantime (a context growing its pages, say).
+        in_kv, in_embeds, out_kv, out_embeds = (
+            list(in_kv), list(in_embeds), list(out_kv), list(out_embeds)
+        )  # fmt: skip
         n = len(in_embeds)
         if n == 0:
             raise ApiError("forward needs at least one input embedding")
@@ -376,7 +382,7 @@ class Session:
                 f"embed_txt needs as many positions and embeddings as tokens "
                 f"({len(tokens)} tokens, {len(positions)} positions, {len(embeds)} embeds)"
             )
-        tok, pos = ids(tokens), ids(positions)
+        tok, pos, embeds = ids(tokens), ids(positions), list(embeds)
 
         def prepare():
             return EmbedTxt(tok, pos, ids(self._phys(ref, "embed", embeds)))
