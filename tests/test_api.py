@@ -436,3 +436,33 @@ def test_queued_calls_snapshot_their_arguments(make_tiny):
     (a_ids, a_p), (b_ids, b_p) = (eval(result(e)) for e in events)
     assert a_ids == b_ids
     np.testing.assert_allclose(a_p, b_p, rtol=1e-5)
+
+
+def test_served_engine_process_loads_adapters(adapters, tmp_path):
+    """`pastry serve --adapter NAME=DIR`: the engine process loads it, its info lists it,
+    and inferlets reach it by name, with the same result as an in-process engine."""
+    from pastry.server.service import PastryServer, ServerConfig
+
+    path, dirs = adapters("llama")
+    tokens = [5, 9, 13, 21, 34, 55, 89]
+    arg = ",".join(map(str, tokens))
+
+    async def go(in_process):
+        cfg = ServerConfig(
+            model=path, in_process=in_process, programs_dir=tmp_path / f"p{in_process}",
+            trusted_uploads=True, adapters=(("mine", str(dirs["all7"])),),
+            dtype="float32", num_pages=256, num_embeds=1024,
+        )  # fmt: skip
+        server = PastryServer(cfg)
+        await server.start()
+        try:
+            server.registry.upload(ADAPTED, name="adapted")
+            inst = server.launch("adapted", [arg, "mine"])
+            return json.loads((await inst.wait()).data)
+        finally:
+            await server.stop()
+
+    remote, local = asyncio.run(go(False)), asyncio.run(go(True))
+    assert remote["adapters"] == ["mine"]
+    assert remote["lora"][0] == local["lora"][0]
+    np.testing.assert_allclose(remote["lora"][1], local["lora"][1], atol=1e-6)

@@ -215,12 +215,24 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=DIR",
+        help="serve a PEFT LoRA adapter (repeatable); inferlets use it with "
+        "forward_with_adapter(q, NAME, ...)",
+    )  # fmt: skip
+    p.add_argument(
         "--trusted-uploads",
         action="store_true",
         help="run uploaded programs in the server process instead of the WebAssembly "
         "sandbox (only for programs you trust)",
     )
     p.set_defaults(func=_serve)
+
+
+def _adapter_spec(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"pastry serve: error: --adapter takes NAME=DIR, got '{spec}'")
+    return name, path
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -246,6 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
             policy=args.policy,
             http_allow=tuple(args.http_allow),
             trusted_uploads=args.trusted_uploads,
+            adapters=tuple(_adapter_spec(a) for a in args.adapter),
         )
     except ConfigError as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)

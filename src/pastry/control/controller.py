@@ -86,9 +86,9 @@ class Controller:
             sched = BatchScheduler(eng.execute, info.max_batch_tokens, info.page_size, policy)
             res = ResourceManager(info.num_pages, info.num_embeds, on_terminate=self._evict)
             tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
-            # Adapters are loaded on the engine at start-up; an in-process engine lists them.
-            inner = getattr(eng, "engine", None)
-            names = inner.adapters() if hasattr(inner, "adapters") else []
+            # Adapters are loaded on the engine at start-up and listed in its info.
+            inner = getattr(eng, "engine", None)  # an in-process engine's info is live
+            names = inner.info.adapters if inner is not None else info.adapters
             adapters = {name: i for i, name in enumerate(names)}
             self.models[info.model_name] = Model(
                 info.model_name, eng, info, tok, sched, res, adapters

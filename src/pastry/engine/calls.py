@@ -194,3 +194,4 @@ class EngineInfo:
     tokenizer_json: str
     chat_template: str | None
     special_tokens: dict[str, str] = field(default_factory=dict)
+    adapters: tuple[str, ...] = ()  # LoRA adapter names, by id (Forward.adapter)

@@ -8,6 +8,7 @@ serves it over ZeroMQ or on a worker thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -178,6 +179,7 @@ class Engine:
             )
         adapter = Adapter.load(path, self.cfg, self.dtype, self.device, name)
         self._adapters.append(adapter)
+        self.info = dataclasses.replace(self.info, adapters=tuple(self.adapters()))
         log.info(
             "loaded adapter %d '%s' (r=%d, %s)",
             len(names),

@@ -539,8 +539,11 @@ def spawn_engine(
     engine_factory: str | None = None,
     env: dict[str, str] | None = None,
     echo_stderr: bool = True,
+    adapters: Sequence[tuple[str, str | Path]] = (),
 ) -> EngineProcess:
     """Start ``python -m pastry.engine.process`` and wait until it answers a ping.
+
+    ``adapters``: (name, PEFT directory) pairs loaded at start (listed in its info).
 
     ``endpoint`` defaults to a fresh ``ipc://`` path in a new temporary directory.
     ``engine_factory`` (``"module:callable"``, called as ``f(model_dir, config)``) replaces
@@ -555,6 +558,8 @@ def spawn_engine(
         endpoint = f"ipc://{tmpdir}/engine.sock"
     cmd = [sys.executable, "-m", "pastry.engine.process", "--model", str(model_dir)]
     cmd += ["--endpoint", endpoint, "--exit-with-parent", *_config_args(config)]
+    for name, path in adapters:
+        cmd += ["--adapter", f"{name}={path}"]
     if engine_factory is not None:
         cmd += ["--engine-factory", engine_factory]
     child_env = {**os.environ, **(env or {})}
@@ -652,6 +657,10 @@ def _parser() -> argparse.ArgumentParser:
         "--exit-with-parent", action="store_true", help="exit when stdin closes (set by spawn)"
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=DIR",
+        help="load a PEFT LoRA adapter at start (repeatable)",
+    )  # fmt: skip
     return p
 
 
@@ -679,6 +688,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine = _load_factory(args.engine_factory)(args.model, config)
     except CheckpointError as e:
         raise SystemExit(f"cannot load the model: {e}") from e
+    for spec in args.adapter:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            parser.error(f"--adapter takes NAME=DIR, got '{spec}'")
+        try:
+            engine.load_adapter(path, name)
+        except (CheckpointError, ValueError) as e:
+            raise SystemExit(f"cannot load adapter '{name}': {e}") from e
     # Objects alive now (model, tokenizer) live forever: keep them out of every future
     # garbage collection, which otherwise rescans them on each full pass.
     gc.collect()

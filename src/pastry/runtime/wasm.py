@@ -447,6 +447,7 @@ class WasmSandbox:
         self._guests: dict[int, _Guest] = {}
         self._ids = itertools.count(1)
         self._core = None
+        self._components: dict[str, Component] = {}  # sha256 -> compiled inferlet component
 
     def _core_linker(self):
         if self._core is None:
@@ -479,13 +480,36 @@ class WasmSandbox:
         inferlet's Session (call inside a runner task, e.g. :class:`TrustedRuntime`)."""
         from pastry.sdk import api
 
-        g = self._start(api(), name, source, args, limits)
+        g = self._start(api(), limits, self.component, "run-source", (name, source, list(args)))
         try:
             return await g.result
         finally:
             self._end(g)
 
-    def _start(self, session, name: str, source: str, args: list[str], limits) -> _Guest:
+    def compile_component(self, wasm: bytes) -> Component:
+        """Compile (once per content) a component exporting the ``inferlet`` world's
+        ``run`` (e.g. a componentize-qjs JavaScript inferlet, :mod:`pastry.runtime.build_js`)."""
+        key = hashlib.sha256(wasm).hexdigest()
+        comp = self._components.get(key)
+        if comp is None:
+            comp = self._components[key] = Component(self.engine, wasm)
+        return comp
+
+    async def run_component(
+        self, name: str, wasm: bytes, args: list[str], limits: SandboxLimits = SandboxLimits()
+    ) -> str | None:
+        """Run a component's ``run(args)`` (world ``inferlet`` of ``wit/pastry.wit``) in a
+        fresh instance bound to the calling inferlet's Session."""
+        from pastry.sdk import api
+
+        comp = self.compile_component(wasm)
+        g = self._start(api(), limits, comp, "run", (list(args),))
+        try:
+            return await g.result
+        finally:
+            self._end(g)
+
+    def _start(self, session, limits, component: Component, export: str, values) -> _Guest:
         loop = asyncio.get_running_loop()
         store = wasmtime.Store(self.engine)
         store.set_limits(memory_size=limits.memory_bytes)
@@ -497,20 +521,20 @@ class WasmSandbox:
         self._guests[g.ctx_addr] = g
         ffi.wasmtime_context_epoch_deadline_async_yield_and_update(ctx, 1)
         try:
-            instance = self._instantiate(store)
-            func = instance.get_func(store, "run-source")
+            instance = self._instantiate(store, component)
+            func = instance.get_func(store, export)
+            if func is None:
+                raise SandboxError(f"the component does not export `{export}`")
             fty = func.type(store)
-            params = (ffi.wasmtime_component_val_t * 3)()
-            for i, ((_, t), v) in enumerate(
-                zip(fty.params, (name, source, list(args)), strict=True)
-            ):
+            params = (ffi.wasmtime_component_val_t * len(values))()
+            for i, ((_, t), v) in enumerate(zip(fty.params, values, strict=True)):
                 t.convert_to_c(store, v, ctypes.pointer(params[i]))
             result = ffi.wasmtime_component_val_t()
             err = ctypes.POINTER(ffi.wasmtime_error_t)()
             g.result_ty = fty.result
             g.keep = [params, result, err, func]
             g.future = ffi.wasmtime_component_func_call_async(
-                ctypes.byref(func._func), ctx, params, 3, ctypes.byref(result), 1,
+                ctypes.byref(func._func), ctx, params, len(values), ctypes.byref(result), 1,
                 ctypes.byref(err),
             )  # fmt: skip
         except BaseException:
@@ -519,13 +543,13 @@ class WasmSandbox:
         self._schedule(g)
         return g
 
-    def _instantiate(self, store: wasmtime.Store):
+    def _instantiate(self, store: wasmtime.Store, component: Component):
         from wasmtime.component._instance import Instance as CInstance
 
         raw = ffi.wasmtime_component_instance_t()
         err = ctypes.POINTER(ffi.wasmtime_error_t)()
         fut = ffi.wasmtime_component_linker_instantiate_async(
-            self.linker.ptr(), store._context(), self.component.ptr(), ctypes.byref(raw),
+            self.linker.ptr(), store._context(), component.ptr(), ctypes.byref(raw),
             ctypes.byref(err),
         )  # fmt: skip
         try:
@@ -629,8 +653,8 @@ class WasmSandbox:
         if not g.result.done():
             g.result.set_exception(SandboxError(g.kill_reason or "terminated"))
         if g.keep and not g.core:  # the call's arguments are ours to free
-            for i in range(3):
-                ffi.wasmtime_component_val_delete(ctypes.byref(g.keep[0][i]))
+            for v in g.keep[0]:
+                ffi.wasmtime_component_val_delete(ctypes.byref(v))
         g.keep = []
         g.wait_out = None
 
@@ -692,5 +716,24 @@ def core_program(
 
     async def main(args: list[str]) -> str | None:
         return await box.run_core(name, wasm, args, limits)
+
+    return Program(name, digest, main)
+
+
+def component_program(
+    name: str, wasm: bytes, limits: SandboxLimits = SandboxLimits(), box: WasmSandbox | None = None
+) -> Program:
+    """A :class:`Program` whose instances run a component exporting the ``inferlet``
+    world's ``run`` (JavaScript via componentize-qjs, ...); compiled now (cached by
+    content), each launch instantiates it."""
+    box = box or sandbox()
+    try:
+        box.compile_component(wasm)
+    except wasmtime.WasmtimeError as e:
+        raise ProgramError(f"{name}: not a valid wasm component: {e}") from None
+    digest = hashlib.sha256(wasm).hexdigest()
+
+    async def main(args: list[str]) -> str | None:
+        return await box.run_component(name, wasm, args, limits)
 
     return Program(name, digest, main)

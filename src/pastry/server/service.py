@@ -48,6 +48,7 @@ class ServerConfig:
     programs_dir: Path | None = None  # default: $PASTRY_HOME/programs
     in_process: bool = False  # run the engine in this process (tests, smallest setups)
     trusted_uploads: bool = False  # run uploaded programs in the server, not the sandbox
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory) to load
     engine_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,10 +129,13 @@ class PastryServer:
             from pastry.engine.engine import Engine
             from pastry.engine.process import InProcessEngine
 
-            return InProcessEngine(Engine.load(model, econf))
+            engine = Engine.load(model, econf)
+            for name, path in self.config.adapters:
+                engine.load_adapter(path, name)
+            return InProcessEngine(engine)
         from pastry.engine.process import RemoteEngine, spawn_engine
 
-        proc = spawn_engine(model, econf)
+        proc = spawn_engine(model, econf, adapters=self.config.adapters)
         self._procs.append(proc)
         return await RemoteEngine.connect(proc.endpoint)
 
