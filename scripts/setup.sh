@@ -15,3 +15,8 @@ python -m pip install --quiet -e ".[test]"
 # The sandbox's CPython-on-WASI runtime: built once (about a minute) and cached compiled
 # under $PASTRY_HOME; rebuilt only when its inputs change.
 python -m pastry.runtime.build_pyrt
+# A JavaScript inferlet built from wit/pastry.wit (componentize-qjs from the npm registry,
+# installed under $PASTRY_HOME/npm); the non-Python guest of the sandbox tests.
+if command -v npm >/dev/null 2>&1; then
+  python -m pastry.runtime.build_js --install
+fi
