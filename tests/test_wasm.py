@@ -148,6 +148,16 @@ async def main(args):
     return "not stopped"
 """
 
+EMBED_HOG = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    px.alloc_embeds(q, 6)
+    px.alloc_embeds(q, 6)
+    return "not stopped"
+"""
+
 BIG_MESSAGE = """
 import pastry.sdk as px
 
@@ -174,18 +184,35 @@ async def main(args):
     return "not stopped"
 """
 
+# Re-waiting and re-taking a finished call (the host must never poll a completed future
+# twice: that crashed the process in the design measurements).
+DOUBLE_WAIT = """
+from wit_world.imports import api
+
+async def main(args):
+    q = api.create_queue(api.available_models()[0])
+    p = api.synchronize(q)
+    api.wait([p, p], None)
+    api.wait([p], None)
+    api.take(p)
+    api.take(p)
+    return "not stopped"
+"""
+
 
 def test_limits_stop_only_that_inferlet(eng, box):
-    limits = SandboxLimits(memory_bytes=64 << 20, cpu_seconds=0.5, max_kv_pages=4)
+    limits = SandboxLimits(memory_bytes=64 << 20, cpu_seconds=0.5, max_kv_pages=4, max_embeds=8)
     progs = {
         name: sandboxed_program(name, src, limits, box=box)
         for name, src in [
             ("runaway", RUNAWAY),
             ("memory", MEMORY_BOMB),
             ("pages", PAGE_HOG),
+            ("embeds", EMBED_HOG),
             ("message", BIG_MESSAGE),
             ("recursion", RECURSION),
             ("badcall", BAD_HOST_CALL),
+            ("doublewait", DOUBLE_WAIT),
         ]
     }
     healthy = sandboxed_program("ok", HEALTHY[0], box=box)
@@ -195,6 +222,8 @@ def test_limits_stop_only_that_inferlet(eng, box):
     assert "CPU budget of 0.5 s exceeded" in errors["runaway"]
     assert "MemoryError" in errors["memory"]
     assert "KV page quota exceeded" in errors["pages"]
+    assert "embedding quota exceeded" in errors["embeds"]
+    assert "pending call" in errors["doublewait"] and "does not exist" in errors["doublewait"]
     assert "exceeds the limit of 1048576" in errors["message"]
     assert "RecursionError" in errors["recursion"] or "trapped" in errors["recursion"]
     assert "pending call 12345 does not exist" in errors["badcall"]

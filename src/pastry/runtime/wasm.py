@@ -76,6 +76,7 @@ class SandboxLimits:
     memory_bytes: int = 256 * 2**20  # linear memory of the whole component
     cpu_seconds: float = 30.0  # host thread time spent running the guest
     max_kv_pages: int | None = None  # KV pages held at once (None: only the pool limits)
+    max_embeds: int | None = None  # embedding slots held at once (None: only the pool)
     max_message_bytes: int = 1 << 20  # one send / broadcast / store value
 
 
@@ -184,6 +185,15 @@ def _check_pages(g: _Guest, q: int, n: int) -> None:
         raise _Kill(f"KV page quota exceeded: holds {held}, asked for {n} more, quota {cap}")
 
 
+def _alloc_embeds(g: _Guest, q: int, n: int) -> list[int]:
+    cap = g.limits.max_embeds
+    if cap is not None:
+        held = g.session._queue(q).model.resources.held(g.id, "embed")
+        if held + n > cap:
+            raise _Kill(f"embedding quota exceeded: holds {held}, asked for {n} more, quota {cap}")
+    return g.session.alloc_embeds(q, n)
+
+
 def _value(v) -> ctypes_.Variant:
     if v is None:
         return ctypes_.Variant("none")
@@ -257,7 +267,7 @@ HOST: dict[str, Callable] = {
     "get-kv-page-size": lambda g, q: _s(g).get_kv_page_size(q),
     "alloc-kvpages": _alloc_kv,
     "dealloc-kvpages": _queued(lambda g, q, p: _s(g).dealloc_kvpages(q, p)),
-    "alloc-embeds": lambda g, q, n: _s(g).alloc_embeds(q, n),
+    "alloc-embeds": _alloc_embeds,
     "dealloc-embeds": _queued(lambda g, q, e: _s(g).dealloc_embeds(q, e)),
     "copy-kvpage": _queued(lambda g, *a: _s(g).copy_kvpage(*a)),
     "export-kvpages": _queued(lambda g, *a: _s(g).export_kvpages(*a)),
