@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,3 +288,12 @@ def test_terminate_and_syntax_error(eng, box):
 
     end = asyncio.run(go())
     assert (end.kind, end.data) == ("terminated", "stopped by the test")
+
+
+def test_the_guest_gets_the_whole_sdk():
+    """Every SDK module but grammar (which needs numpy) is built into the Python runtime."""
+    from pastry.runtime import build_pyrt
+
+    sdk = Path(build_pyrt.PKG / "sdk")
+    modules = {f"sdk/{p.name}" for p in sdk.glob("*.py")} - {"sdk/grammar.py"}
+    assert modules <= set(build_pyrt.GUEST_SOURCES)

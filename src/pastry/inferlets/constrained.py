@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 
 from pastry.sdk import Context
+from pastry.sdk.args import options, prompt_tokens
 from pastry.sdk.grammar import Constraint, generate
 
 DEFAULTS = {
@@ -42,13 +43,13 @@ DEFAULTS = {
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     if opts["grammar"] is None:
         raise ValueError(
             'give "grammar": {"json_schema": {...}} | {"lark": "..."} | {"regex": "..."}'
         )
     async with Context(opts["model"]) as ctx:
-        ctx.fill_tokens(_prompt(ctx, opts))
+        ctx.fill_tokens(prompt_tokens(ctx, opts))
         constraint = Constraint(ctx, opts["grammar"])
         out = await generate(
             ctx,
@@ -68,24 +69,3 @@ async def main(args: list[str]) -> str:
             "forward_calls": out.forwards,
         }
     )
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str) and prompt:
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give a non-empty prompt as "prompt" (text or token ids) or "prompt_tokens"')

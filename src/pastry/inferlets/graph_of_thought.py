@@ -38,6 +38,7 @@ import json
 import math
 
 from pastry.sdk import Context
+from pastry.sdk.args import options, prompt_tokens
 from pastry.sdk.steps import next_dist
 
 DEFAULTS = {
@@ -119,7 +120,7 @@ class Graph:
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     for key in ("summary_tokens", "merge_tokens", "candidates"):
         if opts[key] < 1:
             raise ValueError(f"{key} must be at least 1, got {opts[key]}")
@@ -127,7 +128,7 @@ async def main(args: list[str]) -> str:
     if not isinstance(chunks, list) or not chunks:
         raise ValueError('give the document as "chunks": a list of texts or token-id lists')
     base = Context(opts["model"])
-    base.fill_tokens(_prompt(base, opts))
+    base.fill_tokens(prompt_tokens(base, opts))
     await base.flush(keep_last=False)  # the forks append to it: nothing stays pending
     graph = Graph(base, opts)
     parts = [graph._text(c) if isinstance(c, str) else [int(t) for t in c] for c in chunks]
@@ -156,24 +157,3 @@ async def _think(ctx: Context, first: int, n: int, eos: set[int]) -> tuple[list[
         logprob += math.log(probs[0])
         ctx.fill_tokens(ids[:1])
     return tokens, logprob
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str) and prompt:
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give a non-empty prompt as "prompt" (text or token ids) or "prompt_tokens"')

@@ -35,6 +35,7 @@ import asyncio
 import json
 
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler
+from pastry.sdk.args import options, prompt_tokens
 
 DEFAULTS = {
     "model": None,
@@ -106,14 +107,14 @@ class Solver:
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     for key in ("branch", "question_tokens", "answer_tokens"):
         if opts[key] < 1:
             raise ValueError(f"{key} must be at least 1, got {opts[key]}")
     if opts["depth"] < 0:
         raise ValueError(f"depth must be at least 0, got {opts['depth']}")
     base = Context(opts["model"])
-    base.fill_tokens(_prompt(base, opts))
+    base.fill_tokens(prompt_tokens(base, opts))
     await base.flush(keep_last=False)  # the forks append to it: nothing stays pending
     solver = Solver(base, opts)
     problem = opts["problem"]
@@ -135,24 +136,3 @@ def _strip(node: dict) -> None:
     node.pop("question_context", None)
     for sub in node["subproblems"]:
         _strip(sub)
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str) and prompt:
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give a non-empty prompt as "prompt" (text or token ids) or "prompt_tokens"')

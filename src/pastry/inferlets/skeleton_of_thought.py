@@ -29,6 +29,7 @@ import asyncio
 import json
 
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler
+from pastry.sdk.args import options, prompt_tokens
 
 DEFAULTS = {
     "model": None,
@@ -43,7 +44,7 @@ EXPAND = "\nExpand point {}:"
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     for key in ("points", "skeleton_tokens", "point_tokens"):
         if opts[key] < 1:
             raise ValueError(f"{key} must be at least 1, got {opts[key]}")
@@ -59,7 +60,7 @@ async def main(args: list[str]) -> str:
         await c.generate(Sampler(), MaxTokens(n) | EosTokens(eos))
         return [t for t in c.tokens[len(context) :] if t not in eos], context
 
-    ctx.fill_tokens(_prompt(ctx, opts))
+    ctx.fill_tokens(prompt_tokens(ctx, opts))
     ctx.fill(SKELETON)
     skeleton = []
     for i in range(1, opts["points"] + 1):
@@ -90,24 +91,3 @@ async def main(args: list[str]) -> str:
             "points": [c for _, c in points],
         }
     return json.dumps(result)
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str) and prompt:
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give a non-empty prompt as "prompt" (text or token ids) or "prompt_tokens"')

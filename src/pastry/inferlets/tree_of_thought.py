@@ -40,6 +40,7 @@ import math
 from typing import NamedTuple
 
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler
+from pastry.sdk.args import options, prompt_tokens
 from pastry.sdk.steps import next_dist
 
 DEFAULTS = {
@@ -64,7 +65,7 @@ class State(NamedTuple):
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     breadth, keep, depth, n = (opts[k] for k in ("breadth", "keep", "depth", "thought_tokens"))
     if min(breadth, keep, depth, n) < 1:
         raise ValueError(
@@ -74,7 +75,7 @@ async def main(args: list[str]) -> str:
     root = Context(opts["model"])
     api = root.api
     q = api.create_queue(root.model)  # for tokenizing; outlives the states' contexts
-    root.fill_tokens(_prompt(root, opts))
+    root.fill_tokens(prompt_tokens(root, opts))
     sep = api.tokenize(q, opts["separator"]) if opts["separator"] else []
     eos = set(root.eos_ids)
     frontier = [State(root, [], 0.0, -1, [])]
@@ -147,24 +148,3 @@ async def _think(ctx: Context, first: int, n: int, eos: set[int]) -> tuple[list[
         logprob += math.log(probs[0])
         ctx.fill_tokens(ids[:1])
     return tokens, logprob
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str) and prompt:
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give a non-empty prompt as "prompt" (text or token ids) or "prompt_tokens"')

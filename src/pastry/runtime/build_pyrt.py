@@ -30,6 +30,7 @@ GUEST_SOURCES = (
     "__init__.py",
     "api.py",
     "sdk/__init__.py",
+    "sdk/args.py",
     "sdk/context.py",
     "sdk/sampling.py",
     "sdk/steps.py",
