@@ -29,14 +29,22 @@ def running_server(model, tmp_path, **overrides):
 
     Inspect server state from the test thread only through ``call(server, fn)``.
     """
+    # Bind the listening socket here and hand it to uvicorn: picking a free port and
+    # binding it later races with other processes taking the same port.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
     cfg = ServerConfig(
-        model=model, port=free_port(), in_process=True, programs_dir=tmp_path / "programs", **SMALL
+        model=model,
+        port=sock.getsockname()[1],
+        in_process=True,
+        programs_dir=tmp_path / "programs",
+        **SMALL,
     )
     cfg = replace(cfg, **overrides)
     server = PastryServer(cfg)
     app = create_app(server)
     uv = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not uv.started:
