@@ -34,6 +34,7 @@ import math
 from typing import NamedTuple
 
 from pastry.sdk import Context
+from pastry.sdk.args import options, prompt_tokens
 from pastry.sdk.steps import next_dist
 
 DEFAULTS = {"model": None, "width": 3, "expand": None, "max_tokens": 16, "stop_at_eos": True}
@@ -46,7 +47,7 @@ class Beam(NamedTuple):
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     width = opts["width"]
     expand = opts["expand"] or width
     if width < 1 or expand < 1:
@@ -54,7 +55,7 @@ async def main(args: list[str]) -> str:
     root = Context(opts["model"])
     api = root.api
     q = api.create_queue(root.model)  # outlives the beams' contexts (released below)
-    root.fill_tokens(_prompt(root, opts))
+    root.fill_tokens(prompt_tokens(root, opts))
     eos = set(root.eos_ids) if opts["stop_at_eos"] else set()
     beams = [Beam([], 0.0, root)]
     for _ in range(opts["max_tokens"]):
@@ -112,22 +113,3 @@ async def _branch(chosen: list[tuple], live: list[Beam], eos: set[int]) -> list[
             ctx.fill_tokens([tok])
             out.append(Beam([*parent.tokens, tok], score, ctx))
     return out
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str):
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give the prompt as "prompt" (text or token ids) or "prompt_tokens"')

@@ -30,18 +30,19 @@ from __future__ import annotations
 import json
 
 from pastry.sdk import Context
+from pastry.sdk.args import options, prompt_tokens
 from pastry.sdk.steps import greedy_after, truncate
 
 DEFAULTS = {"model": None, "max_tokens": 64, "block": 4, "stop_at_eos": True}
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     max_tokens, block = opts["max_tokens"], opts["block"]
     if block < 1:
         raise ValueError(f"block must be at least 1, got {block}")
     async with Context(opts["model"]) as ctx:
-        ctx.fill_tokens(_prompt(ctx, opts))
+        ctx.fill_tokens(prompt_tokens(ctx, opts))
         eos = set(ctx.eos_ids) if opts["stop_at_eos"] else set()
         out: list[int] = []
         committed: list[int] = []
@@ -74,22 +75,3 @@ async def main(args: list[str]) -> str:
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str):
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give the prompt as "prompt" (text or token ids) or "prompt_tokens"')

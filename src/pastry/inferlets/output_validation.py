@@ -31,6 +31,7 @@ import json
 import math
 
 from pastry.sdk import Context
+from pastry.sdk.args import options, prompt_tokens
 from pastry.sdk.steps import dists_after
 
 DEFAULTS = {"model": None, "candidates": None, "candidate_tokens": None}
@@ -53,10 +54,10 @@ async def score(ctx: Context, candidate: list[int], vocab: int) -> dict:
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     async with Context(opts["model"]) as ctx:
         a, q = ctx.api, ctx.queue
-        ctx.fill_tokens(_prompt(ctx, opts))
+        ctx.fill_tokens(prompt_tokens(ctx, opts))
         if opts["candidate_tokens"] is not None:
             candidates = [[int(t) for t in c] for c in opts["candidate_tokens"]]
         elif opts["candidates"] is not None:
@@ -74,22 +75,3 @@ async def main(args: list[str]) -> str:
         await asyncio.gather(*(f.release() for f in forks))
     ranking = sorted(range(len(scores)), key=lambda i: -scores[i]["logprob"])
     return json.dumps({"ranking": ranking, "scores": scores})
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str):
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give the prompt as "prompt" (text or token ids) or "prompt_tokens"')

@@ -39,6 +39,7 @@ import random
 from itertools import pairwise
 
 from pastry.sdk import Context
+from pastry.sdk.args import options, prompt_tokens
 from pastry.sdk.steps import next_dist
 
 DEFAULTS = {
@@ -94,7 +95,7 @@ def choose(ids: list[int], probs: list[float], prev: int, opts: dict, rng: rando
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS)
     if not 0 < opts["gamma"] < 1:
         raise ValueError(f"gamma must be in (0, 1), got {opts['gamma']}")
     if opts["detect"] is not None:
@@ -103,7 +104,7 @@ async def main(args: list[str]) -> str:
         raise ValueError(f"temperature must be > 0, got {opts['temperature']}")
     rng = random.Random(opts["seed"])
     async with Context(opts["model"]) as ctx:
-        ctx.fill_tokens(_prompt(ctx, opts))
+        ctx.fill_tokens(prompt_tokens(ctx, opts))
         eos = set(ctx.eos_ids) if opts["stop_at_eos"] else set()
         out: list[int] = []
         while len(out) < opts["max_tokens"]:
@@ -117,22 +118,3 @@ async def main(args: list[str]) -> str:
         if len(out) >= 2:
             result["z"] = detect(out, opts["key"], opts["gamma"])["z"]
         return json.dumps(result)
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    unknown = set(given) - set(DEFAULTS) - {"prompt", "prompt_tokens"}
-    if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: prompt, prompt_tokens, {', '.join(DEFAULTS)}"
-        )
-    return {**DEFAULTS, **given}
-
-
-def _prompt(ctx: Context, opts: dict) -> list[int]:
-    prompt = opts.get("prompt_tokens", opts.get("prompt"))
-    if isinstance(prompt, str):
-        return ctx.api.tokenize(ctx.queue, prompt)
-    if isinstance(prompt, list) and prompt:
-        return [int(t) for t in prompt]
-    raise ValueError('give the prompt as "prompt" (text or token ids) or "prompt_tokens"')
