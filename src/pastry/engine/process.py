@@ -24,6 +24,7 @@ import abc
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -261,8 +262,13 @@ class RemoteEngine(EngineHandle):
         return time.perf_counter() - start
 
     async def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Ask the server to exit (after the requests before this one); then close."""
-        await self._on_loop(self._request(Op.SHUTDOWN, [], _no_payload, timeout))
+        """Ask the server to exit (after the requests before this one); then close.
+
+        The server acknowledges before it exits, but the connection monitor may see it go
+        before the acknowledgement is read: a lost connection here means it did as asked.
+        """
+        with contextlib.suppress(EngineDied):
+            await self._on_loop(self._request(Op.SHUTDOWN, [], _no_payload, timeout))
         await self.aclose()
 
     async def aclose(self) -> None:
