@@ -43,13 +43,22 @@ def running_server(model, tmp_path, **overrides):
     cfg = replace(cfg, **overrides)
     server = PastryServer(cfg)
     app = create_app(server)
-    uv = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    uv = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info"))
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            uv.run(sockets=[sock])
+        except BaseException as e:  # SystemExit from a failed start included
+            failure.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not uv.started:
         if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
+            why = repr(failure[0]) if failure else "no exception (see the captured log)"
+            raise RuntimeError(f"server did not start: {why}")
         time.sleep(0.02)
     try:
         yield f"http://{cfg.host}:{cfg.port}", server
