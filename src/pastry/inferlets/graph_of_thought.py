@@ -39,7 +39,7 @@ import math
 
 from pastry.sdk import Context
 from pastry.sdk.args import options, prompt_tokens
-from pastry.sdk.steps import next_dist
+from pastry.sdk.steps import continue_greedy, next_dist
 
 DEFAULTS = {
     "model": None,
@@ -69,7 +69,9 @@ class Graph:
             context = list(ctx.tokens)
             ids, probs = await next_dist(ctx, 1 + len(self.eos))
             first, p = next((t, p) for t, p in zip(ids, probs, strict=True) if t not in self.eos)
-            tokens, logprob = await _think(ctx, first, self.opts["summary_tokens"], self.eos)
+            tokens, logprob = await continue_greedy(
+                ctx, first, self.opts["summary_tokens"], self.eos
+            )
         return self._node("generate", [], tokens, (logprob + math.log(p)) / len(tokens), context)
 
     async def aggregate(self, a: dict, b: dict) -> dict:
@@ -87,7 +89,10 @@ class Graph:
             forks = await asyncio.gather(*(ctx.fork() for _ in firsts[1:]))
             n = self.opts["merge_tokens"]
             merged = await asyncio.gather(
-                *(_think(c, t, n, self.eos) for c, t in zip([*forks, ctx], firsts, strict=True))
+                *(
+                    continue_greedy(c, t, n, self.eos)
+                    for c, t in zip([*forks, ctx], firsts, strict=True)
+                )
             )
             await asyncio.gather(*(c.release() for c in forks))
         parents = [a["id"], b["id"]]
@@ -142,18 +147,3 @@ async def main(args: list[str]) -> str:
     await base.release()
     final = thoughts[0]
     return json.dumps({"summary": final["text"], "tokens": final["tokens"], "nodes": graph.nodes})
-
-
-async def _think(ctx: Context, first: int, n: int, eos: set[int]) -> tuple[list[int], float]:
-    """Append ``first`` and continue greedily up to ``n`` tokens in all (stopping before an
-    end-of-sequence token); the tokens and the log-probability of those after ``first``."""
-    tokens, logprob = [first], 0.0
-    ctx.fill_tokens([first])
-    while len(tokens) < n:
-        ids, probs = await next_dist(ctx, 1)
-        if ids[0] in eos:
-            break
-        tokens.append(ids[0])
-        logprob += math.log(probs[0])
-        ctx.fill_tokens(ids[:1])
-    return tokens, logprob

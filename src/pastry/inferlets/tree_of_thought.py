@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler
 from pastry.sdk.args import options, prompt_tokens
-from pastry.sdk.steps import next_dist
+from pastry.sdk.steps import continue_greedy, next_dist
 
 DEFAULTS = {
     "model": None,
@@ -127,24 +127,12 @@ async def _propose(state: State, index: int, breadth: int, n: int, eos: set[int]
     context = list(state.ctx.tokens)
     forks = await asyncio.gather(*(state.ctx.fork() for _ in firsts[1:]))
     thoughts = await asyncio.gather(
-        *(_think(ctx, t, n, eos) for ctx, (t, _) in zip([*forks, state.ctx], firsts, strict=True))
+        *(
+            continue_greedy(ctx, t, n, eos)
+            for ctx, (t, _) in zip([*forks, state.ctx], firsts, strict=True)
+        )
     )
     return [
         State(ctx, [*state.thoughts, tokens], state.score + math.log(p) + lp, index, context)
         for ctx, (_, p), (tokens, lp) in zip([*forks, state.ctx], firsts, thoughts, strict=True)
     ]
-
-
-async def _think(ctx: Context, first: int, n: int, eos: set[int]) -> tuple[list[int], float]:
-    """Append ``first`` and continue greedily up to ``n`` tokens in all (stopping before an
-    end-of-sequence token); the tokens and the log-probability of those after ``first``."""
-    tokens, logprob = [first], 0.0
-    ctx.fill_tokens([first])
-    while len(tokens) < n:
-        ids, probs = await next_dist(ctx, 1)
-        if ids[0] in eos:
-            break
-        tokens.append(ids[0])
-        logprob += math.log(probs[0])
-        ctx.fill_tokens(ids[:1])
-    return tokens, logprob

@@ -23,6 +23,7 @@ they run in one engine batch (and batch with other queues' calls).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Sequence
 
 from pastry.api import ApiError
@@ -38,6 +39,23 @@ async def next_dist(ctx: Context, k: int = 256) -> Dist:
     """
     *_, dist = await asyncio.gather(*_forward_pending(ctx, 1, k))
     return dist
+
+
+async def continue_greedy(
+    ctx: Context, first: int, n: int, eos: set[int]
+) -> tuple[list[int], float]:
+    """Append ``first`` and continue greedily up to ``n`` tokens in all (stopping before an
+    end-of-sequence token); the tokens and the log-probability of those after ``first``."""
+    tokens, logprob = [first], 0.0
+    ctx.fill_tokens([first])
+    while len(tokens) < n:
+        ids, probs = await next_dist(ctx, 1)
+        if ids[0] in eos:
+            break
+        tokens.append(ids[0])
+        logprob += math.log(probs[0])
+        ctx.fill_tokens(ids[:1])
+    return tokens, logprob
 
 
 async def greedy_after(ctx: Context, tokens: Sequence[int]) -> list[int]:
