@@ -83,7 +83,7 @@ from pastry.control.http import HttpClient
 from pastry.engine.calls import Call, Forward, Result
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.process import InProcessEngine
+from pastry.engine.handle import InProcessEngine
 from pastry.engine.tokenizer import Tokenizer
 from pastry.inferlets.react import ANSWER, OBSERVATION, THOUGHT, tool_url
 from pastry.runtime.trusted import Instance, Program, TrustedRuntime

@@ -84,7 +84,7 @@ from pastry.engine.calls import Call, Result, Sample
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
-from pastry.engine.process import InProcessEngine
+from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Event, Program, TrustedRuntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -49,7 +49,7 @@ import torch
 from pastry.control.controller import Controller
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.process import InProcessEngine
+from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

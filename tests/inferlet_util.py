@@ -9,7 +9,7 @@ from pastry.control.controller import Controller
 from pastry.control.scheduler import Policy
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.process import InProcessEngine
+from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Event, Program, TrustedRuntime
 
 POOLS = dict(num_pages=512, num_embeds=4096, num_host_pages=4, page_size=4)

@@ -341,6 +341,29 @@ async def main(args):
 """
 
 
+def test_controller_sees_an_adapter_loaded_after_wrapping(adapters):
+    """``EngineHandle.info`` is live: an in-process engine that loads an adapter after its
+    handle was made reports it, and a controller built on the handle serves it."""
+    from pastry.control.controller import Controller
+    from pastry.engine.handle import InProcessEngine
+
+    path, dirs = adapters("llama")
+    eng = load_engine(path)
+    with InProcessEngine(eng) as handle:
+        assert handle.info.adapters == ()
+        eng.load_adapter(dirs["all7"], name="late")
+        assert handle.info.adapters == ("late",)
+
+        async def served() -> dict[str, int]:
+            controller = Controller([handle])
+            try:
+                return dict(controller.models[handle.info.model_name].adapters)
+            finally:
+                await controller.close()
+
+        assert asyncio.run(served()) == {"late": 0}
+
+
 def test_forward_with_adapter_from_an_inferlet(adapters):
     """The inferlet's adapted forward equals the engine's own adapted forward (which
     tests/test_lora.py checks against peft + transformers)."""

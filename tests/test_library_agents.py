@@ -34,7 +34,7 @@ import pytest
 from inferlet_util import load_engine, result
 from pastry.control.controller import Controller
 from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
-from pastry.engine.process import InProcessEngine
+from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
 
 

@@ -29,7 +29,7 @@ from engine_util import Pages, Seq
 from inferlet_util import load_engine, result
 from pastry.control.controller import Controller
 from pastry.engine.calls import Forward, Sample
-from pastry.engine.process import InProcessEngine
+from pastry.engine.handle import InProcessEngine
 from pastry.inferlets.hierarchical_attention import HEADER, hierarchical_mask
 from pastry.runtime.trusted import Program, TrustedRuntime
 

@@ -31,18 +31,17 @@ from pastry.engine.calls import (
 )
 from pastry.engine.codec import decode_results, encode_batch, encode_info
 from pastry.engine.config import EngineConfig
-from pastry.engine.process import (
+from pastry.engine.handle import (
     EngineDied,
     EngineError,
     EngineStartError,
     EngineTimeout,
     InProcessEngine,
-    Op,
-    RemoteEngine,
-    Status,
-    handle_request,
-    spawn_engine,
 )
+from pastry.engine.remote import RemoteEngine
+from pastry.engine.serve import handle_request
+from pastry.engine.spawn import spawn_engine
+from pastry.engine.wire import Op, Status
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 CONFIG = EngineConfig(page_size=32, num_pages=10, max_batch_tokens=512, seed=3)

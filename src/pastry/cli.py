@@ -122,7 +122,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     from pastry.engine.config import CheckpointError, EngineConfig
     from pastry.engine.generate import FusedGenerator, Request
-    from pastry.engine.process import EngineError, RemoteEngine, spawn_engine
+    from pastry.engine.handle import EngineError
+    from pastry.engine.remote import RemoteEngine
+    from pastry.engine.spawn import spawn_engine
     from pastry.engine.tiny import ensure_default_model
     from pastry.engine.tokenizer import Tokenizer
 

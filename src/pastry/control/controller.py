@@ -40,6 +40,7 @@ from pastry.engine.calls import (
     Sample,
     ids,
 )
+from pastry.engine.handle import EngineHandle
 from pastry.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class Model:
     """One served model: its engine, tokenizer, scheduler and memory bookkeeping."""
 
     name: str
-    engine: object  # pastry.engine.process.EngineHandle
+    engine: EngineHandle
     info: EngineInfo
     tokenizer: Tokenizer
     scheduler: BatchScheduler
@@ -70,7 +71,7 @@ class Controller:
 
     def __init__(
         self,
-        engines: Sequence[object],
+        engines: Sequence[EngineHandle],
         policy: Policy | None = None,
         http_allow: Sequence[str] = (),
     ) -> None:
@@ -86,10 +87,8 @@ class Controller:
             sched = BatchScheduler(eng.execute, info.max_batch_tokens, info.page_size, policy)
             res = ResourceManager(info.num_pages, info.num_embeds, on_terminate=self._evict)
             tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
-            # Adapters are loaded on the engine at start-up and listed in its info.
-            inner = getattr(eng, "engine", None)  # an in-process engine's info is live
-            names = inner.info.adapters if inner is not None else info.adapters
-            adapters = {name: i for i, name in enumerate(names)}
+            # Adapters are loaded on the engine before serving and listed in its info.
+            adapters = {name: i for i, name in enumerate(info.adapters)}
             self.models[info.model_name] = Model(
                 info.model_name, eng, info, tok, sched, res, adapters
             )

@@ -2,8 +2,8 @@
 
 ``Engine.execute(batch)`` validates each call (a bad call becomes a :class:`CallError`
 result and has no effect), then runs each run of consecutive same-type calls as one batched
-operation, in batch order. It is synchronous and single-threaded; ``engine/process.py``
-serves it over ZeroMQ or on a worker thread.
+operation, in batch order. It is synchronous and single-threaded; ``engine/handle.py`` runs
+it on a worker thread, ``engine/serve.py`` serves it over ZeroMQ.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from pathlib import Path
 from pastry.control.controller import Controller
 from pastry.control.scheduler import Policy
 from pastry.engine.config import EngineConfig
+from pastry.engine.handle import EngineHandle
 from pastry.engine.tiny import pastry_home
 from pastry.runtime.trusted import Instance, TrustedRuntime
 from pastry.server.registry import ProgramRegistry
@@ -82,7 +83,7 @@ class PastryServer:
         )
         self.registry.add_builtins()
         self._procs: list = []
-        self._handles: list = []
+        self._handles: list[EngineHandle] = []
         self.owners: dict[int, object] = {}  # instance id -> owning connection (None: detached)
         self.loop = None  # the event loop the server runs on, set by start()
 
@@ -124,16 +125,17 @@ class PastryServer:
                 i.num_embeds, i.max_batch_tokens,
             )  # fmt: skip
 
-    async def _start_engine(self, model: Path, econf: EngineConfig):
+    async def _start_engine(self, model: Path, econf: EngineConfig) -> EngineHandle:
         if self.config.in_process:
             from pastry.engine.engine import Engine
-            from pastry.engine.process import InProcessEngine
+            from pastry.engine.handle import InProcessEngine
 
             engine = Engine.load(model, econf)
             for name, path in self.config.adapters:
                 engine.load_adapter(path, name)
             return InProcessEngine(engine)
-        from pastry.engine.process import RemoteEngine, spawn_engine
+        from pastry.engine.remote import RemoteEngine
+        from pastry.engine.spawn import spawn_engine
 
         proc = spawn_engine(model, econf, adapters=self.config.adapters)
         self._procs.append(proc)
@@ -145,10 +147,7 @@ class PastryServer:
                 self.runtime.terminate(inst.id, "the server is shutting down")
             await self.controller.close()
         for h in self._handles:
-            if hasattr(h, "aclose"):
-                await h.aclose()
-            else:
-                h.close()
+            await h.aclose()
         for p in self._procs:
             p.terminate()
         self._handles, self._procs = [], []
