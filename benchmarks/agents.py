@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from pastry.control.controller import Controller
+from pastry.control.events import Finished
 from pastry.control.http import HttpClient
 from pastry.engine.calls import Call, Forward, Result
 from pastry.engine.config import EngineConfig
@@ -431,9 +432,9 @@ def openai_wave(url: str, model: str, path: Path, agents: Agents, n: int):
 async def _finish(inst: Instance) -> tuple[float, str]:
     """(end time, result) of an instance; raises if it did not end with a result."""
     end = await inst.wait()
-    if end.kind != "result":
-        raise RuntimeError(f"{inst.program.name} ended with {end.kind}: {end.data}")
-    return time.perf_counter(), end.data
+    if not isinstance(end, Finished):
+        raise RuntimeError(f"{inst.program.name} ended with {end}")
+    return time.perf_counter(), end.result
 
 
 def _wave(t0: float, ends: list[float], outputs: list, forwarded: int) -> Wave:

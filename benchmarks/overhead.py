@@ -79,13 +79,14 @@ import numpy as np
 import torch
 
 from pastry.control.controller import Controller
+from pastry.control.events import Event, Finished, Message
 from pastry.control.scheduler import Policy, SchedulerStats
 from pastry.engine.calls import Call, Result, Sample
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
 from pastry.engine.handle import InProcessEngine
-from pastry.runtime.trusted import Event, Program, TrustedRuntime
+from pastry.runtime.trusted import Program, TrustedRuntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_decode import prompts, small_checkpoint
@@ -213,9 +214,9 @@ def csv(tokens: Sequence[int]) -> str:
 
 def check(events: list[Event]) -> str:
     end = events[-1]
-    if end.kind != "result":
-        raise RuntimeError(f"inferlet ended with {end.kind}: {end.data}")
-    return end.data
+    if not isinstance(end, Finished):
+        raise RuntimeError(f"inferlet ended with {end}")
+    return end.result
 
 
 async def launch_and_collect(
@@ -263,7 +264,7 @@ def fused_tpot(handle: InProcessEngine, ps: list[list[int]], n: int) -> Tpot:
 async def inferlet_tpot(handle: InProcessEngine, ps: list[list[int]], n: int) -> Tpot:
     async with Server(handle) as server:
         events = await launch_and_collect(server, TEXT_COMPLETION, [[csv(p), str(n)] for p in ps])
-    t0 = min(t for evs in events for t, ev in evs if ev.kind == "message")
+    t0 = min(t for evs in events for t, ev in evs if isinstance(ev, Message))
     t1 = max(evs[-1][0] for evs in events)
     outs = [[int(t) for t in check([ev for _, ev in evs]).split(",")] for evs in events]
     return Tpot((t1 - t0) / (n - 1), busy(handle.engine.log, t0, t1) / (n - 1), outs)
@@ -411,13 +412,13 @@ async def policy_throughput(
         async def watch(inst) -> None:
             nonlocal n_first
             async for ev in inst.events():
-                if ev.kind == "message":
+                if isinstance(ev, Message):
                     n_first += 1
                     if n_first == len(insts):
                         first.set()
                     continue
-                if ev.kind != "result" and not stopping:
-                    failures.append(f"{ev.kind}: {ev.data}")
+                if not isinstance(ev, Finished) and not stopping:
+                    failures.append(str(ev))
                     first.set()
                 done.set()
 

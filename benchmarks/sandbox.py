@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from pastry.control.controller import Controller
+from pastry.control.events import Finished, Message
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.handle import InProcessEngine
@@ -222,7 +223,7 @@ async def tpot(handle: InProcessEngine, kind: str, ps: list[list[int]], n: int):
         prog = make(kind, "tc", TEXT_COMPLETION)
         insts = [server.runtime.launch(prog, [csv(p), str(n)]) for p in ps]
         events = await asyncio.gather(*(collect(i) for i in insts))
-    t0 = min(t for evs in events for t, ev in evs if ev.kind == "message")
+    t0 = min(t for evs in events for t, ev in evs if isinstance(ev, Message))
     t1 = max(evs[-1][0] for evs in events)
     outs = [check([ev for _, ev in evs]) for evs in events]
     return (t1 - t0) / (n - 1), outs
@@ -265,7 +266,7 @@ async def parked_rss(handle: InProcessEngine, kind: str, n: int) -> float:
         evs = inst.events()
         await anext(evs)
         inst.send("x")
-        assert (await anext(evs)).data == "x"
+        assert await anext(evs) == Finished("x")
         gc.collect()
         if kind == "trusted":  # KiB-scale: below RSS resolution, count Python allocations
             tracemalloc.start()
@@ -273,14 +274,14 @@ async def parked_rss(handle: InProcessEngine, kind: str, n: int) -> float:
         insts = [server.runtime.launch(prog, []) for _ in range(n)]
         streams = [i.events() for i in insts]
         for s in streams:
-            assert (await anext(s)).data == "ready"
+            assert await anext(s) == Message("ready")
         gc.collect()
         after = tracemalloc.get_traced_memory()[0] if kind == "trusted" else rss_bytes()
         tracemalloc.stop()
         for i in insts:
             i.send("bye")
         for s in streams:
-            assert (await anext(s)).data == "bye"
+            assert await anext(s) == Finished("bye")
     return (after - before) / n
 
 

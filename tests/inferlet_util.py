@@ -6,11 +6,12 @@ import asyncio
 from collections.abc import Sequence
 
 from pastry.control.controller import Controller
+from pastry.control.events import Event, Finished
 from pastry.control.scheduler import Policy
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.handle import InProcessEngine
-from pastry.runtime.trusted import Event, Program, TrustedRuntime
+from pastry.runtime.trusted import Program, TrustedRuntime
 
 POOLS = dict(num_pages=512, num_embeds=4096, num_host_pages=4, page_size=4)
 
@@ -47,5 +48,5 @@ async def run_all(
 
 def result(events: list[Event]) -> str:
     end = events[-1]
-    assert end.kind == "result", f"{end.kind}: {end.data}"
-    return end.data
+    assert isinstance(end, Finished), end
+    return end.result

@@ -13,8 +13,9 @@ import pytest
 
 from inferlet_util import load_engine, result, run_all, start
 from pastry.api import API_FUNCTIONS, TRAITS, InferletApi
-from pastry.control.controller import Session
+from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.scheduler import Policy
+from pastry.control.session import Session
 from pastry.runtime.trusted import Program, ProgramError
 
 try:  # the session-scoped fixture that writes PEFT adapters
@@ -148,7 +149,7 @@ def test_every_function_from_an_inferlet(make_tiny, http_server):
         events = []
         async for ev in inst.events():
             events.append(ev)
-            if ev.kind == "message" and ev.data == "ready":
+            if ev == Message("ready"):
                 inst.send("hello inferlet")
         res = next(iter(controller.models.values())).resources
         res.check_integrity()
@@ -159,7 +160,7 @@ def test_every_function_from_an_inferlet(make_tiny, http_server):
 
     events, used = asyncio.run(go())
     out = json.loads(result(events))
-    assert events[0].kind == "message" and events[0].data == "ready"
+    assert events[0] == Message("ready")
     assert out["args"] == [http_server + "/x"] and out["id"] >= 1 and out["version"]
     assert "forward" in out["traits"] and "tokenize" in out["traits"]
     assert out["roundtrip"] and out["vocab_ok"]
@@ -276,7 +277,7 @@ def test_out_of_pages_terminates_the_newest(make_tiny):
         old = rt.launch(prog, ["40"])
         young = rt.launch(prog, ["20"])
         for inst in (old, young):
-            assert (await inst.events().__anext__()).data == "allocated"
+            assert await anext(inst.events()) == Message("allocated")
         newest = rt.launch(prog, ["30"])  # 4 free: the newest cannot be served
         old.send("10")  # needs 10, 4 free: the young one must go
         ends = [await i.wait() for i in (old, young, newest)]
@@ -287,9 +288,9 @@ def test_out_of_pages_terminates_the_newest(make_tiny):
         return ends
 
     old, young, newest = asyncio.run(go())
-    assert old.kind == "result", old
-    assert young.kind == "terminated" and "FCFS" in young.data, young
-    assert newest.kind == "error" and "cannot allocate 30 KV pages" in newest.data, newest
+    assert isinstance(old, Finished), old
+    assert isinstance(young, Terminated) and "FCFS" in young.reason, young
+    assert isinstance(newest, Failed) and "cannot allocate 30 KV pages" in newest.error, newest
 
 
 def test_program_errors_are_clear():
@@ -481,7 +482,9 @@ def test_served_engine_process_loads_adapters(adapters, tmp_path):
         try:
             server.registry.upload(ADAPTED, name="adapted")
             inst = server.launch("adapted", [arg, "mine"])
-            return json.loads((await inst.wait()).data)
+            end = await inst.wait()
+            assert isinstance(end, Finished), end
+            return json.loads(end.result)
         finally:
             await server.stop()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from inferlet_util import load_engine, run_all
+from pastry.control.events import Failed, Finished
 from pastry.engine.generate import FusedGenerator, Request
 from pastry.engine.tokenizer import Tokenizer
 from pastry.inferlets.text_completion import Deltas
@@ -38,8 +39,8 @@ def run(ckpt, *launches, **pools):
     out = []
     for evs in events:
         *messages, end = evs
-        assert end.kind == "result", f"{end.kind}: {end.data}"
-        out.append(([m.data for m in messages], end.data and json.loads(end.data)))
+        assert isinstance(end, Finished), end
+        out.append(([m.text for m in messages], end.result and json.loads(end.result)))
     return out
 
 
@@ -146,7 +147,8 @@ def test_chat_renders_the_template(ckpt, tok):
 
 def test_unknown_options_fail_with_their_names(ckpt):
     events, _ = asyncio.run(run_all(load_engine(ckpt), [(TEXT, ['{"prompt": "a", "max": 3}'])]))
-    assert events[0][-1].kind == "error" and "unknown options ['max']" in events[0][-1].data
+    end = events[0][-1]
+    assert isinstance(end, Failed) and "unknown options ['max']" in end.error, end
 
 
 def test_deltas_hold_back_partial_characters_and_stop_prefixes():

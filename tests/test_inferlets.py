@@ -9,6 +9,7 @@ import torch
 
 from engine_util import hf_model
 from inferlet_util import load_engine, result, run_all
+from pastry.control.events import Failed
 
 THREE_LINES = """
 from pastry.sdk import Context
@@ -212,11 +213,8 @@ def test_misuse_fails_only_that_inferlet(make_tiny):
         assert msg.startswith("ApiError: "), (case, msg)
         assert expect[case] in msg, (case, msg)
     crash = events[len(cases)][-1]
-    assert (
-        crash.kind == "error"
-        and "KeyError: 'boom-x'" in crash.data
-        and "raise KeyError" in crash.data
-    )
+    assert isinstance(crash, Failed), crash
+    assert "KeyError: 'boom-x'" in crash.error and "raise KeyError" in crash.error
     # the healthy inferlet next to them finished with its normal output
     alone, _ = asyncio.run(run_all(load_engine(make_tiny("llama")), [healthy]))
     assert result(events[-1]) == result(alone[0])

@@ -28,6 +28,7 @@ import torch
 
 from engine_util import hf_model
 from inferlet_util import load_engine, result, run_all
+from pastry.control.events import Failed
 from pastry.engine.tokenizer import Tokenizer
 
 llg = pytest.importorskip("llguidance")
@@ -354,4 +355,4 @@ def test_bad_grammars_fail_with_a_message(path, grammar, message):
     opts = {"prompt": "x", "grammar": grammar}
     events, _ = asyncio.run(run_all(load_engine(path), [(SRC, [json.dumps(opts)])]))
     end = events[0][-1]
-    assert end.kind == "error" and message in end.data, end.data
+    assert isinstance(end, Failed) and message in end.error, end

@@ -28,6 +28,7 @@ import pytest
 from engine_util import Pages, Seq
 from inferlet_util import load_engine, result
 from pastry.control.controller import Controller
+from pastry.control.events import Failed
 from pastry.engine.calls import Forward, Sample
 from pastry.engine.handle import InProcessEngine
 from pastry.inferlets.hierarchical_attention import HEADER, hierarchical_mask
@@ -341,4 +342,4 @@ def test_unknown_args_fail_with_their_names(ckpt, name):
         return end
 
     end = asyncio.run(go())
-    assert end.kind == "error" and "unknown args ['windw']" in end.data, end
+    assert isinstance(end, Failed) and "unknown args ['windw']" in end.error, end

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from inferlet_util import load_engine, result, run_all, start
+from pastry.control.events import Failed
 from pastry.engine.tokenizer import Tokenizer
 from pastry.runtime.trusted import Program
 
@@ -389,4 +390,4 @@ def test_bad_arguments_fail_with_a_message(path, name):
     src = (__import__("pathlib").Path(pkg).parent / f"{name}.py").read_text()
     events, _ = asyncio.run(run_all(load_engine(path), [(src, [json.dumps({"bogus": 1})])]))
     end = events[0][-1]
-    assert end.kind == "error" and "unknown args ['bogus']" in end.data
+    assert isinstance(end, Failed) and "unknown args ['bogus']" in end.error, end

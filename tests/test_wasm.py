@@ -17,6 +17,7 @@ pytest.importorskip("wasmtime")
 pytest.importorskip("componentize_py")
 
 from inferlet_util import load_engine, result, start
+from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.runtime.trusted import Program, ProgramError
 from pastry.runtime.wasm import SandboxLimits, WasmSandbox, sandboxed_program
 from test_inferlets import CONTEXT_TOKENS, GREEDY_LOOP, THREE_LINES
@@ -58,8 +59,8 @@ async def _collect(inst):
 
 def error(events) -> str:
     end = events[-1]
-    assert end.kind == "error", f"{end.kind}: {end.data}"
-    return end.data
+    assert isinstance(end, Failed), end
+    return end.error
 
 
 def _released(controller) -> None:
@@ -113,7 +114,7 @@ def test_messages_and_store(eng, box):
         controller, rt, handle = await start(eng)
         inst = rt.launch(sandboxed_program("m", MESSAGES, box=box), ["a"])
         evs = inst.events()
-        assert (await anext(evs)).data == "ready"
+        assert await anext(evs) == Message("ready")
         inst.send("pong")
         end = await anext(evs)
         await controller.close()
@@ -121,7 +122,7 @@ def test_messages_and_store(eng, box):
         return end
 
     end = asyncio.run(go())
-    assert (end.kind, end.data) == ("result", "pong/['a']")
+    assert end == Finished("pong/['a']")
 
 
 HEALTHY = (THREE_LINES, ["Hello,", "4"])
@@ -287,7 +288,7 @@ def test_terminate_and_syntax_error(eng, box):
         return end
 
     end = asyncio.run(go())
-    assert (end.kind, end.data) == ("terminated", "stopped by the test")
+    assert end == Terminated("stopped by the test")
 
 
 def test_the_guest_gets_the_whole_sdk():

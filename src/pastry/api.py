@@ -8,7 +8,7 @@ batch scheduler, and return an awaitable that resolves when the call has run; th
 submitted when called, so several queued calls can be issued before awaiting the last
 (that is what lets embed, forward and sample of one step share one engine batch).
 
-This module is the contract. ``pastry.control.controller.Session`` implements it for
+This module is the contract. ``pastry.control.session.Session`` implements it for
 trusted inferlets; ``tests/test_api.py`` checks that every function here exists there with
 the same parameters. The traits (groups of functions a model implements) are listed in
 :data:`TRAITS`.

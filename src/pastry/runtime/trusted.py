@@ -6,9 +6,11 @@ A program is Python source defining ``async def main(args: list[str]) -> str | N
 bound to that session. Hundreds run concurrently on one event loop; their model calls meet
 in the batch scheduler.
 
-An instance ends with its result, with the traceback of an exception it raised (only that
-instance ends), or terminated (by its client, or by the resource policy, with the reason).
-However it ends, the controller releases everything it held.
+An instance ends with its result (:class:`Finished`), with the traceback of an exception it
+raised (:class:`Failed`; only that instance ends), or terminated (:class:`Terminated`, by its
+client or by the resource policy, with the reason); :meth:`Instance.events` yields its
+messages, then that end event (:mod:`pastry.control.events`). However it ends, the
+controller releases everything it held.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import sys
 import time
 import traceback
 import types
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from pastry.control.controller import Controller, Session
+from pastry.control.controller import Controller
+from pastry.control.events import End, Event, Failed, Finished, Message, Terminated
+from pastry.control.session import Session
 from pastry.sdk import _current
 
 log = logging.getLogger(__name__)
@@ -70,15 +74,6 @@ class Program:
         return cls(name, digest, main)
 
 
-@dataclass(frozen=True)
-class Event:
-    """What an instance tells its client: ``message``, then one of ``result`` / ``error`` /
-    ``terminated`` as its last event."""
-
-    kind: str
-    data: str | None
-
-
 @dataclass(eq=False)
 class Instance:
     id: int
@@ -88,22 +83,23 @@ class Instance:
     started: float = field(default_factory=time.time)
     task: asyncio.Task | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
-    end: Event | None = None
+    end: End | None = None
 
-    async def events(self):
-        """Messages as they come, then the final event."""
+    async def events(self) -> AsyncIterator[Event]:
+        """:class:`Message` events as they come, then the :data:`End` event (one consumer)."""
         while True:
-            kind, data = await self.session.outbox.get()
-            yield Event(kind, data)
-            if kind != "message":
+            event = await self.session.outbox.get()
+            yield event
+            if not isinstance(event, Message):
                 return
 
     def send(self, message: str) -> None:
         """Deliver a client message to the inferlet's ``receive``."""
         self.session.inbox.put_nowait(message)
 
-    async def wait(self) -> Event:
+    async def wait(self) -> End:
         await self.done.wait()
+        assert self.end is not None
         return self.end
 
 
@@ -128,18 +124,18 @@ class TrustedRuntime:
             result = await inst.program.main(list(inst.args))
             if result is not None and not isinstance(result, str):
                 result = str(result)
-            self._finish(inst, Event("result", result))
+            self._finish(inst, Finished(result))
         except asyncio.CancelledError:
-            self._finish(inst, inst.end or Event("terminated", "terminated"))
+            self._finish(inst, inst.end or Terminated("terminated"))
         except Exception:
-            self._finish(inst, Event("error", traceback.format_exc()))
+            self._finish(inst, Failed(traceback.format_exc()))
 
-    def _finish(self, inst: Instance, event: Event) -> None:
+    def _finish(self, inst: Instance, event: End) -> None:
         if inst.done.is_set():
             return
         inst.end = event
         self.controller.end_session(inst.id)
-        inst.session.outbox.put_nowait((event.kind, event.data))
+        inst.session.outbox.put_nowait(event)
         inst.done.set()
         self.instances.pop(inst.id, None)
 
@@ -149,6 +145,6 @@ class TrustedRuntime:
         if inst is None:
             return
         log.info("terminating inferlet %d: %s", instance, reason)
-        self._finish(inst, Event("terminated", reason))
+        self._finish(inst, Terminated(reason))
         if inst.task is not None and not inst.task.done():
             inst.task.cancel()

@@ -5,7 +5,7 @@ it is never executed by the host: each launch instantiates the generic Python ru
 component ("pyrt", :mod:`pastry.runtime.build_pyrt`) in its own Wasmtime ``Store`` and
 runs the source there, with ``pastry.sdk`` bound to the component's imports
 (``wit/pastry.wit``). The host side of every import is the instance's
-:class:`~pastry.control.controller.Session`, the same object trusted inferlets call, so
+:class:`~pastry.control.session.Session`, the same object trusted inferlets call, so
 sandboxed and trusted inferlets share the batch scheduler and batch together.
 
 How it is driven (one asyncio loop, no threads per guest):
@@ -127,7 +127,7 @@ class _Guest:
     """One running component instance and its driving state."""
 
     id: int
-    session: Any  # pastry.control.controller.Session
+    session: Any  # pastry.control.session.Session
     limits: SandboxLimits
     store: wasmtime.Store
     result: asyncio.Future

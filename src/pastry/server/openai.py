@@ -24,7 +24,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from pastry.runtime.trusted import Event, Instance
+from pastry.control.events import Event, Failed, Finished, Message, Terminated
+from pastry.runtime.trusted import Instance
 from pastry.server.service import PastryServer
 
 log = logging.getLogger(__name__)
@@ -333,12 +334,13 @@ class Run:
         results: dict[int, dict] = {}
         while len(results) < len(self.job.args):
             k, ev = await events.get()
-            if ev.kind == "result":
-                results[k] = json.loads(ev.data)
-            elif ev.kind != "message":
-                error = _instance_error(ev)
-                await _send_json(send, error.status, error.body())
-                return
+            match ev:
+                case Finished(result):
+                    results[k] = json.loads(result)
+                case Failed() | Terminated():
+                    error = _instance_error(ev)
+                    await _send_json(send, error.status, error.body())
+                    return
         n = self.job.n
         choices = [
             self._choice(k * n + c["index"], c)
@@ -382,18 +384,19 @@ class Run:
         usages, left = [], len(self.job.args)
         while left:
             k, ev = await events.get()
-            if ev.kind == "message":
-                m = json.loads(ev.data)
-                await emit(self._chunk(k * n + m["index"], m["delta"]))
-            elif ev.kind == "result":
-                result = json.loads(ev.data)
-                usages.append(result["usage"])
-                for c in result["choices"]:
-                    await emit(self._chunk(k * n + c["index"], None, c["finish_reason"]))
-                left -= 1
-            else:
-                await emit(_instance_error(ev).body())
-                break
+            match ev:
+                case Message(text):
+                    m = json.loads(text)
+                    await emit(self._chunk(k * n + m["index"], m["delta"]))
+                case Finished(result):
+                    done = json.loads(result)
+                    usages.append(done["usage"])
+                    for c in done["choices"]:
+                        await emit(self._chunk(k * n + c["index"], None, c["finish_reason"]))
+                    left -= 1
+                case Failed() | Terminated():
+                    await emit(_instance_error(ev).body())
+                    break
         if not left and self.job.include_usage:
             await emit({**self._chunk(0, None), "choices": [], "usage": _total(usages)})
         await emit("[DONE]")
@@ -437,11 +440,11 @@ async def _send_json(send: Send, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def _instance_error(ev: Event) -> OpenAIError:
-    if ev.kind == "terminated":
-        return OpenAIError(f"the request was ended: {ev.data}", None, 503, None, "server_error")
-    log.warning("a built-in inferlet failed:\n%s", ev.data)
-    last = (ev.data or "").strip().splitlines()[-1:] or ["unknown error"]
+def _instance_error(ev: Failed | Terminated) -> OpenAIError:
+    if isinstance(ev, Terminated):
+        return OpenAIError(f"the request was ended: {ev.reason}", None, 503, None, "server_error")
+    log.warning("a built-in inferlet failed:\n%s", ev.error)
+    last = ev.error.strip().splitlines()[-1:] or ["unknown error"]
     return OpenAIError(f"generation failed: {last[0]}", None, 500, None, "server_error")
 
 

@@ -29,6 +29,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from pastry import __version__
+from pastry.control.events import event_data
 from pastry.runtime.trusted import Instance, ProgramError
 from pastry.server.registry import RegistryError
 from pastry.server.service import PastryServer
@@ -201,7 +202,7 @@ class Streams:
         iid = stream.inst.id
         try:
             async for ev in stream.inst.events():
-                frame = {"type": "event", "instance": iid, "kind": ev.kind, "data": ev.data}
+                frame = {"type": "event", "instance": iid, "kind": ev.kind, "data": event_data(ev)}
                 if stream.subscribers:
                     for conn in stream.subscribers:
                         conn.push(frame)

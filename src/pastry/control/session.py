@@ -1,0 +1,466 @@
+"""The host side of the inferlet API for one instance: :class:`Session`.
+
+A session implements every function of :class:`pastry.api.InferletApi` with the instance's
+own handle space: queues, KV pages, embeddings and subscriptions are small integers that
+mean nothing outside that session. Calls that touch the model are queued on the model's
+batch scheduler (:mod:`pastry.control.scheduler`) and translated to physical ids when they
+are batched; the rest are answered here directly. Misuse (a foreign or freed handle, a
+wrong queue, bad lengths) raises :class:`ApiError` in the calling inferlet only.
+
+The :class:`~pastry.control.controller.Controller` creates and ends sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import jinja2
+import numpy as np
+
+from pastry.api import ApiError
+from pastry.control.events import Event, Message
+from pastry.control.resources import ResourceError
+from pastry.control.scheduler import Command, Queue, Stage
+from pastry.engine.calls import CopyKv, Dist, EmbedTxt, Forward, MaskKv, NextDist, Sample, ids
+
+if TYPE_CHECKING:
+    from pastry.control.controller import Controller, Model
+
+API_VERSION = "0.1.0"
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Retrieve a fire-and-forget command's outcome (failures surface on later calls)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+@dataclass
+class _QueueRef:
+    model: Model
+    queue: Queue
+
+
+@dataclass(eq=False)
+class Session:
+    """The API as one inferlet instance sees it (see :class:`pastry.api.InferletApi`).
+
+    ``inbox`` holds the client's messages for ``receive``; ``outbox`` the instance's
+    :mod:`~pastry.control.events` for its client (messages, then the runner's end event).
+    """
+
+    controller: Controller
+    instance: int
+    args: list[str]
+    inbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    outbox: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    _queues: dict[int, _QueueRef] = field(default_factory=dict)
+    _subs: dict[int, object] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=itertools.count)
+    closed: bool = False
+
+    # ------------------------------------------------------------------ runtime
+
+    def get_arguments(self) -> list[str]:
+        return list(self.args)
+
+    def get_instance_id(self) -> int:
+        return self.instance
+
+    def get_version(self) -> str:
+        return API_VERSION
+
+    def send(self, message: str) -> None:
+        if not isinstance(message, str):
+            raise ApiError(f"send takes a string, got {type(message).__name__}")
+        self.outbox.put_nowait(Message(message))
+
+    async def receive(self) -> str:
+        return await self.inbox.get()
+
+    def available_models(self) -> list[str]:
+        return list(self.controller.models)
+
+    def available_traits(self, model: str) -> list[str]:
+        return self._model(model).traits
+
+    def create_queue(self, model: str) -> int:
+        m = self._model(model)
+        qid = next(self._ids)
+        self._queues[qid] = _QueueRef(m, m.scheduler.create_queue(self.instance))
+        return qid
+
+    def synchronize(self, q: int) -> asyncio.Future:
+        """Resolves when every command queued on ``q`` before this call has completed."""
+        return self._submit(q, Command(Stage.CONTROL, prepare=lambda: None))
+
+    def set_queue_priority(self, q: int, priority: int) -> None:
+        self._queue(q).queue.priority = int(priority)
+
+    def close_queue(self, q: int) -> None:
+        ref = self._queue(q)
+        ref.model.scheduler.close_queue(ref.queue, f"queue {q} was closed")
+        del self._queues[q]
+
+    # ------------------------------------------------------------------ allocate
+
+    def get_kv_page_size(self, q: int) -> int:
+        return self._queue(q).model.info.page_size
+
+    def alloc_kvpages(self, q: int, n: int) -> list[int]:
+        """New pages, every slot not attendable until this inferlet writes it: a page may
+        hold another inferlet's stale K/V, which must never be visible."""
+        ref = self._queue(q)
+        pages = self._alloc(q, "kv", n)
+        if pages:
+            phys = self._phys(ref, "kv", pages)
+            hidden = np.ones(ref.model.info.page_size, dtype=np.bool_)
+            for p in phys:
+                fut = self._submit(q, Command(Stage.KV, prepare=lambda p=p: MaskKv(p, hidden)))
+                fut.add_done_callback(_consume)
+        return pages
+
+    def alloc_embeds(self, q: int, n: int) -> list[int]:
+        return self._alloc(q, "embed", n)
+
+    def dealloc_kvpages(self, q: int, pages: list[int]) -> asyncio.Future:
+        return self._dealloc(q, "kv", pages)
+
+    def dealloc_embeds(self, q: int, embeds: list[int]) -> asyncio.Future:
+        return self._dealloc(q, "embed", embeds)
+
+    def copy_kvpage(
+        self, q: int, src: int, dst: int, src_offset: int, dst_offset: int, size: int
+    ) -> asyncio.Future:
+        ref = self._queue(q)
+
+        def prepare():
+            s, d = self._phys(ref, "kv", [src, dst])
+            return CopyKv(s, d, int(src_offset), int(dst_offset), int(size))
+
+        return self._submit(q, Command(Stage.KV, prepare=prepare))
+
+    def export_kvpages(
+        self, q: int, pages: list[int], name: str, persistent: bool = False
+    ) -> asyncio.Future:
+        """Publish pages under ``name`` once the commands queued before have run."""
+        ref = self._queue(q)
+        res = ref.model.resources
+        pages = list(pages)
+        self._resource_call(lambda: res.translate(self.instance, "kv", pages))
+
+        def prepare():
+            res.export(self.instance, "kv", pages, name, persistent)
+
+        return self._submit(q, Command(Stage.CONTROL, prepare=prepare))
+
+    def import_kvpages(self, q: int, name: str) -> list[int]:
+        ref = self._queue(q)
+        return self._resource_call(lambda: ref.model.resources.import_(self.instance, "kv", name))
+
+    def unexport_kvpages(self, q: int, name: str) -> None:
+        ref = self._queue(q)
+        self._resource_call(lambda: ref.model.resources.unexport(self.instance, name))
+
+    def list_exported_kvpages(self, q: int) -> list[tuple[str, int]]:
+        res = self._queue(q).model.resources
+        return [(name, n) for name, kind, n in res.list_exports() if kind == "kv"]
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        q: int,
+        in_kv: list[int],
+        in_kv_last_len: int,
+        in_embeds: list[int],
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embeds: list[int],
+        mask: list[list[bool]] | None = None,
+    ) -> asyncio.Future:
+        """Run the model over ``in_embeds`` on top of the context in ``in_kv``.
+
+        The new tokens' K/V go to ``out_kv`` from slot ``out_kv_offset`` on (no pages: not
+        stored); ``out_embeds[j]`` receives the output of the ``len(out_embeds)`` last
+        inputs. ``mask`` (one row per input over context + inputs, True = attend)
+        replaces the default causal attention.
+        """
+        return self._forward(
+            q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, -1
+        )
+
+    def _forward(
+        self, q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, adapter
+    ) -> asyncio.Future:
+        ref = self._queue(q)
+        # Snapshot the handle lists now: the command is prepared later, and the caller may
+        # change its lists in the meantime (a context growing its pages, say).
+        in_kv, in_embeds, out_kv, out_embeds = (
+            list(in_kv), list(in_embeds), list(out_kv), list(out_embeds)
+        )  # fmt: skip
+        n = len(in_embeds)
+        if n == 0:
+            raise ApiError("forward needs at least one input embedding")
+        m = len(out_embeds)
+        if m > n:
+            raise ApiError(f"{m} output embeddings for {n} inputs")
+        mask_arr = None
+        if mask is not None:
+            mask_arr = np.asarray(mask, dtype=np.bool_)
+            if mask_arr.ndim != 2 or mask_arr.shape[0] != n:
+                raise ApiError(
+                    f"mask must have one row per input ({n}), got shape {mask_arr.shape}"
+                )
+
+        def prepare():
+            return Forward(
+                in_embeds=ids(self._phys(ref, "embed", in_embeds)),
+                ctx_pages=ids(self._phys(ref, "kv", in_kv)),
+                ctx_last_len=int(in_kv_last_len) if len(in_kv) else 0,
+                out_pages=ids(self._phys(ref, "kv", out_kv)),
+                out_offset=int(out_kv_offset),
+                out_embeds=ids(self._phys(ref, "embed", out_embeds)),
+                out_indices=ids(range(n - m, n)),
+                mask=mask_arr,
+                adapter=adapter,
+            )
+
+        return self._submit(q, Command(Stage.FORWARD, prepare=prepare, tokens=n))
+
+    def forward_with_adapter(
+        self,
+        q: int,
+        adapter: str,
+        in_kv: list[int],
+        in_kv_last_len: int,
+        in_embeds: list[int],
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embeds: list[int],
+        mask: list[list[bool]] | None = None,
+    ) -> asyncio.Future:
+        ref = self._queue(q)
+        if adapter not in ref.model.adapters:
+            names = ", ".join(ref.model.adapters) or "none"
+            raise ApiError(f"no adapter named '{adapter}' on {ref.model.name} (loaded: {names})")
+        return self._forward(
+            q,
+            in_kv,
+            in_kv_last_len,
+            in_embeds,
+            out_kv,
+            out_kv_offset,
+            out_embeds,
+            mask,
+            ref.model.adapters[adapter],
+        )
+
+    def get_adapters(self, q: int) -> list[str]:
+        return list(self._queue(q).model.adapters)
+
+    def mask_kvpage(self, q: int, page: int, mask: list[bool]) -> asyncio.Future:
+        """``mask[i]`` True makes token ``i`` of ``page`` not attendable."""
+        ref = self._queue(q)
+        arr = np.asarray(mask, dtype=np.bool_)
+
+        def prepare():
+            return MaskKv(self._phys(ref, "kv", [page])[0], arr)
+
+        return self._submit(q, Command(Stage.KV, prepare=prepare))
+
+    # ------------------------------------------------------------------ input text, tokenize
+
+    def embed_txt(
+        self, q: int, tokens: list[int], positions: list[int], embeds: list[int]
+    ) -> asyncio.Future:
+        ref = self._queue(q)
+        if not (len(tokens) == len(positions) == len(embeds)):
+            raise ApiError(
+                f"embed_txt needs as many positions and embeddings as tokens "
+                f"({len(tokens)} tokens, {len(positions)} positions, {len(embeds)} embeds)"
+            )
+        tok, pos, embeds = ids(tokens), ids(positions), list(embeds)
+
+        def prepare():
+            return EmbedTxt(tok, pos, ids(self._phys(ref, "embed", embeds)))
+
+        return self._submit(q, Command(Stage.EMBED, prepare=prepare))
+
+    def get_eos_token_ids(self, q: int) -> list[int]:
+        return list(self._queue(q).model.info.eos_token_ids)
+
+    def get_vocab_size(self, q: int) -> int:
+        return self._queue(q).model.info.vocab_size
+
+    def apply_chat_template(
+        self, q: int, messages: list[tuple[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        tok = self._queue(q).model.tokenizer
+        msgs = []
+        for m in messages:
+            if len(m) != 2 or not all(isinstance(x, str) for x in m):
+                raise ApiError(f"messages must be (role, content) string pairs, got {m!r}")
+            msgs.append({"role": m[0], "content": m[1]})
+        try:
+            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise ApiError(str(e)) from None
+
+    def tokenize(self, q: int, text: str) -> list[int]:
+        return self._queue(q).model.tokenizer.encode(text)
+
+    def detokenize(self, q: int, tokens: list[int]) -> str:
+        return self._queue(q).model.tokenizer.decode(list(tokens))
+
+    def get_vocabs(self, q: int) -> list[bytes]:
+        return self._queue(q).model.tokenizer.get_vocabs()
+
+    # ------------------------------------------------------------------ output
+
+    def get_next_dist(self, q: int, embed: int, k: int = 256) -> asyncio.Future:
+        """Top-``k`` next-token distribution at ``embed``: (token ids, probabilities)."""
+        ref = self._queue(q)
+
+        def prepare():
+            return NextDist(self._phys(ref, "embed", [embed])[0], int(k))
+
+        def finish(d: Dist):
+            return d.ids.tolist(), d.probs.tolist()
+
+        return self._submit(q, Command(Stage.OUTPUT, prepare=prepare, finish=finish))
+
+    def sample(
+        self,
+        q: int,
+        embed: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+    ) -> asyncio.Future:
+        """Sample a token on the device (greedy at temperature 0)."""
+        ref = self._queue(q)
+
+        def prepare():
+            return Sample(
+                self._phys(ref, "embed", [embed])[0], temperature, top_k, top_p, min_p, seed
+            )
+
+        return self._submit(q, Command(Stage.OUTPUT, prepare=prepare))
+
+    # ------------------------------------------------------------------ messaging, store, http
+
+    def broadcast(self, topic: str, message: str) -> int:
+        return self.controller.bus.broadcast(str(self.instance), topic, message)
+
+    def subscribe(self, topic: str) -> int:
+        sid = next(self._ids)
+        self._subs[sid] = self.controller.bus.subscribe(str(self.instance), topic)
+        return sid
+
+    async def next_message(self, sub: int) -> str:
+        return await self._sub(sub).get()
+
+    def unsubscribe(self, sub: int) -> None:
+        self._sub(sub).close()
+        del self._subs[sub]
+
+    def store_get(self, key: str) -> str | None:
+        return self.controller.store.get(key)
+
+    def store_set(self, key: str, value: str) -> None:
+        self.controller.store.set(key, value, instance_id=str(self.instance))
+
+    def store_delete(self, key: str) -> bool:
+        return self.controller.store.delete(key)
+
+    def store_exists(self, key: str) -> bool:
+        return self.controller.store.exists(key)
+
+    def store_list_keys(self, prefix: str = "") -> list[str]:
+        return self.controller.store.list_keys(prefix)
+
+    async def http_get(self, url: str) -> tuple[int, str]:
+        r = await self.controller.http.get(url)
+        return r.status, r.text
+
+    async def http_post(self, url: str, body: str) -> tuple[int, str]:
+        r = await self.controller.http.post(url, body)
+        return r.status, r.text
+
+    # ------------------------------------------------------------------ helpers
+
+    def close(self) -> None:
+        self.closed = True
+        for ref in self._queues.values():
+            ref.model.scheduler.close_queue(ref.queue, "the inferlet ended")
+        self._queues.clear()
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()
+
+    def _model(self, name: str) -> Model:
+        try:
+            return self.controller.models[name]
+        except KeyError:
+            raise ApiError(
+                f"no model named '{name}' (available: {', '.join(self.controller.models)})"
+            ) from None
+
+    def _queue(self, q: int) -> _QueueRef:
+        self._check_open()
+        ref = self._queues.get(q)
+        if ref is None:
+            raise ApiError(
+                f"queue {q} does not exist in this inferlet (create one with create_queue)"
+            )
+        return ref
+
+    def _sub(self, sub: int):
+        s = self._subs.get(sub)
+        if s is None:
+            raise ApiError(f"subscription {sub} does not exist in this inferlet")
+        return s
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ApiError("this inferlet has ended")
+
+    def _alloc(self, q: int, kind: str, n: int) -> list[int]:
+        ref = self._queue(q)
+        if not isinstance(n, int) or n < 0:
+            raise ApiError(f"allocation size must be a non-negative integer, got {n!r}")
+        return self._resource_call(lambda: ref.model.resources.alloc(self.instance, kind, n))
+
+    def _dealloc(self, q: int, kind: str, handles: list[int]) -> asyncio.Future:
+        ref = self._queue(q)
+        handles = list(handles)
+        res = ref.model.resources
+        self._resource_call(lambda: res.translate(self.instance, kind, handles))  # fail fast
+
+        def prepare():
+            res.free(self.instance, kind, handles)
+
+        return self._submit(q, Command(Stage.CONTROL, prepare=prepare))
+
+    def _phys(self, ref: _QueueRef, kind: str, handles) -> list[int]:
+        return self._resource_call(
+            lambda: ref.model.resources.translate(self.instance, kind, list(handles))
+        )
+
+    @staticmethod
+    def _resource_call(fn):
+        try:
+            return fn()
+        except ResourceError as e:
+            raise ApiError(str(e)) from None
+
+    def _submit(self, q: int, cmd: Command) -> asyncio.Future:
+        """Queue ``cmd`` now; the returned future resolves when it has run."""
+        ref = self._queue(q)
+        return ref.model.scheduler.submit(ref.queue, cmd)
