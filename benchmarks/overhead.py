@@ -45,7 +45,7 @@ is fixed and nothing depends on the tokenizer.
       loop. ``engine_call_us_C`` = mean µs per call of that.
 
 (c) The Pie paper's Table 5: 128 concurrent text-completion inferlets under the eager,
-    k-only, t-only and adaptive policies (default ``Policy`` parameters). After every
+    k-only, t-only and adaptive policies (default parameters of the ``pastry.control.policies`` objects). After every
     inferlet has its first token (prefill excluded), output tokens are counted for a fixed
     window (or until the first inferlet finishes) from the engine's batch log: throughput =
     ``Sample`` calls in the batches that completed in the window, from the first such
@@ -80,7 +80,8 @@ import torch
 
 from pastry.control.controller import Controller
 from pastry.control.events import Event, Finished, Message
-from pastry.control.scheduler import Policy, SchedulerStats
+from pastry.control.policies import BatchPolicy, batch_policy
+from pastry.control.scheduler import SchedulerStats
 from pastry.engine.calls import Call, Result, Sample
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
@@ -194,7 +195,7 @@ def busy(log: list[tuple[float, float, int]], t0: float, t1: float) -> float:
 class Server:
     """A fresh controller + trusted runtime over ``handle`` (async context manager)."""
 
-    def __init__(self, handle: InProcessEngine, policy: Policy | None = None) -> None:
+    def __init__(self, handle: InProcessEngine, policy: BatchPolicy | None = None) -> None:
         self.handle, self.policy = handle, policy
 
     async def __aenter__(self) -> Server:
@@ -399,7 +400,11 @@ def window_stats(log: list[tuple[float, float, int]], t0: float, t1: float) -> d
 
 
 async def policy_throughput(
-    handle: InProcessEngine, policy: Policy, ps: list[list[int]], max_tokens: int, window: float
+    handle: InProcessEngine,
+    policy: BatchPolicy,
+    ps: list[list[int]],
+    max_tokens: int,
+    window: float,
 ) -> dict:
     log = handle.engine.log
     log.clear()
@@ -460,16 +465,6 @@ def fused_throughput(handle: InProcessEngine, ps: list[list[int]], window: float
     return {**window_stats(log, t0, time.perf_counter()), "batches": steps, "mean_batch": len(ps)}
 
 
-def policy_label(p: Policy) -> str:
-    detail = {
-        "eager": "every pending command at once",
-        "k-only": f"k={p.k}, give up after {p.t_ms:g} ms",
-        "t-only": f"every {p.t_ms:g} ms",
-        "adaptive": f"when idle, {p.settle_ticks} settle ticks",
-    }[p.kind]
-    return f"{p.kind} ({detail})"
-
-
 def section_policies(
     handle: InProcessEngine, n: int, max_tokens: int, window: float, rounds: int, vocab: int
 ) -> dict:
@@ -490,7 +485,7 @@ def section_policies(
     for _ in range(rounds):
         runs[ref].append(fused_throughput(handle, ps, window))
         for kind in POLICIES:
-            policy = Policy(kind=kind)
+            policy = batch_policy(kind)
             runs[kind].append(
                 asyncio.run(policy_throughput(handle, policy, ps, max_tokens, window))
             )
@@ -503,7 +498,7 @@ def section_policies(
         out[f"batches_{POLICY_KEYS[kind]}"] = r["batches"]
     adaptive = out["throughput_adaptive"]
     for name, r in rows.items():
-        label = policy_label(Policy(kind=name)) if name in POLICIES else name
+        label = batch_policy(name).describe() if name in POLICIES else name
         print(
             f"| {label} | {r['tok_s']:.0f} | {r['tok_s'] / adaptive:.2f}x | {r['busy']:.0%} "
             f"| {r['idle_ms']:.2f} | {r['batches']} | {r['mean_batch']:.1f} "

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from pastry.control.controller import Controller
 from pastry.control.events import Event, Finished
-from pastry.control.scheduler import Policy
+from pastry.control.policies import BatchPolicy
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.handle import InProcessEngine
@@ -20,17 +20,19 @@ def load_engine(path, **kw) -> Engine:
     return Engine.load(path, EngineConfig(dtype="float32", **{**POOLS, **kw}))
 
 
-async def start(engine: Engine, policy: Policy | None = None, **kw):
+async def start(engine: Engine, batching: BatchPolicy | None = None, **kw):
     handle = InProcessEngine(engine)
-    controller = Controller([handle], policy, **kw)
+    controller = Controller([handle], batching, **kw)
     return controller, TrustedRuntime(controller), handle
 
 
 async def run_all(
-    engine: Engine, launches: Sequence[tuple[str, Sequence[str]]], policy: Policy | None = None
+    engine: Engine,
+    launches: Sequence[tuple[str, Sequence[str]]],
+    batching: BatchPolicy | None = None,
 ) -> tuple[list[list[Event]], Controller]:
     """Launch every (source, args) at once; each instance's events, in launch order."""
-    controller, rt, handle = await start(engine, policy)
+    controller, rt, handle = await start(engine, batching)
     programs: dict[str, Program] = {}
     insts = []
     for src, args in launches:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from pastry.control.scheduler import BatchScheduler, Command, Policy, Stage
+from pastry.control.policies import Eager
+from pastry.control.scheduler import BatchScheduler, Command, Stage
 from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
 
 
@@ -111,7 +110,7 @@ def test_oversized_command_still_runs_alone():
 def test_rejected_prepare_fails_only_that_command():
     async def go():
         rec = Recorder()
-        s = BatchScheduler(rec.execute, max_batch_tokens=100, page_size=4, policy=Policy("eager"))
+        s = BatchScheduler(rec.execute, max_batch_tokens=100, page_size=4, batching=Eager())
         s.start()
         q = s.create_queue(1)
 
@@ -158,11 +157,6 @@ def test_closed_queue_fails_pending_commands():
             return str(e)
 
     assert run(go) == "the inferlet ended"
-
-
-def test_unknown_policy_is_rejected():
-    with pytest.raises(ValueError, match="unknown batching policy"):
-        Policy("fastest")
 
 
 def test_batch_prepared_while_the_engine_runs():

@@ -184,6 +184,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     """``pastry serve``: engines + the WebSocket and OpenAI endpoints, until stopped."""
+    from pastry.control.policies import BATCH_POLICIES
+
     p = subparsers.add_parser(
         "serve",
         help="run the server: engine processes, inferlets, WebSocket /ws and OpenAI /v1",
@@ -208,7 +210,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-pages", type=int, default=0, help="KV pages (0: from free memory)")
     p.add_argument("--num-embeds", type=int, default=0, help="embedding slots (0: derived)")
     p.add_argument(
-        "--policy", choices=("adaptive", "eager", "k-only", "t-only"), default="adaptive",
+        "--policy", choices=tuple(BATCH_POLICIES), default="adaptive",
         help="batching policy (default adaptive)",
     )  # fmt: skip
     p.add_argument(

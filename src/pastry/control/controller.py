@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from pastry.control.kvstore import KvStore
 from pastry.control.messaging import MessageBus
+from pastry.control.policies import BatchPolicy, Fcfs, SchedulePolicy
 from pastry.control.resources import ResourceManager
-from pastry.control.scheduler import BatchScheduler, Policy
+from pastry.control.scheduler import BatchScheduler
 from pastry.control.session import Session
 from pastry.engine.calls import EngineInfo
 from pastry.engine.handle import EngineHandle
@@ -44,13 +45,19 @@ class Model:
 
 
 class Controller:
-    """Shared state of the control layer. Create inside a running event loop."""
+    """Shared state of the control layer. Create inside a running event loop.
+
+    Each engine's model gets a :class:`BatchScheduler` with the ``batching`` policy (default
+    :class:`~pastry.control.policies.Adaptive`) and its own schedule policy, made by calling
+    ``schedule`` (default :class:`~pastry.control.policies.Fcfs`).
+    """
 
     def __init__(
         self,
         engines: Sequence[EngineHandle],
-        policy: Policy | None = None,
+        batching: BatchPolicy | None = None,
         http_allow: Sequence[str] = (),
+        schedule: Callable[[], SchedulePolicy] = Fcfs,
     ) -> None:
         self.models: dict[str, Model] = {}
         self.sessions: dict[int, Session] = {}
@@ -61,7 +68,9 @@ class Controller:
         self.on_terminate: Callable[[int, str], None] = lambda instance, reason: None
         for eng in engines:
             info = eng.info
-            sched = BatchScheduler(eng.execute, info.max_batch_tokens, info.page_size, policy)
+            sched = BatchScheduler(
+                eng.execute, info.max_batch_tokens, info.page_size, batching, schedule()
+            )
             res = ResourceManager(info.num_pages, info.num_embeds, on_terminate=self._evict)
             tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
             # Adapters are loaded on the engine before serving and listed in its info.

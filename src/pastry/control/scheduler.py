@@ -9,20 +9,22 @@ the pending commands of all queues into engine batches:
   engine's stage order (copy/mask -> embed -> forward -> outputs, see ``Stage``) and do not
   conflict (a later forward may extend an earlier one's KV, but may not overwrite slots or
   embeddings the earlier one uses);
-- **priority**: higher-priority queues are taken first, then the oldest head command;
+- **order**: the queues are taken in the order of the :class:`SchedulePolicy` (by default
+  :class:`Fcfs`: higher-priority queues first, then the oldest head command);
 - **limits**: a batch never holds more forward tokens than the engine's
-  ``max_batch_tokens``.
+  ``max_batch_tokens``, nor more queues or forward calls than the batching policy allows.
 
 Within a batch, calls are ordered by stage, so the engine runs one handler per stage.
 *Control* commands (deallocation, export, synchronize) need no engine call: they take
 effect when they reach the head of their queue and resolve when the commands before them
 have completed.
 
-When to dispatch is a :class:`Policy`: ``adaptive`` (work-conserving: as soon as the engine
-is idle, after letting just-woken inferlets queue their next calls), ``eager`` (no
-horizontal batching: each queue's ready commands go out at once as their own batch),
-``k-only`` (batches of at most k forward calls, sent when k queues are ready or
-after ``t_ms``) and ``t-only`` (a batch every ``t_ms``, whatever is ready).
+When to dispatch is a :class:`BatchPolicy` (:mod:`pastry.control.policies`): ``Adaptive``
+(work-conserving: as soon as the engine is idle, after letting just-woken inferlets queue
+their next calls), ``Eager`` (no horizontal batching: each queue's ready commands go out at
+once as their own batch), ``KOnly`` (batches of at most k forward calls, sent when k
+commands are ready or after ``t_ms``) and ``TOnly`` (a batch every ``t_ms``, whatever is
+ready).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from enum import IntEnum
 from typing import Any
 
 from pastry.api import ApiError
+from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
 from pastry.engine.calls import (
     Call,
     CallError,
@@ -103,6 +106,7 @@ class Command:
     )
     created: float = field(default_factory=time.perf_counter)
     call: Call | None = None
+    queue: Queue | None = None  # set by submit
 
 
 @dataclass(eq=False)
@@ -114,26 +118,6 @@ class Queue:
     priority: int = 0
     pending: deque[Command] = field(default_factory=deque)
     closed: bool = False
-
-
-@dataclass(frozen=True)
-class Policy:
-    """When the scheduler dispatches. See the module docstring."""
-
-    kind: str = "adaptive"
-    k: int = 64  # k-only: forward calls per batch (and to wait for)
-    t_ms: float = 5.0  # t-only: batch interval; k-only: give up waiting after this
-    max_inflight: int = 1  # batches on the engine at once
-    settle_ticks: int = 3  # adaptive: event-loop turns to let woken inferlets submit,
-    max_settle_ticks: int = 64  # and more while they keep submitting
-
-    KINDS = ("adaptive", "eager", "k-only", "t-only")
-
-    def __post_init__(self) -> None:
-        if self.kind not in self.KINDS:
-            raise ValueError(
-                f"unknown batching policy '{self.kind}' (one of {', '.join(self.KINDS)})"
-            )
 
 
 @dataclass(eq=False)
@@ -174,7 +158,9 @@ class SchedulerStats:
 class BatchScheduler:
     """Batches the commands of all queues of one model onto its engine.
 
-    ``execute`` is the engine handle's async ``execute(batch) -> results``.
+    ``execute`` is the engine handle's async ``execute(batch) -> results``. ``batching``
+    says when to dispatch and caps a batch (default :class:`Adaptive`); ``schedule`` orders
+    the queues (default :class:`Fcfs`; one object per scheduler).
     """
 
     def __init__(
@@ -182,12 +168,14 @@ class BatchScheduler:
         execute: Callable[[Sequence[Call]], Any],
         max_batch_tokens: int,
         page_size: int,
-        policy: Policy | None = None,
+        batching: BatchPolicy | None = None,
+        schedule: SchedulePolicy | None = None,
     ) -> None:
         self.execute = execute
         self.max_batch_tokens = max_batch_tokens
         self.page_size = page_size
-        self.policy = policy or Policy()
+        self.batching: BatchPolicy = batching if batching is not None else Adaptive()
+        self.schedule: SchedulePolicy = schedule if schedule is not None else Fcfs()
         self.queues: list[Queue] = []
         self.stats = SchedulerStats()
         self._wake = asyncio.Event()
@@ -220,6 +208,7 @@ class BatchScheduler:
     def submit(self, q: Queue, cmd: Command) -> asyncio.Future:
         if q.closed:
             raise CommandError("the queue is closed")
+        cmd.queue = q
         q.pending.append(cmd)
         self.stats.commands += 1
         self._wake.set()
@@ -239,73 +228,46 @@ class BatchScheduler:
             self._task = None
 
     async def _run(self) -> None:
-        p = self.policy
-        caps = dict(
-            max_queues=1 if p.kind == "eager" else None,
-            max_forwards=p.k if p.kind == "k-only" else None,
-        )
+        policy = self.batching
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._inflight >= p.max_inflight:
+            if self._inflight >= policy.max_inflight:
                 # The engine is busy: prepare the next batch (take and translate what is
                 # ready) so that only late arrivals are left to do when it goes idle.
-                self.form_batch(**caps)
+                self.form_batch()
                 continue
-            if p.kind == "adaptive":
-                await self._settle()
-            elif p.kind == "k-only":
-                deadline = time.perf_counter() + p.t_ms / 1e3
-                while self._ready_count() < p.k and time.perf_counter() < deadline:
-                    await asyncio.sleep(min(1e-3, p.t_ms / 1e3))
-            elif p.kind == "t-only":
-                await asyncio.sleep(p.t_ms / 1e3)
-            while True:
-                batch = self.take_batch(**caps)
-                if batch is None:
-                    break
+            await policy.wait(self)
+            while self._inflight < policy.max_inflight and (batch := self.take_batch()):
                 self._dispatch(batch)
-                if self._inflight >= p.max_inflight:
-                    break
 
-    async def _settle(self) -> None:
-        """Let the inferlets that the last results woke up queue their next calls.
+    # ---------------------------------------------------------------- what policies read
 
-        Event-loop turns until one passes without a new command (at least
-        ``settle_ticks``, at most ``max_settle_ticks``): a batch sent earlier would leave
-        late inferlets to the next one, and their Python work would then compete with the
-        engine for the CPU (and, in process, the GIL) while it runs.
-        """
-        p = self.policy
-        seen = self.stats.commands
-        for tick in range(p.max_settle_ticks):
-            await asyncio.sleep(0)
-            if tick + 1 >= p.settle_ticks and self.stats.commands == seen:
-                return
-            seen = self.stats.commands
+    @property
+    def submitted(self) -> int:
+        """Commands submitted so far (:class:`~pastry.control.policies.SchedulerState`)."""
+        return self.stats.commands
 
-    def _ready_count(self) -> int:
+    def ready_count(self) -> int:
+        """Commands taken into the batch being formed plus queues with a pending command."""
         taken = len(self._forming.commands) if self._forming is not None else 0
         return taken + sum(1 for q in self.queues if q.pending)
 
     # ---------------------------------------------------------------- forming a batch
 
-    def form_batch(
-        self, max_queues: int | None = None, max_forwards: int | None = None
-    ) -> list[Command] | None:
+    def form_batch(self) -> list[Command] | None:
         """Take ready commands into the batch being formed; returns it (None if empty).
 
-        Can be called repeatedly while the engine is busy: each call adds what became
+        Queues are considered in the schedule policy's order, within the batching policy's
+        caps. Can be called repeatedly while the engine is busy: each call adds what became
         ready since, continuing every queue where it stopped. Control commands are taken
         in queue order but act only when the batch is dispatched.
         """
         f = self._forming
         if f is None:
             f = self._forming = _Forming()
-        order = sorted(
-            (q for q in self.queues if q.pending and q not in f.blocked),
-            key=lambda q: (-q.priority, q.pending[0].created),
-        )
+        max_queues, max_forwards = self.batching.max_queues, self.batching.max_forwards
+        order = self.schedule.order([q for q in self.queues if q.pending and q not in f.blocked])
         if max_queues is not None:  # continue the queues already in, then new ones
             fresh = [q for q in order if q not in f.per_queue]
             order = [q for q in order if q in f.per_queue] + fresh[: max_queues - len(f.per_queue)]
@@ -339,11 +301,9 @@ class BatchScheduler:
             f.stage[q] = stage
         return f.commands or None
 
-    def take_batch(
-        self, max_queues: int | None = None, max_forwards: int | None = None
-    ) -> list[Command] | None:
+    def take_batch(self) -> list[Command] | None:
         """Finish forming the current batch and hand it over (None if nothing is ready)."""
-        batch = self.form_batch(max_queues, max_forwards)
+        batch = self.form_batch()
         self._forming = None
         return batch
 
@@ -371,20 +331,26 @@ class BatchScheduler:
             self.stats.forward_items += n_fwd
             self.stats.forward_batches += 1
         self._inflight += 1
-        task = asyncio.get_running_loop().create_task(self._complete(batch, engine_cmds))
+        task = asyncio.get_running_loop().create_task(
+            self._complete(batch, engine_cmds, time.perf_counter())
+        )
         task.add_done_callback(_log_failure)
 
-    async def _complete(self, batch: list[Command], engine_cmds: list[Command]) -> None:
+    async def _complete(
+        self, batch: list[Command], engine_cmds: list[Command], started: float
+    ) -> None:
         try:
             results = await self.execute([c.call for c in engine_cmds]) if engine_cmds else []
         except Exception as e:  # the engine is gone or broke: every caller gets the error
             for c in batch:
                 if not c.future.done():
                     c.future.set_exception(CommandError(f"engine failure: {e}"))
+            self.schedule.on_batch_done(batch, time.perf_counter() - started)
             return
         finally:
             self._inflight -= 1
             self._wake.set()
+        elapsed = time.perf_counter() - started
         for c, r in zip(engine_cmds, results, strict=True):
             if c.future.done():
                 continue
@@ -401,6 +367,7 @@ class BatchScheduler:
                     c.future.set_result(c.finish(None))
                 except Exception as e:
                     c.future.set_exception(e)
+        self.schedule.on_batch_done(batch, elapsed)
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pastry.control.controller import Controller
-from pastry.control.scheduler import Policy
+from pastry.control.policies import batch_policy
 from pastry.engine.config import EngineConfig
 from pastry.engine.handle import EngineHandle
 from pastry.engine.tiny import pastry_home
@@ -59,7 +59,7 @@ class ServerConfig:
                 "reach it could run programs. Set --auth-token (or PASTRY_AUTH_TOKEN), or "
                 "bind 127.0.0.1"
             )
-        Policy(self.policy)  # validates the name
+        batch_policy(self.policy)  # validates the name
 
 
 def is_loopback(host: str) -> bool:
@@ -110,7 +110,9 @@ class PastryServer:
                 "several engines of one model are not served yet (data parallel is future "
                 "work): give one device"
             )
-        self.controller = Controller(self._handles, Policy(cfg.policy), http_allow=cfg.http_allow)
+        self.controller = Controller(
+            self._handles, batch_policy(cfg.policy), http_allow=cfg.http_allow
+        )
         self.runtime = TrustedRuntime(self.controller)
         # Long-lived objects (tokenizers, an in-process model) stay out of later garbage
         # collections, which otherwise rescan them on every full pass (measured: about
