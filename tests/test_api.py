@@ -300,6 +300,40 @@ def test_program_errors_are_clear():
         Program.from_source("bad", "def main(args): pass\n")
 
 
+QUOTA = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    await px.receive()
+    px.alloc_kvpages(q, 2)
+    try:
+        px.alloc_kvpages(q, 1)
+    except px.ApiError as e:
+        return f"{type(e).__name__}: {e}"
+"""
+
+
+def test_a_session_limit_is_an_api_error_in_the_inferlet(make_tiny):
+    eng = load_engine(make_tiny("llama"))
+
+    async def go():
+        controller, rt, handle = await start(eng)
+        inst = rt.launch(Program.from_source("quota", QUOTA), [])
+        inst.session.set_limit("kv", 2, "the test's limit")
+        inst.send("go")
+        end = await inst.wait()
+        await controller.close()
+        handle.close()
+        return end
+
+    end = asyncio.run(go())
+    assert end == Finished(
+        "QuotaError: KV page quota exceeded: inferlet 1 holds 2, asked for 1 more, quota 2 "
+        "(set by the test's limit). Free KV pages it no longer needs, or raise the test's limit"
+    )
+
+
 @pytest.mark.parametrize(
     "policy", [Adaptive(), Eager(), KOnly(k=6, t_ms=2), TOnly(t_ms=2)], ids=BATCH_POLICIES
 )

@@ -12,6 +12,7 @@ from pastry.control.resources import (
     InvalidHandle,
     OutOfResources,
     PhysicalPool,
+    QuotaExceeded,
     ResourceError,
     ResourceManager,
     TerminateNewest,
@@ -518,6 +519,64 @@ def test_embed_contention() -> None:
     ]
     assert m.usage("kv") == (8, 0, 8)
     m.check_integrity()
+
+
+# ------------------------------------------------------------------------------ limits
+
+
+def test_limit_caps_alloc_with_an_exact_error_and_changes_nothing() -> None:
+    rec = Recorder()
+    m = manager(num_pages=8, instances=(1, 2), on_terminate=rec)
+    m.set_limit(2, "kv", 3, "SandboxLimits.max_kv_pages")
+    assert m.limit(2, "kv") == 3 and m.limit(2, "embed") is None and m.limit(1, "kv") is None
+    assert m.alloc(2, "kv", 2) == [0, 1]
+    m.alloc(1, "kv", 5)  # the pool is full now: the limit is checked before any eviction
+    before = snapshot(m)
+    with pytest.raises(QuotaExceeded) as e:
+        m.alloc(2, "kv", 2)
+    assert str(e.value) == (
+        "KV page quota exceeded: inferlet 2 holds 2, asked for 2 more, quota 3 (set by "
+        "SandboxLimits.max_kv_pages). Free KV pages it no longer needs, or raise "
+        "SandboxLimits.max_kv_pages"
+    )
+    assert isinstance(e.value, OutOfResources)
+    assert snapshot(m) == before and rec.calls == []
+    m.free(1, "kv", [2])
+    assert m.alloc(2, "kv", 1) == [2]  # up to the limit is fine
+    m.check_integrity()
+
+
+def test_limit_caps_import_and_embeds() -> None:
+    m = manager(num_pages=8, num_embeds=4, instances=(1, 2))
+    m.export(1, "kv", m.alloc(1, "kv", 3), "ctx")
+    m.set_limit(2, "kv", 2)
+    before = snapshot(m)
+    with pytest.raises(QuotaExceeded, match=r"^KV page quota exceeded: inferlet 2 holds 0, "
+                       r"asked for 3 more, quota 2 \(set by set_limit\)"):  # fmt: skip
+        m.import_(2, "kv", "ctx")
+    assert snapshot(m) == before
+    m.set_limit(2, "embed", 0, "the test")
+    with pytest.raises(QuotaExceeded, match="embedding quota exceeded: inferlet 2 holds 0, "):
+        m.alloc(2, "embed", 1)
+    assert m.alloc(2, "embed", 0) == []
+    m.set_limit(2, "kv", None)  # lifted
+    assert m.import_(2, "kv", "ctx") == [0, 1, 2] and m.held(2, "kv") == 3
+    m.check_integrity()
+
+
+def test_limit_ends_with_its_instance_and_rejects_bad_values() -> None:
+    m = manager(instances=(1,))
+    m.set_limit(1, "kv", 1)
+    m.remove_instance(1)
+    m.check_integrity()
+    m.add_instance(1)
+    assert m.limit(1, "kv") is None and len(m.alloc(1, "kv", 4)) == 4
+    with pytest.raises(ValueError, match="a limit must be a non-negative integer or None, got -1"):
+        m.set_limit(1, "kv", -1)
+    with pytest.raises(ValueError, match="unknown resource kind 'gpu'"):
+        m.set_limit(1, "gpu", 1)
+    with pytest.raises(ResourceError, match="inferlet 9 is not registered"):
+        m.set_limit(9, "kv", 1)
 
 
 # ------------------------------------------------------------------------------ randomized

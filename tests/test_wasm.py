@@ -223,8 +223,15 @@ def test_limits_stop_only_that_inferlet(eng, box):
     errors = dict(zip(progs, (error(e) for e in events[: len(progs)]), strict=True))
     assert "CPU budget of 0.5 s exceeded" in errors["runaway"]
     assert "MemoryError" in errors["memory"]
-    assert "KV page quota exceeded" in errors["pages"]
-    assert "embedding quota exceeded" in errors["embeds"]
+    assert (
+        "KV page quota exceeded: inferlet 3 holds 3, asked for 3 more, quota 4 (set by "
+        "SandboxLimits.max_kv_pages). Free KV pages it no longer needs, or raise "
+        "SandboxLimits.max_kv_pages" in errors["pages"]
+    ), errors["pages"]
+    assert (
+        "embedding quota exceeded: inferlet 4 holds 6, asked for 6 more, quota 8 (set by "
+        "SandboxLimits.max_embeds)" in errors["embeds"]
+    ), errors["embeds"]
     assert "pending call" in errors["doublewait"] and "does not exist" in errors["doublewait"]
     assert "exceeds the limit of 1048576" in errors["message"]
     assert "RecursionError" in errors["recursion"] or "trapped" in errors["recursion"]

@@ -16,6 +16,9 @@ The engine owns the memory: KV pages ``[0, num_pages)`` and embedding slots
 - Contention: when an ``alloc`` cannot be met, an :class:`EvictionPolicy` names instances to
   terminate; the default :class:`TerminateNewest` is the paper's FCFS policy (the most
   recently created inferlets end first).
+- Limits: :meth:`ResourceManager.set_limit` caps how many handles of a kind one instance
+  may hold at once (the sandbox's ``SandboxLimits``, say); ``alloc`` and ``import_`` over it
+  raise :class:`QuotaExceeded` and change nothing.
 
 Used from the control loop only (no locks). Pure Python; numpy only for ``translate_array``.
 """
@@ -36,6 +39,7 @@ KINDS: tuple[Kind, ...] = ("kv", "embed")
 _NOUN = {"kv": "kv page", "embed": "embed"}
 _PLURAL = {"kv": "KV pages", "embed": "embeds"}
 _SIZE_OPTION = {"kv": "num_pages", "embed": "num_embeds"}
+_QUOTA_NOUN = {"kv": "KV page", "embed": "embedding"}
 
 
 class ResourceError(Exception):
@@ -48,6 +52,10 @@ class InvalidHandle(ResourceError):
 
 class OutOfResources(ResourceError):
     """Not enough free physical ids, even after the eviction policy ran."""
+
+
+class QuotaExceeded(OutOfResources):
+    """An ``alloc`` or ``import_`` would take an instance over its limit (``set_limit``)."""
 
 
 class ExportError(ResourceError):
@@ -245,6 +253,8 @@ class ResourceManager:
         # instance -> names of its non-persistent exports; insertion order = creation order
         self._instances: dict[int, set[str]] = {}
         self._exports: dict[str, _Export] = {}
+        # instance -> kind -> (most handles it may hold, who set that limit)
+        self._limits: dict[int, dict[Kind, tuple[int, str]]] = {}
 
     # ------------------------------------------------------------------ instances
 
@@ -262,6 +272,7 @@ class ResourceManager:
         names = self._instances.pop(instance_id, None)
         if names is None:
             return
+        self._limits.pop(instance_id, None)
         for name in names:
             exp = self._exports.pop(name)
             self._pools[exp.kind].decref(exp.ids)
@@ -274,18 +285,44 @@ class ResourceManager:
         """Registered instances, oldest first."""
         return list(self._instances)
 
+    # ------------------------------------------------------------------ limits
+
+    def set_limit(
+        self, instance: int, kind: Kind, max_held: int | None, source: str = "set_limit"
+    ) -> None:
+        """Let ``instance`` hold at most ``max_held`` handles of ``kind`` at once (``None``:
+        no limit but the pool). ``alloc`` and ``import_`` that would go over it raise
+        :class:`QuotaExceeded` naming the limit and ``source`` (where it is set, so the
+        user knows what to raise, e.g. ``"SandboxLimits.max_kv_pages"``); handles already
+        held are kept. The limit ends with the instance."""
+        self._table(instance, kind)
+        limits = self._limits.setdefault(instance, {})
+        if max_held is None:
+            limits.pop(kind, None)
+            return
+        if not isinstance(max_held, int) or isinstance(max_held, bool) or max_held < 0:
+            raise ValueError(f"a limit must be a non-negative integer or None, got {max_held!r}")
+        limits[kind] = (max_held, source)
+
+    def limit(self, instance: int, kind: Kind) -> int | None:
+        """The most handles of ``kind`` that ``instance`` may hold (``None``: no limit)."""
+        self._table(instance, kind)
+        cap = self._limits.get(instance, {}).get(kind)
+        return None if cap is None else cap[0]
+
     # ------------------------------------------------------------------ alloc / free
 
     def alloc(self, instance: int, kind: Kind, n: int) -> list[int]:
         """``n`` new handles of ``kind`` for ``instance`` (all or nothing).
 
-        When fewer than ``n`` ids are free, the policy's victims are terminated first; if
-        that is refused, chooses the requester, or frees too little, raises
-        :class:`OutOfResources`.
+        Over the instance's limit (:meth:`set_limit`) raises :class:`QuotaExceeded`. When
+        fewer than ``n`` ids are free, the policy's victims are terminated first; if that is
+        refused, chooses the requester, or frees too little, raises :class:`OutOfResources`.
         """
         table = self._table(instance, kind)
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of {_PLURAL[kind]} ({n})")
+        self._check_limit(instance, kind, len(table), n)
         pool = self._pools[kind]
         if pool.free < n:
             self._reclaim(instance, kind, n)
@@ -350,7 +387,8 @@ class ResourceManager:
 
     def import_(self, instance: int, kind: Kind, name: str) -> list[int]:
         """New handles of ``instance`` for the physical ids exported as ``name``, in the
-        exported order (each takes a reference)."""
+        exported order (each takes a reference). Over the instance's limit raises
+        :class:`QuotaExceeded`."""
         table = self._table(instance, kind)
         exp = self._exports.get(name)
         if exp is None:
@@ -360,6 +398,7 @@ class ResourceManager:
                 f"export {name!r} holds {_PLURAL[exp.kind]}, not {_PLURAL[kind]}; "
                 f"import it as kind {exp.kind!r}"
             )
+        self._check_limit(instance, kind, len(table), len(exp.ids))
         self._pools[kind].incref(exp.ids)
         return self._bind(instance, kind, table, list(exp.ids))
 
@@ -423,6 +462,7 @@ class ResourceManager:
         """Assert that the pools are consistent and that every physical id's count equals
         the references to it from handles and exports."""
         assert self._instances.keys() == self._handles["kv"].keys() == self._handles["embed"].keys()
+        assert self._limits.keys() <= self._instances.keys(), "limits of unknown instances"
         for kind in KINDS:
             pool = self._pools[kind]
             pool.check_integrity()
@@ -475,6 +515,16 @@ class ResourceManager:
         table.update(zip(handles, ids, strict=True))
         self._next[kind][instance] = start + len(ids)
         return handles
+
+    def _check_limit(self, instance: int, kind: Kind, held: int, n: int) -> None:
+        cap = self._limits.get(instance, {}).get(kind)
+        if cap is not None and held + n > cap[0]:
+            max_held, source = cap
+            raise QuotaExceeded(
+                f"{_QUOTA_NOUN[kind]} quota exceeded: inferlet {instance} holds {held}, asked "
+                f"for {n} more, quota {max_held} (set by {source}). Free {_PLURAL[kind]} it "
+                f"no longer needs, or raise {source}"
+            )
 
     def _reclaim(self, requester: int, kind: Kind, needed: int) -> None:
         """Terminate the policy's victims so that ``needed`` ids are free, or raise."""
@@ -568,6 +618,7 @@ __all__ = [
     "Kind",
     "OutOfResources",
     "PhysicalPool",
+    "QuotaExceeded",
     "ResourceError",
     "ResourceManager",
     "TerminateNewest",

@@ -22,7 +22,7 @@ import numpy as np
 
 from pastry.api import ApiError
 from pastry.control.events import Event, Message
-from pastry.control.resources import ResourceError
+from pastry.control.resources import Kind, QuotaExceeded, ResourceError
 from pastry.control.scheduler import Command, Queue, Stage
 from pastry.engine.calls import CopyKv, Dist, EmbedTxt, Forward, MaskKv, NextDist, Sample, ids
 
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from pastry.control.controller import Controller, Model
 
 API_VERSION = "0.1.0"
+
+
+class QuotaError(ApiError):
+    """A call would take the instance over a resource limit (:meth:`Session.set_limit`)."""
 
 
 def _consume(fut: asyncio.Future) -> None:
@@ -393,6 +397,15 @@ class Session:
         r = await self.controller.http.post(url, body)
         return r.status, r.text
 
+    # ------------------------------------------------------------------ host side only
+
+    def set_limit(self, kind: Kind, max_held: int | None, source: str) -> None:
+        """Cap the ``kind`` handles this instance may hold at once, on every model (see
+        :meth:`~pastry.control.resources.ResourceManager.set_limit`); going over raises
+        :class:`QuotaError` in the inferlet. Not part of the inferlet API: runners call it."""
+        for m in self.controller.models.values():
+            m.resources.set_limit(self.instance, kind, max_held, source)
+
     # ------------------------------------------------------------------ helpers
 
     def close(self) -> None:
@@ -457,6 +470,8 @@ class Session:
     def _resource_call(fn):
         try:
             return fn()
+        except QuotaExceeded as e:
+            raise QuotaError(str(e)) from None
         except ResourceError as e:
             raise ApiError(str(e)) from None
 

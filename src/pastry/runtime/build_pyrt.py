@@ -65,7 +65,7 @@ def cached_path() -> Path:
 
 def build(out: Path | None = None, verbose: bool = False) -> Path:
     """Build and compile pyrt; returns the ``.cwasm`` path (reused when up to date)."""
-    from pastry.runtime.wasm import engine
+    from pastry.runtime.wasm_host import engine
 
     out = out or cached_path()
     if out.exists():

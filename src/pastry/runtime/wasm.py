@@ -22,8 +22,12 @@ How it is driven (one asyncio loop, no threads per guest):
   futures completes; that future's done-callback polls the guest again.
 - Limits per instance (:class:`SandboxLimits`): linear memory (store limits), CPU (thread
   time spent polling the guest, checked after every slice of at most one epoch tick),
-  KV pages held, message size. Over a limit, the instance ends with an error naming it;
-  the others go on.
+  message size, and KV pages and embeddings held (set on the instance's resource
+  managers at launch, ``ResourceManager.set_limit``). Over a limit, the instance ends with
+  an error naming it; the others go on.
+- What component and core-module guests share (the Engine, limits, guest state, checks
+  inside host calls) is :mod:`pastry.runtime.wasm_host`; core modules' Linker is
+  :mod:`pastry.runtime.wasm_core`.
 
 Pitfalls handled here (see ``docs/sandbox.md``): the ctypes binding of
 ``wasmtime_context_epoch_deadline_async_yield_and_update`` declares a result the library
@@ -41,11 +45,8 @@ import functools
 import hashlib
 import itertools
 import logging
-import threading
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,20 @@ from wasmtime.component import Component, Linker
 from wasmtime.component import _types as ctypes_
 
 from pastry.api import ApiError
+from pastry.control.session import Session
+from pastry.runtime import build_pyrt, wasm_core
 from pastry.runtime.trusted import Program, ProgramError
+from pastry.runtime.wasm_host import (
+    Guest,
+    Kill,
+    SandboxError,
+    SandboxLimits,
+    call_host,
+    check_message,
+    engine,
+    error_text,
+    send,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,131 +81,17 @@ _bindings._wasmtime_context_epoch_deadline_async_yield_and_update.restype = None
 API = "pastry:inferlet/api@0.1.0"
 
 
-class SandboxError(Exception):
-    """A sandboxed inferlet failed: its traceback, a trap, or a limit it went over."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    memory_bytes: int = 256 * 2**20  # linear memory of the whole component
-    cpu_seconds: float = 30.0  # host thread time spent running the guest
-    max_kv_pages: int | None = None  # KV pages held at once (None: only the pool limits)
-    max_embeds: int | None = None  # embedding slots held at once (None: only the pool)
-    max_message_bytes: int = 1 << 20  # one send / broadcast / store value
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    tick_ms: float = 2.0  # epoch period: the longest a guest runs before yielding
-    async_stack_bytes: int = 4 << 20  # fiber stack (host callbacks run on it too)
-    max_wasm_stack_bytes: int = 1 << 20
-
-
-_engine: wasmtime.Engine | None = None
-_engine_lock = threading.Lock()
-
-
-def engine(config: EngineConfig = EngineConfig()) -> wasmtime.Engine:
-    """The process's Engine, with epoch interruption and its ticker thread."""
-    global _engine
-    with _engine_lock:
-        if _engine is None:
-            cfg = wasmtime.Config()
-            cfg.wasm_component_model = True
-            cfg.epoch_interruption = True
-            cfg.max_wasm_stack = config.max_wasm_stack_bytes
-            ffi.wasmtime_config_async_stack_size_set(cfg.ptr(), config.async_stack_bytes)
-            eng = wasmtime.Engine(cfg)
-            threading.Thread(
-                target=_tick, args=(eng, config.tick_ms / 1e3), name="wasm-epoch", daemon=True
-            ).start()
-            _engine = eng
-        return _engine
-
-
-def _tick(eng: wasmtime.Engine, period: float) -> None:
-    while True:
-        time.sleep(period)
-        eng.increment_epoch()
-
-
 # ---------------------------------------------------------------------------- host imports
-
-
-class _Kill(Exception):
-    """Raised by a host import to end its instance (a limit was exceeded)."""
-
-
-@dataclass(eq=False)
-class _Guest:
-    """One running component instance and its driving state."""
-
-    id: int
-    session: Any  # pastry.control.session.Session
-    limits: SandboxLimits
-    store: wasmtime.Store
-    result: asyncio.Future
-    ctx_addr: int = 0
-    future: Any = None  # the wasmtime_call_future_t of run-source
-    keep: list = field(default_factory=list)  # ctypes buffers alive while the call runs
-    result_ty: Any = None
-    pending: dict[int, asyncio.Future] = field(default_factory=dict)
-    pids: itertools.count = field(default_factory=lambda: itertools.count(1))
-    waiting: list[int] | None = None  # pids the fiber is blocked on
-    wait_done: bool = False
-    wait_out: tuple | None = None  # (results pointer, type) of the blocked wait
-    wake: Callable | None = None  # done-callback resuming the guest
-    timer: asyncio.TimerHandle | None = None
-    cpu_ns: int = 0
-    slices: int = 0
-    polling: bool = False
-    scheduled: bool = False
-    finished: bool = False
-    kill_reason: str | None = None
-    core: bool = False  # a core-module guest (pastry.runtime.wasm_core)
-    memory: Any = None  # its wasmtime_memory_t
-    core_result: str | None = None
-    core_error: str | None = None
-
-    def track(self, fut) -> int:
-        pid = next(self.pids)
-        self.pending[pid] = asyncio.ensure_future(fut)
-        return pid
 
 
 def _queued(fn: Callable) -> Callable:
     """A queued Session call: submit now, hand the guest a pending handle."""
 
     @functools.wraps(fn)
-    def call(g: _Guest, *args):
+    def call(g: Guest, *args):
         return g.track(fn(g, *args))
 
     return call
-
-
-def _check_message(g: _Guest, *texts: str) -> None:
-    n = sum(len(t.encode()) for t in texts)
-    if n > g.limits.max_message_bytes:
-        raise _Kill(f"a message of {n} bytes exceeds the limit of {g.limits.max_message_bytes}")
-
-
-def _check_pages(g: _Guest, q: int, n: int) -> None:
-    cap = g.limits.max_kv_pages
-    if cap is None:
-        return
-    ref = g.session._queue(q)
-    held = ref.model.resources.held(g.id, "kv")
-    if held + n > cap:
-        raise _Kill(f"KV page quota exceeded: holds {held}, asked for {n} more, quota {cap}")
-
-
-def _alloc_embeds(g: _Guest, q: int, n: int) -> list[int]:
-    cap = g.limits.max_embeds
-    if cap is not None:
-        held = g.session._queue(q).model.resources.held(g.id, "embed")
-        if held + n > cap:
-            raise _Kill(f"embedding quota exceeded: holds {held}, asked for {n} more, quota {cap}")
-    return g.session.alloc_embeds(q, n)
 
 
 def _value(v) -> ctypes_.Variant:
@@ -207,7 +107,7 @@ def _value(v) -> ctypes_.Variant:
     return ctypes_.Variant("dist", (list(a), list(b)))
 
 
-def _take(g: _Guest, pid: int):
+def _take(g: Guest, pid: int):
     fut = g.pending.pop(pid, None)
     if fut is None:
         raise ApiError(f"pending call {pid} does not exist in this inferlet")
@@ -217,35 +117,17 @@ def _take(g: _Guest, pid: int):
     return _value(fut.result())  # an ApiError becomes the guest's err
 
 
-def _s(g: _Guest):
+def _s(g: Guest):
     return g.session
 
 
-def _alloc_kv(g: _Guest, q: int, n: int) -> list[int]:
-    _check_pages(g, q, n)
-    return g.session.alloc_kvpages(q, n)
-
-
-def _import_kv(g: _Guest, q: int, name: str) -> list[int]:
-    pages = g.session.import_kvpages(q, name)
-    cap = g.limits.max_kv_pages
-    if cap is not None and g.session._queue(q).model.resources.held(g.id, "kv") > cap:
-        raise _Kill(f"KV page quota exceeded: importing '{name}' goes over {cap} pages")
-    return pages
-
-
-def _send(g: _Guest, message: str) -> None:
-    _check_message(g, message)
-    g.session.send(message)
-
-
-def _broadcast(g: _Guest, topic: str, message: str) -> int:
-    _check_message(g, topic, message)
+def _broadcast(g: Guest, topic: str, message: str) -> int:
+    check_message(g, topic, message)
     return g.session.broadcast(topic, message)
 
 
-def _store_set(g: _Guest, key: str, value: str) -> None:
-    _check_message(g, key, value)
+def _store_set(g: Guest, key: str, value: str) -> None:
+    check_message(g, key, value)
     g.session.store_set(key, value)
 
 
@@ -256,7 +138,7 @@ HOST: dict[str, Callable] = {
     "get-arguments": lambda g: _s(g).get_arguments(),
     "get-instance-id": lambda g: _s(g).get_instance_id(),
     "get-version": lambda g: _s(g).get_version(),
-    "send": _send,
+    "send": send,
     "receive": lambda g: g.track(_s(g).receive()),
     "available-models": lambda g: _s(g).available_models(),
     "available-traits": lambda g, m: _s(g).available_traits(m),
@@ -265,13 +147,13 @@ HOST: dict[str, Callable] = {
     "set-queue-priority": lambda g, q, p: _s(g).set_queue_priority(q, p),
     "close-queue": lambda g, q: _s(g).close_queue(q),
     "get-kv-page-size": lambda g, q: _s(g).get_kv_page_size(q),
-    "alloc-kvpages": _alloc_kv,
+    "alloc-kvpages": lambda g, q, n: _s(g).alloc_kvpages(q, n),
     "dealloc-kvpages": _queued(lambda g, q, p: _s(g).dealloc_kvpages(q, p)),
-    "alloc-embeds": _alloc_embeds,
+    "alloc-embeds": lambda g, q, n: _s(g).alloc_embeds(q, n),
     "dealloc-embeds": _queued(lambda g, q, e: _s(g).dealloc_embeds(q, e)),
     "copy-kvpage": _queued(lambda g, *a: _s(g).copy_kvpage(*a)),
     "export-kvpages": _queued(lambda g, *a: _s(g).export_kvpages(*a)),
-    "import-kvpages": _import_kv,
+    "import-kvpages": lambda g, q, n: _s(g).import_kvpages(q, n),
     "unexport-kvpages": lambda g, q, n: _s(g).unexport_kvpages(q, n),
     "list-exported-kvpages": lambda g, q: [tuple(x) for x in _s(g).list_exported_kvpages(q)],
     "forward": _queued(lambda g, *a: _s(g).forward(*a)),
@@ -334,23 +216,23 @@ class _Callbacks:
                 self._wait(g, cont, results, rty, *pyargs)
                 return
             try:
-                value = HOST[name](g, *pyargs)
+                value = call_host(HOST[name], g, *pyargs)
                 ok = True
-            except _Kill:
+            except Kill:
                 raise
             except Exception as e:
                 if not isinstance(rty, ctypes_.ResultType):
                     raise
-                ok, value = False, _error_text(e)
+                ok, value = False, error_text(e)
             if rty is None:
                 return
             if isinstance(rty, ctypes_.ResultType):
                 value = _result(rty, ok, value)
             rty.convert_to_c(None, value, results)
         except BaseException as e:
-            msg = _error_text(e)
+            msg = error_text(e)
             if g is not None:
-                if isinstance(e, _Kill):
+                if isinstance(e, Kill):
                     g.kill_reason = str(e)
                 elif not isinstance(e, ApiError):
                     log.warning("host import failed in inferlet %d:\n%s", g.id, msg)
@@ -366,7 +248,7 @@ class _Callbacks:
                 _TAGGED[id(rty)] = rty._tagged()  # costly: once per import
         return t
 
-    def _wait(self, g: _Guest, cont, results, rty, pids: list[int], timeout_ns: int | None):
+    def _wait(self, g: Guest, cont, results, rty, pids: list[int], timeout_ns: int | None):
         for pid in pids:
             if pid not in g.pending:
                 raise ApiError(f"pending call {pid} does not exist in this inferlet")
@@ -403,12 +285,6 @@ class _Callbacks:
             return True  # the unwritten result makes the call fail: a trap, not a crash
 
 
-def _error_text(e: BaseException) -> str:
-    if isinstance(e, ApiError | _Kill):
-        return str(e)
-    return "".join(traceback.format_exception(e)).rstrip()
-
-
 def _result(rty, ok: bool, value):
     tag = "ok" if ok else "err"
     return ctypes_.Variant(tag, value) if _TAGGED[id(rty)] else value
@@ -424,8 +300,6 @@ class WasmSandbox:
     """Runs sandboxed inferlets in this process (use :func:`sandbox` for the shared one)."""
 
     def __init__(self, pyrt: Path | None = None) -> None:
-        from pastry.runtime import build_pyrt
-
         self.engine = engine()
         path = pyrt or build_pyrt.cached_path()
         if not path.exists():
@@ -454,16 +328,14 @@ class WasmSandbox:
                 )
                 if err:
                     raise wasmtime.WasmtimeError._from_ptr(err)
-        self._guests: dict[int, _Guest] = {}
+        self._guests: dict[int, Guest] = {}
         self._ids = itertools.count(1)
-        self._core = None
+        self._core: wasm_core.CoreLinker | None = None
         self._components: dict[str, Component] = {}  # sha256 -> compiled inferlet component
 
-    def _core_linker(self):
+    def _core_linker(self) -> wasm_core.CoreLinker:
         if self._core is None:
-            from pastry.runtime.wasm_core import CoreLinker
-
-            self._core = CoreLinker(self)
+            self._core = wasm_core.CoreLinker(self.engine, self._guests)
         return self._core
 
     async def run_core(
@@ -472,10 +344,15 @@ class WasmSandbox:
         """Run a core wasm module's ``run()`` (imports under module ``"pastry"``, see
         :mod:`pastry.runtime.wasm_core`) in a fresh Store bound to the calling inferlet's
         Session."""
-        from pastry.runtime import wasm_core
         from pastry.sdk import api
 
-        g = wasm_core.start(self, api(), name, wasm, args, limits)
+        g = self._new_guest(api(), limits, wasi=False)
+        try:
+            wasm_core.start(self._core_linker(), g, name, wasm, args)
+        except BaseException:
+            self._end(g)
+            raise
+        self._schedule(g)
         try:
             return await g.result
         finally:
@@ -519,17 +396,27 @@ class WasmSandbox:
         finally:
             self._end(g)
 
-    def _start(self, session, limits, component: Component, export: str, values) -> _Guest:
-        loop = asyncio.get_running_loop()
+    def _new_guest(self, session: Session, limits: SandboxLimits, wasi: bool) -> Guest:
+        """A registered guest with a fresh Store under ``limits`` (also set on the session:
+        KV pages and embeddings), yielding at every epoch tick; nothing runs yet."""
+        limits.apply(session)
         store = wasmtime.Store(self.engine)
         store.set_limits(memory_size=limits.memory_bytes)
-        store.set_wasi(wasmtime.WasiConfig())  # no files, env, args, sockets or stdio
+        if wasi:
+            store.set_wasi(wasmtime.WasiConfig())  # no files, env, args, sockets or stdio
         ctx = store._context()
-        g = _Guest(session.instance, session, limits, store, loop.create_future())
+        g = Guest(
+            session.instance, session, limits, store, asyncio.get_running_loop().create_future()
+        )
         g.ctx_addr = ctypes.cast(ctx, ctypes.c_void_p).value
         g.wake = functools.partial(self._wake, g)
         self._guests[g.ctx_addr] = g
         ffi.wasmtime_context_epoch_deadline_async_yield_and_update(ctx, 1)
+        return g
+
+    def _start(self, session, limits, component: Component, export: str, values) -> Guest:
+        g = self._new_guest(session, limits, wasi=True)
+        store, ctx = g.store, g.store._context()
         try:
             instance = self._instantiate(store, component)
             func = instance.get_func(store, export)
@@ -571,12 +458,12 @@ class WasmSandbox:
             raise SandboxError(f"instantiation failed: {wasmtime.WasmtimeError._from_ptr(err)}")
         return CInstance._from_raw(raw)
 
-    def _schedule(self, g: _Guest) -> None:
+    def _schedule(self, g: Guest) -> None:
         if not g.scheduled and not g.finished:
             g.scheduled = True
             asyncio.get_running_loop().call_soon(self._step, g)
 
-    def _wake(self, g: _Guest, _fut=None) -> None:
+    def _wake(self, g: Guest, _fut=None) -> None:
         """A future the guest waits on completed (or its timeout passed)."""
         if g.finished or g.waiting is None:
             return
@@ -585,7 +472,7 @@ class WasmSandbox:
         if not g.polling:
             self._step(g)
 
-    def _step(self, g: _Guest) -> None:
+    def _step(self, g: Guest) -> None:
         """Run the guest until it blocks, yields at an epoch tick, or ends."""
         g.scheduled = False
         if g.finished or g.polling:
@@ -609,11 +496,13 @@ class WasmSandbox:
         elif g.waiting is None:
             self._schedule(g)  # yielded at an epoch tick: let the others run, then go on
 
-    def _complete(self, g: _Guest) -> None:
+    def _complete(self, g: Guest) -> None:
         if g.core:
-            from pastry.runtime import wasm_core
-
-            return wasm_core.complete(self, g)
+            try:
+                result = wasm_core.outcome(g)
+            except SandboxError as e:
+                return self._fail(g, str(e))
+            return self._finish(g, result)
         _params, result, err, _func = g.keep[:4]
         ffi.wasmtime_call_future_delete(g.future)
         g.future = None
@@ -629,10 +518,10 @@ class WasmSandbox:
         else:
             self._fail(g, payload)
 
-    def _fail(self, g: _Guest, message: str) -> None:
+    def _fail(self, g: Guest, message: str) -> None:
         self._finish(g, SandboxError(message))
 
-    def _finish(self, g: _Guest, outcome) -> None:
+    def _finish(self, g: Guest, outcome) -> None:
         if not g.result.done():
             if isinstance(outcome, BaseException):
                 g.result.set_exception(outcome)
@@ -640,7 +529,7 @@ class WasmSandbox:
                 g.result.set_result(outcome)
         self._end(g)
 
-    def _end(self, g: _Guest) -> None:
+    def _end(self, g: Guest) -> None:
         """Drop the guest (its fiber, store and pending calls). Idempotent; deferred while
         the guest is being polled."""
         if g.finished:

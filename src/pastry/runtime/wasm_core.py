@@ -10,26 +10,36 @@ instance with an error: that text if set, else the last error message.
 
 The host side reuses :class:`~pastry.runtime.wasm.WasmSandbox`'s driving (one fiber per
 instance, epoch yields, CPU and memory limits, ``wait`` suspending the fiber until a
-Session future completes) with a core Linker whose imports are Wasmtime async host
-functions calling the same Session methods as the component imports.
+Session future completes) with a core Linker (:class:`CoreLinker`) whose imports are
+Wasmtime async host functions calling the same Session methods as the component imports.
+This module provides the Linker, instantiation (:meth:`CoreLinker.start`) and the outcome
+(:func:`outcome`); it imports only :mod:`pastry.runtime.wasm_host`, and ``wasm.py`` it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
-import functools
+import hashlib
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import wasmtime
 from wasmtime import _ffi as ffi
 
 from pastry.api import ApiError
-
-if TYPE_CHECKING:
-    from pastry.runtime.wasm import WasmSandbox, _Guest
+from pastry.runtime.wasm_host import (
+    Guest,
+    Kill,
+    SandboxError,
+    call_host,
+    check_message,
+    error_text,
+    send,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +49,7 @@ MODULE = "pastry"
 class _Mem:
     """The guest's linear memory during one host call (bounds-checked views)."""
 
-    def __init__(self, g: _Guest) -> None:
+    def __init__(self, g: Guest) -> None:
         ctx = g.store._context()
         data = ffi.wasmtime_memory_data(ctx, ctypes.byref(g.memory))
         self.base = ctypes.cast(data, ctypes.c_void_p).value or 0
@@ -75,42 +85,36 @@ class _Mem:
         return len(data)
 
 
-def _s(g: _Guest):
+def _s(g: Guest):
     return g.session
 
 
-def _arg(g: _Guest, m: _Mem, i: int, buf: int, cap: int) -> int:
+def _arg(g: Guest, m: _Mem, i: int, buf: int, cap: int) -> int:
     args = g.session.get_arguments()
     if not 0 <= i < len(args):
         raise ApiError(f"argument {i} does not exist ({len(args)} arguments)")
     return m.put_text(buf, cap, args[i])
 
 
-def _create_queue(g: _Guest, m: _Mem, ptr: int, n: int) -> int:
+def _create_queue(g: Guest, m: _Mem, ptr: int, n: int) -> int:
     model = m.text(ptr, n) if n else g.session.available_models()[0]
     return g.session.create_queue(model)
 
 
 def _alloc(kind: str):
-    def call(g: _Guest, m: _Mem, q: int, n: int, out: int) -> int:
-        if kind == "kv":
-            from pastry.runtime.wasm import _check_pages
-
-            _check_pages(g, q, n)
-            handles = g.session.alloc_kvpages(q, n)
-        else:
-            handles = g.session.alloc_embeds(q, n)
-        m.put_u32s(out, handles)
+    def call(g: Guest, m: _Mem, q: int, n: int, out: int) -> int:
+        alloc = g.session.alloc_kvpages if kind == "kv" else g.session.alloc_embeds
+        m.put_u32s(out, alloc(q, n))
         return 0
 
     return call
 
 
-def _embed_txt(g: _Guest, m: _Mem, q: int, toks: int, pos: int, embs: int, n: int) -> int:
+def _embed_txt(g: Guest, m: _Mem, q: int, toks: int, pos: int, embs: int, n: int) -> int:
     return g.track(g.session.embed_txt(q, m.u32s(toks, n), m.u32s(pos, n), m.u32s(embs, n)))
 
 
-def _forward(g: _Guest, m: _Mem, q, in_kv, n_in_kv, last, in_e, n_in_e, out_kv, n_out_kv,
+def _forward(g: Guest, m: _Mem, q, in_kv, n_in_kv, last, in_e, n_in_e, out_kv, n_out_kv,
              off, out_e, n_out_e) -> int:  # fmt: skip
     fut = g.session.forward(
         q, m.u32s(in_kv, n_in_kv), last, m.u32s(in_e, n_in_e), m.u32s(out_kv, n_out_kv), off,
@@ -119,7 +123,7 @@ def _forward(g: _Guest, m: _Mem, q, in_kv, n_in_kv, last, in_e, n_in_e, out_kv, 
     return g.track(fut)
 
 
-def _outcome(g: _Guest, pid: int):
+def _outcome(g: Guest, pid: int):
     fut = g.pending.pop(pid, None)
     if fut is None:
         raise ApiError(f"pending call {pid} does not exist in this inferlet")
@@ -129,12 +133,12 @@ def _outcome(g: _Guest, pid: int):
     return fut.result()
 
 
-def _take(g: _Guest, m: _Mem, pid: int) -> int:
+def _take(g: Guest, m: _Mem, pid: int) -> int:
     v = _outcome(g, pid)
     return v if isinstance(v, int) else 0
 
 
-def _take_dist(g: _Guest, m: _Mem, pid: int, ids: int, probs: int, cap: int) -> int:
+def _take_dist(g: Guest, m: _Mem, pid: int, ids: int, probs: int, cap: int) -> int:
     v = _outcome(g, pid)
     if not isinstance(v, tuple):
         raise ApiError(f"pending call {pid} is not a distribution")
@@ -144,23 +148,19 @@ def _take_dist(g: _Guest, m: _Mem, pid: int, ids: int, probs: int, cap: int) -> 
     return len(a)
 
 
-def _send(g: _Guest, m: _Mem, ptr: int, n: int) -> int:
-    from pastry.runtime.wasm import _send as send
-
+def _send(g: Guest, m: _Mem, ptr: int, n: int) -> int:
     send(g, m.text(ptr, n))
     return 0
 
 
-def _set_result(g: _Guest, m: _Mem, ptr: int, n: int) -> int:
-    from pastry.runtime.wasm import _check_message
-
+def _set_result(g: Guest, m: _Mem, ptr: int, n: int) -> int:
     text = m.text(ptr, n)
-    _check_message(g, text)
+    check_message(g, text)
     g.core_result = text
     return 0
 
 
-def _error(g: _Guest, m: _Mem, buf: int, cap: int) -> int:
+def _error(g: Guest, m: _Mem, buf: int, cap: int) -> int:
     return m.put_text(buf, cap, g.core_error or "")
 
 
@@ -188,16 +188,18 @@ IMPORTS: dict[str, tuple[int, Callable]] = {
 
 
 class CoreLinker:
-    """The core-module Linker of a :class:`WasmSandbox` and its ctypes callbacks."""
+    """The core-module Linker of a sandbox and its ctypes callbacks. ``guests`` is the
+    sandbox's table of running guests by store context address."""
 
-    def __init__(self, box: WasmSandbox) -> None:
-        self.box = box
+    def __init__(self, engine: wasmtime.Engine, guests: dict[int, Guest]) -> None:
+        self.engine = engine
+        self.guests = guests
         self.names = [""]  # index 0: a NULL env, never used
         self.host = ffi.wasmtime_func_async_callback_t(self._host_call)
         self.done = ffi.wasmtime_func_async_continuation_callback_t(lambda env: True)
         self.resume = ffi.wasmtime_func_async_continuation_callback_t(self._resume)
         self.noop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
-        self.linker = wasmtime.Linker(box.engine)
+        self.linker = wasmtime.Linker(engine)
         i32 = wasmtime.ValType.i32()
         mod = MODULE.encode()
         for name, (nparams, _) in IMPORTS.items():
@@ -213,12 +215,10 @@ class CoreLinker:
         self.modules: dict[bytes, wasmtime.Module] = {}
 
     def module(self, wasm: bytes) -> wasmtime.Module:
-        import hashlib
-
         key = hashlib.sha256(wasm).digest()
         mod = self.modules.get(key)
         if mod is None:
-            mod = self.modules[key] = wasmtime.Module(self.box.engine, wasm)
+            mod = self.modules[key] = wasmtime.Module(self.engine, wasm)
         return mod
 
     def _host_call(self, env, caller, args, nargs, results, nresults, trap_ret, cont):
@@ -230,7 +230,7 @@ class CoreLinker:
         try:
             name = self.names[env or 0]
             ctx = ffi.wasmtime_caller_context(caller)
-            g = self.box._guests.get(ctypes.cast(ctx, ctypes.c_void_p).value)
+            g = self.guests.get(ctypes.cast(ctx, ctypes.c_void_p).value)
             if g is None:
                 raise RuntimeError(f"host import {name} called by an unknown store")
             params = [args[i].of.i32 for i in range(nargs)]
@@ -239,24 +239,22 @@ class CoreLinker:
                 self._wait(g, cont, results, params[0])
                 return
             try:
-                value = IMPORTS[name][1](g, _Mem(g), *params)
+                value = call_host(IMPORTS[name][1], g, _Mem(g), *params)
             except ApiError as e:
                 g.core_error = str(e)
                 value = -1
             results[0].of.i32 = int(value)
         except BaseException as e:
-            from pastry.runtime.wasm import _error_text, _Kill
-
-            msg = _error_text(e)
+            msg = error_text(e)
             if g is not None:
-                if isinstance(e, _Kill):
+                if isinstance(e, Kill):
                     g.kill_reason = str(e)
                 else:
                     log.warning("host import failed in inferlet %d:\n%s", g.id, msg)
             data = msg.encode("utf-8", "replace")
             trap_ret[0] = ffi.wasmtime_trap_new(ctypes.create_string_buffer(data), len(data))
 
-    def _wait(self, g: _Guest, cont, results, pid: int) -> None:
+    def _wait(self, g: Guest, cont, results, pid: int) -> None:
         fut = g.pending.get(pid)
         if fut is None:
             g.core_error = f"pending call {pid} does not exist in this inferlet"
@@ -272,7 +270,7 @@ class CoreLinker:
 
     def _resume(self, env) -> bool:
         try:
-            g = self.box._guests.get(env or 0)
+            g = self.guests.get(env or 0)
             if g is None or g.waiting is None:
                 return True
             if not any(p in g.pending and g.pending[p].done() for p in g.waiting):
@@ -284,89 +282,69 @@ class CoreLinker:
             return True
 
 
-def start(box: WasmSandbox, session, name: str, wasm: bytes, args, limits) -> _Guest:
-    """Instantiate ``wasm`` in a new Store and start ``run`` as a call future."""
-    from pastry.runtime.wasm import SandboxError, _Guest
-
-    core = box._core_linker()
+def start(core: CoreLinker, g: Guest, name: str, wasm: bytes, args: Sequence[str]) -> None:
+    """Instantiate ``wasm`` in ``g``'s store and start its ``run`` as ``g``'s call future
+    (the caller drives it, and ends ``g`` if this raises)."""
     module = core.module(wasm)
-    loop = asyncio.get_running_loop()
-    store = wasmtime.Store(box.engine)
-    store.set_limits(memory_size=limits.memory_bytes)
-    ctx = store._context()
-    g = _Guest(session.instance, session, limits, store, loop.create_future())
+    ctx = g.store._context()
     g.core = True
-    g.ctx_addr = ctypes.cast(ctx, ctypes.c_void_p).value
-    g.wake = functools.partial(box._wake, g)
-    box._guests[g.ctx_addr] = g
-    ffi.wasmtime_context_epoch_deadline_async_yield_and_update(ctx, 1)
+    inst = ffi.wasmtime_instance_t()
+    trap = ctypes.POINTER(ffi.wasm_trap_t)()
+    err = ctypes.POINTER(ffi.wasmtime_error_t)()
+    fut = ffi.wasmtime_linker_instantiate_async(
+        core.linker.ptr(), ctx, module.ptr(), ctypes.byref(inst), ctypes.byref(trap),
+        ctypes.byref(err),
+    )  # fmt: skip
     try:
-        inst = ffi.wasmtime_instance_t()
-        trap = ctypes.POINTER(ffi.wasm_trap_t)()
-        err = ctypes.POINTER(ffi.wasmtime_error_t)()
-        fut = ffi.wasmtime_linker_instantiate_async(
-            core.linker.ptr(), ctx, module.ptr(), ctypes.byref(inst), ctypes.byref(trap),
-            ctypes.byref(err),
-        )  # fmt: skip
-        try:
-            while not ffi.wasmtime_call_future_poll(fut):
-                pass
-        finally:
-            ffi.wasmtime_call_future_delete(fut)
-        if err:
-            raise SandboxError(f"instantiation failed: {wasmtime.WasmtimeError._from_ptr(err)}")
-        if trap:
-            raise SandboxError(f"instantiation trapped: {wasmtime.Trap._from_ptr(trap)}")
-        exports = {}
-        for ename in ("memory", "run"):
-            item = ffi.wasmtime_extern_t()
-            b = ename.encode()
-            if not ffi.wasmtime_instance_export_get(
-                ctx, ctypes.byref(inst), ctypes.create_string_buffer(b), len(b), ctypes.byref(item)
-            ):
-                raise SandboxError(f"{name}: the module does not export `{ename}`")
-            exports[ename] = item
-        g.memory = exports["memory"].of.memory
-        run_fn = exports["run"].of.func
-        results = (ffi.wasmtime_val_t * 1)()
-        trap = ctypes.POINTER(ffi.wasm_trap_t)()
-        err = ctypes.POINTER(ffi.wasmtime_error_t)()
-        g.keep = [results, trap, err, run_fn, exports, list(args)]
-        g.future = ffi.wasmtime_func_call_async(
-            ctx, ctypes.byref(run_fn), None, 0, results, 1, ctypes.byref(trap), ctypes.byref(err)
-        )
-    except BaseException:
-        box._end(g)
-        raise
-    box._schedule(g)
-    return g
+        while not ffi.wasmtime_call_future_poll(fut):
+            pass
+    finally:
+        ffi.wasmtime_call_future_delete(fut)
+    if err:
+        raise SandboxError(f"instantiation failed: {wasmtime.WasmtimeError._from_ptr(err)}")
+    if trap:
+        raise SandboxError(f"instantiation trapped: {wasmtime.Trap._from_ptr(trap)}")
+    exports = {}
+    for ename in ("memory", "run"):
+        item = ffi.wasmtime_extern_t()
+        b = ename.encode()
+        if not ffi.wasmtime_instance_export_get(
+            ctx, ctypes.byref(inst), ctypes.create_string_buffer(b), len(b), ctypes.byref(item)
+        ):
+            raise SandboxError(f"{name}: the module does not export `{ename}`")
+        exports[ename] = item
+    g.memory = exports["memory"].of.memory
+    run_fn = exports["run"].of.func
+    results = (ffi.wasmtime_val_t * 1)()
+    trap = ctypes.POINTER(ffi.wasm_trap_t)()
+    err = ctypes.POINTER(ffi.wasmtime_error_t)()
+    g.keep = [results, trap, err, run_fn, exports, list(args)]
+    g.future = ffi.wasmtime_func_call_async(
+        ctx, ctypes.byref(run_fn), None, 0, results, 1, ctypes.byref(trap), ctypes.byref(err)
+    )
 
 
-def complete(box: WasmSandbox, g: _Guest) -> None:
+def outcome(g: Guest) -> str | None:
+    """The result text of a core guest whose ``run`` has finished (its call future is
+    dropped); :class:`SandboxError` if it failed, trapped or was killed."""
     results, trap, err = g.keep[:3]
     ffi.wasmtime_call_future_delete(g.future)
     g.future = None
     if g.kill_reason is not None:
-        return box._fail(g, g.kill_reason)
+        raise SandboxError(g.kill_reason)
     if err:
-        return box._fail(g, f"the inferlet failed: {wasmtime.WasmtimeError._from_ptr(err)}")
+        raise SandboxError(f"the inferlet failed: {wasmtime.WasmtimeError._from_ptr(err)}")
     if trap:
-        return box._fail(g, f"the inferlet trapped: {wasmtime.Trap._from_ptr(trap)}")
+        raise SandboxError(f"the inferlet trapped: {wasmtime.Trap._from_ptr(trap)}")
     rc = results[0].of.i32
     if rc != 0:
-        return box._fail(g, g.core_result or g.core_error or f"run returned {rc}")
-    box._finish(g, g.core_result)
+        raise SandboxError(g.core_result or g.core_error or f"run returned {rc}")
+    return g.core_result
 
 
 def build_c(source, *, cache_dir=None, extra_flags=()) -> bytes:
     """Compile a C inferlet (and the headers next to it) with ``zig cc`` (the ``ziglang``
     package) for wasm32-freestanding; cached by the hash of the sources and flags."""
-    import hashlib
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     source = Path(source)
     flags = ["--target=wasm32-freestanding", "-O2", "-nostdlib", "-Wl,--no-entry",
              *extra_flags]  # fmt: skip
