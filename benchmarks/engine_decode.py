@@ -33,6 +33,7 @@ from pastry.engine.calls import EmbedTxt, Forward, ids
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
+from pastry.paths import bench_dir
 
 PROMPT = 32
 
@@ -40,8 +41,7 @@ PROMPT = 32
 def small_checkpoint(device: str) -> Path:
     from pastry.engine.tiny import create_tiny
 
-    path = Path(os.environ.get("PASTRY_HOME", Path.home() / ".cache" / "pastry")) / "bench"
-    path = path / "llama-small-seed0"
+    path = bench_dir() / "llama-small-seed0"
     if not (path / "config.json").exists():
         print(f"writing the small checkpoint to {path} ...", flush=True)
         create_tiny(path, arch="llama", size="small", seed=0, dtype="bfloat16")

@@ -10,7 +10,6 @@ arguments and the corpus bytes; transformers is not needed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from tokenizers import (
 
 from pastry.engine.checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes
 from pastry.engine.config import ModelConfig
+from pastry.paths import models_dir
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SIZES = ("tiny", "small")
@@ -345,18 +345,9 @@ def create_tiny(
     return out
 
 
-def pastry_home() -> Path:
-    """Pastry's cache root: ``$PASTRY_HOME``, else ``$XDG_CACHE_HOME/pastry`` (``~/.cache``
-    when unset). Models, programs and built runtimes live below it."""
-    home = os.environ.get("PASTRY_HOME")
-    if home:
-        return Path(home)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pastry"
-
-
 def default_model_dir(arch: str = "llama", size: str = "tiny") -> Path:
     """Where :func:`ensure_default_model` keeps its checkpoint: ``pastry_home()/models/``."""
-    return pastry_home() / "models" / f"default-{arch}-{size}"
+    return models_dir() / f"default-{arch}-{size}"
 
 
 def ensure_default_model(arch: str = "llama", size: str = "tiny") -> Path:

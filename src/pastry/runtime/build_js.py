@@ -24,6 +24,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from pastry.paths import jswasm_dir, npm_dir
+
 REPO = Path(__file__).resolve().parents[3]
 WIT = REPO / "wit" / "pastry.wit"
 WORLD = "inferlet"
@@ -35,14 +37,8 @@ class BuildError(RuntimeError):
     """componentize-qjs is missing or failed."""
 
 
-def _home() -> Path:
-    from pastry.engine.tiny import pastry_home
-
-    return pastry_home()
-
-
 def npm_prefix() -> Path:
-    return _home() / "npm"
+    return npm_dir()
 
 
 def tool() -> Path | None:
@@ -97,7 +93,7 @@ def build(source, *, install_missing: bool = False, cache_dir: Path | None = Non
     for part in (WIT.read_bytes(), source.read_bytes(), WORLD.encode(), " ".join(FLAGS).encode(),
                  tool_version(exe).encode()):  # fmt: skip
         h.update(part + b"\0")
-    cache = cache_dir or _home() / "jswasm"
+    cache = cache_dir or jswasm_dir()
     out = cache / f"{source.stem}-{h.hexdigest()[:16]}.wasm"
     if out.exists():
         return out

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pastry.paths import pyrt_dir
+
 PKG = Path(__file__).resolve().parents[1]  # src/pastry
 WIT = PKG.parents[1] / "wit" / "pastry.wit"
 WORLD = "python-runtime"
@@ -44,9 +46,7 @@ class BuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    from pastry.engine.tiny import pastry_home
-
-    return pastry_home() / "pyrt"
+    return pyrt_dir()
 
 
 def build_key() -> str:

@@ -31,6 +31,7 @@ import wasmtime
 from wasmtime import _ffi as ffi
 
 from pastry.api import ApiError
+from pastry.paths import cwasm_dir
 from pastry.runtime.wasm_host import (
     Guest,
     Kill,
@@ -351,8 +352,7 @@ def build_c(source, *, cache_dir=None, extra_flags=()) -> bytes:
     h = hashlib.sha256(" ".join(flags).encode())
     for f in [*sorted(source.parent.glob("*.h")), source]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
-    home = Path(os.environ.get("PASTRY_HOME", Path.home() / ".cache" / "pastry"))
-    cache = Path(cache_dir) if cache_dir else home / "cwasm"
+    cache = Path(cache_dir) if cache_dir else cwasm_dir()
     out = cache / f"{source.stem}-{h.hexdigest()[:16]}.wasm"
     if not out.exists():
         cache.mkdir(parents=True, exist_ok=True)

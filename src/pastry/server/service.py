@@ -21,7 +21,7 @@ from pastry.control.controller import Controller
 from pastry.control.policies import batch_policy
 from pastry.engine.config import EngineConfig
 from pastry.engine.handle import EngineHandle
-from pastry.engine.tiny import pastry_home
+from pastry.paths import programs_dir
 from pastry.runtime.trusted import Instance, TrustedRuntime
 from pastry.server.registry import ProgramRegistry
 
@@ -77,7 +77,7 @@ class PastryServer:
         self.controller: Controller | None = None
         self.runtime: TrustedRuntime | None = None
         self.registry = ProgramRegistry(
-            config.programs_dir or pastry_home() / "programs",
+            config.programs_dir or programs_dir(),
             config.max_upload_bytes,
             sandbox_uploads=not config.trusted_uploads,
         )
@@ -90,11 +90,13 @@ class PastryServer:
     async def start(self) -> None:
         import asyncio
 
-        from pastry.engine.tiny import ensure_default_model
-
         self.loop = asyncio.get_running_loop()
         cfg = self.config
-        model = cfg.model or ensure_default_model()
+        model = cfg.model
+        if model is None:  # writing the default model needs torch: imported only then
+            from pastry.engine.tiny import ensure_default_model
+
+            model = ensure_default_model()
         for device in cfg.engine_devices:
             econf = EngineConfig(
                 device=device,

@@ -1,0 +1,55 @@
+"""Where Pastry keeps its files, without importing anything heavy (no torch).
+
+Everything lives below :func:`pastry_home`: ``$PASTRY_HOME`` if set, else
+``$XDG_CACHE_HOME/pastry`` (``~/.cache/pastry`` when that is unset). The directories below
+it are created by whoever writes there first, not here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def pastry_home() -> Path:
+    """Pastry's cache root: ``$PASTRY_HOME``, else ``$XDG_CACHE_HOME/pastry`` (``~/.cache``
+    when unset). Models, programs and built runtimes live below it."""
+    home = os.environ.get("PASTRY_HOME")
+    if home:
+        return Path(home)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pastry"
+
+
+def models_dir() -> Path:
+    """Checkpoints Pastry writes itself (the default random model, see ``engine/tiny.py``)."""
+    return pastry_home() / "models"
+
+
+def programs_dir() -> Path:
+    """The server's program registry (uploaded and built-in inferlets)."""
+    return pastry_home() / "programs"
+
+
+def pyrt_dir() -> Path:
+    """The compiled Python runtime component of the sandbox (``runtime/build_pyrt.py``)."""
+    return pastry_home() / "pyrt"
+
+
+def cwasm_dir() -> Path:
+    """C inferlets compiled to wasm (``runtime/wasm_core.build_c``)."""
+    return pastry_home() / "cwasm"
+
+
+def jswasm_dir() -> Path:
+    """JavaScript inferlets built into components (``runtime/build_js.py``)."""
+    return pastry_home() / "jswasm"
+
+
+def npm_dir() -> Path:
+    """The npm prefix holding componentize-qjs (``runtime/build_js.py --install``)."""
+    return pastry_home() / "npm"
+
+
+def bench_dir() -> Path:
+    """Checkpoints written by the benchmarks."""
+    return pastry_home() / "bench"
