@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 
-from pastry.inferlets.windowed_attention import DEFAULTS, generate, parse_options
+from pastry.inferlets.windowed_attention import DEFAULTS, generate
+from pastry.sdk.args import options
 
 
 async def main(args: list[str]) -> str:
-    return json.dumps(await generate(parse_options(args, {**DEFAULTS, "sink": 4})))
+    return json.dumps(await generate(options(args, {**DEFAULTS, "sink": 4}, prompt_keys=())))

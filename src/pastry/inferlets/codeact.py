@@ -43,6 +43,7 @@ import operator
 from collections.abc import Callable, Sequence
 
 from pastry.sdk import Context, MaxTokens, Sampler
+from pastry.sdk.args import options
 
 CODE = "\nCode:"
 RESULT = "\n```\n{}\n```\nOutput: {}\n"
@@ -369,13 +370,7 @@ async def main(args: list[str]) -> str:
 
 
 def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown args {unknown}; accepted: {', '.join(DEFAULTS)}")
-    opts = {**DEFAULTS, **given}
+    opts = options(args, DEFAULTS, prompt_keys=())
     prompt = opts["prompt"]
     if not (
         (isinstance(prompt, str) and prompt)

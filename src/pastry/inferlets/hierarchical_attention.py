@@ -35,6 +35,7 @@ import json
 
 import pastry.sdk as px
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler
+from pastry.sdk.args import options
 
 DEFAULTS = {
     "sections": None,
@@ -50,7 +51,7 @@ HEADER = -1  # the group of header tokens; paragraphs are groups 0, 1, 2, ...
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS, prompt_keys=())
     ctx = Context(opts["model"])
     q = ctx.queue
     doc, groups = _document(ctx, opts["sections"])
@@ -104,16 +105,6 @@ def _document(ctx: Context, sections) -> tuple[list[int], list[int]]:
     if not doc:
         raise ValueError("the document is empty")
     return doc, groups
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown args {unknown}; accepted: {', '.join(DEFAULTS)}")
-    return {**DEFAULTS, **given}
 
 
 def _tokens(ctx: Context, value, what: str) -> list[int]:

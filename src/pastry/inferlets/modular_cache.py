@@ -41,6 +41,7 @@ import json
 
 import pastry.sdk as px
 from pastry.sdk import ApiError, Sampler
+from pastry.sdk.args import options
 
 DEFAULTS = {
     "modules": None,
@@ -164,13 +165,7 @@ def _schema(q: int, modules) -> tuple[dict[str, tuple[list[int], int]], int]:
 
 
 def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown args {unknown}; accepted: {', '.join(DEFAULTS)}")
-    opts = {**DEFAULTS, **given}
+    opts = options(args, DEFAULTS, prompt_keys=())
     if not (isinstance(opts["max_tokens"], int) and opts["max_tokens"] >= 1):
         raise ValueError(f"max_tokens must be a positive integer, got {opts['max_tokens']!r}")
     return opts

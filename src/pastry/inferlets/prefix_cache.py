@@ -41,6 +41,7 @@ import json
 
 import pastry.sdk as px
 from pastry.sdk import ApiError, Context, EosTokens, MaxTokens, Sampler
+from pastry.sdk.args import options
 
 DEFAULTS = {
     "prefix": None,
@@ -54,7 +55,7 @@ DEFAULTS = {
 
 
 async def main(args: list[str]) -> str:
-    opts = _options(args)
+    opts = options(args, DEFAULTS, prompt_keys=())
     ctx = Context(opts["model"])
     prefix = _tokens(ctx, opts, "prefix")
     prompt = _tokens(ctx, opts, "prompt")
@@ -94,16 +95,6 @@ async def _import_prefix(ctx: Context, name: str, prefix: list[int]) -> bool:
         await px.dealloc_kvpages(q, [shared])
     ctx.pages, ctx.kv_len, ctx.tokens = pages, len(prefix), list(prefix)
     return True
-
-
-def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown args {unknown}; accepted: {', '.join(DEFAULTS)}")
-    return {**DEFAULTS, **given}
 
 
 def _tokens(ctx: Context, opts: dict, key: str) -> list[int]:

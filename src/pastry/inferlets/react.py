@@ -66,6 +66,7 @@ from collections.abc import Awaitable, Sequence
 
 import pastry.sdk as px
 from pastry.sdk import ApiError
+from pastry.sdk.args import options
 
 THOUGHT = "\nThought:"
 OBSERVATION = "\nObservation: {}\n"
@@ -313,13 +314,7 @@ async def _shared_tools(kv: Transcript, model: str, tools: list[int], wait_s: fl
 
 
 def _options(args: list[str]) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown args {unknown}; accepted: {', '.join(DEFAULTS)}")
-    opts = {**DEFAULTS, **given}
+    opts = options(args, DEFAULTS, prompt_keys=())
     if not isinstance(opts["tool_url"], str) or not opts["tool_url"]:
         raise ValueError('"tool_url" is required: the URL of the tool (http or https)')
     for key in ("steps", "thought_tokens", "answer_tokens"):

@@ -46,6 +46,7 @@ from collections.abc import Awaitable
 
 import pastry.sdk as px
 from pastry.sdk import Sampler
+from pastry.sdk.args import options
 
 DEFAULTS = {
     "prompt": None,
@@ -60,7 +61,7 @@ DEFAULTS = {
 
 
 async def main(args: list[str]) -> str:
-    return json.dumps(await generate(parse_options(args, DEFAULTS)))
+    return json.dumps(await generate(options(args, DEFAULTS, prompt_keys=())))
 
 
 class WindowedKv:
@@ -142,16 +143,6 @@ async def generate(opts: dict) -> dict:
         futs = kv.forward([tok], embeds, out)
     text = px.detokenize(q, generated[:-1] if generated[-1] in eos else generated)
     return {"tokens": generated, "text": text, "max_pages_held": kv.max_held}
-
-
-def parse_options(args: list[str], defaults: dict) -> dict:
-    given = json.loads(args[0]) if args else {}
-    if not isinstance(given, dict):
-        raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown args {unknown}; accepted: {', '.join(defaults)}")
-    return {**defaults, **given}
 
 
 def prompt_tokens(q: int, value) -> list[int]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pastry.sdk.context import Context
@@ -11,18 +11,20 @@ from pastry.sdk.context import Context
 PROMPT_KEYS = ("prompt", "prompt_tokens")
 
 
-def options(args: list[str], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """``args[0]`` parsed as a JSON object over ``defaults`` (plus the prompt keys); an
-    unknown key is an error that lists the accepted ones."""
+def options(
+    args: list[str], defaults: Mapping[str, Any], *, prompt_keys: Sequence[str] = PROMPT_KEYS
+) -> dict[str, Any]:
+    """``args[0]`` parsed as a JSON object over ``defaults``, also accepting ``prompt_keys``
+    (``prompt`` and ``prompt_tokens``, read by :func:`prompt_tokens`; pass ``()`` when the
+    prompt is one of ``defaults`` or there is none); an unknown key is an error that lists
+    the accepted ones."""
     given = json.loads(args[0]) if args else {}
     if not isinstance(given, dict):
         raise ValueError(f"args must be one JSON object, got {args[0]!r}")
-    unknown = set(given) - set(defaults) - set(PROMPT_KEYS)
+    accepted = dict.fromkeys([*prompt_keys, *defaults])
+    unknown = set(given) - set(accepted)
     if unknown:
-        raise ValueError(
-            f"unknown args {sorted(unknown)}; accepted: {', '.join(PROMPT_KEYS)}, "
-            f"{', '.join(defaults)}"
-        )
+        raise ValueError(f"unknown args {sorted(unknown)}; accepted: {', '.join(accepted)}")
     return {**defaults, **given}
 
 
