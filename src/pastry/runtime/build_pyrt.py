@@ -37,6 +37,17 @@ GUEST_SOURCES = (
     "sdk/sampling.py",
     "sdk/steps.py",
     "sdk/stop.py",
+    "lang/__init__.py",
+    "lang/choices.py",
+    "lang/driver.py",
+    "lang/expr.py",
+    "lang/function.py",
+    "lang/generation.py",
+    "lang/run.py",
+    "lang/scoring.py",
+    "lang/state.py",
+    "lang/stream.py",
+    "lang/template.py",
 )
 APP = PKG / "runtime" / "guest" / "pyrt_app.py"
 

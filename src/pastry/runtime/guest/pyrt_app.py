@@ -40,6 +40,7 @@ import wit_world
 from componentize_py_types import Err
 from wit_world.imports import api as host
 
+import pastry.lang  # in the snapshot, so that inferlets can import it
 import pastry.sdk
 from pastry.api import ApiError
 
