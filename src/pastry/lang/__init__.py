@@ -195,3 +195,5 @@ __all__ = [
     "user_begin",
     "user_end",
 ]
+
+from pastry.lang import inferlet as inferlet  # noqa: E402  (the entry of shipped programs)

@@ -43,6 +43,7 @@ GUEST_SOURCES = (
     "lang/expr.py",
     "lang/function.py",
     "lang/generation.py",
+    "lang/inferlet.py",
     "lang/run.py",
     "lang/scoring.py",
     "lang/state.py",

@@ -1,0 +1,40 @@
+"""The inferlet side of a program shipped from a client (:mod:`pastry.lang.ship`).
+
+The launch argument is one JSON object: ``function`` (its name in the shipped module),
+``arguments``, ``sampling`` (the run's default sampling parameters) and ``stream``. With
+``stream``, every piece of the program's text is sent as a message ``{"text": piece}`` as
+it is produced. The result is ``{"text", "variables", "meta_info", "messages"}`` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pastry.lang.function import Function, _plain
+
+
+async def serve(namespace: dict[str, Any], args: list[str]) -> str:
+    if len(args) != 1:
+        raise ValueError("a shipped pastry.lang program takes one JSON argument")
+    req = json.loads(args[0])
+    fn = namespace.get(req["function"])
+    if not isinstance(fn, Function):
+        raise ValueError(f"no pastry.lang function {req['function']!r} in this program")
+    on_text = None
+    if req.get("stream"):
+        import pastry.sdk as px
+
+        def on_text(piece: str) -> None:
+            px.send(json.dumps({"text": piece}))
+
+    state = await fn.arun(on_text=on_text, **req.get("sampling", {}), **req.get("arguments", {}))
+    s = state.stream
+    return json.dumps(
+        {
+            "text": s.text,
+            "variables": _plain(s.variables),
+            "meta_info": _plain(s.meta_info),
+            "messages": [{"role": r, "content": c} for r, c in s.messages],
+        }
+    )
