@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pastry.server import openai, ws
+from pastry.server import openai, sglang_api, ws
 from pastry.server.service import PastryServer, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ def create_app(server: PastryServer) -> Starlette:
             await server.stop()
 
     routes = [Route("/health", health), *ws.routes(server), *openai.routes(server)]
+    routes += sglang_api.routes(server)  # SGLang's native API (/generate, ...)
     return Starlette(
         routes=routes, lifespan=lifespan, middleware=[Middleware(BearerAuth, server=server)]
     )

@@ -1,0 +1,399 @@
+"""SGLang's native HTTP API: ``POST /generate``, ``GET /get_model_info``,
+``GET /get_server_info``, ``POST /flush_cache`` — the endpoints SGLang's
+``RuntimeEndpoint`` (and so SGLang's frontend language) talks to.
+
+A ``/generate`` request is checked here (a 400 ``{"error": {"message"}}`` naming the
+field, for anything malformed or not implemented — never silently ignored), then each
+prompt runs as one instance of the built-in ``sglang-generate`` inferlet
+(``inferlets/sglang_generate.py``) through the same scheduler as every other inferlet.
+A batch (``text`` or ``input_ids`` as a list) answers a list, one object per prompt and
+generation (prompt ``i``'s ``j``-th of ``n`` at ``i * n + j``); with ``"stream": true``
+the answer is server-sent events ``data: {...}`` carrying the text so far, then
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+import pastry
+from pastry.control.events import Failed, Finished, Message, Terminated
+from pastry.lang.expr import SamplingParams
+from pastry.lang.generation import check
+from pastry.server.service import PastryServer
+
+PROGRAM = "sglang-generate"
+# Request fields: SGLang's GenerateReqInput. Those not listed are refused by name.
+FIELDS = {
+    "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "model",
+}  # fmt: skip
+# SGLang fields this server does not implement, with the values that leave them off.
+OFF = {
+    "image_data": (None, [], ""), "video_data": (None, [], ""), "audio_data": (None, [], ""),
+    "lora_path": (None, ""), "custom_logit_processor": (None, ""),
+    "return_hidden_states": (None, False), "input_embeds": (None,), "session_params": (None,),
+    "token_ids_logprob": (None,), "bootstrap_host": (None,), "data_parallel_rank": (None,),
+    "log_metrics": (None, True, False), "modalities": (None, []),
+}  # fmt: skip
+# sampling_params this server takes as they are (SGLang's names).
+SAMPLING = {
+    "max_new_tokens", "min_new_tokens", "n", "stop", "stop_token_ids", "temperature",
+    "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "ignore_eos", "regex", "json_schema", "sampling_seed",
+}  # fmt: skip
+# sampling_params accepted only at the value that leaves them off (others: 400).
+SAMPLING_OFF = {
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "no_stop_trim": (None, False), "ebnf": (None,), "structural_tag": (None,),
+    "custom_params": (None,), "stop_regex": (None, [], ""), "logit_bias": (None, {}),
+    "dtype": (None,),
+}  # fmt: skip
+MAX_N = 16
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self)}}, self.status)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked request: one ``sglang-generate`` argument per prompt."""
+
+    args: tuple[str, ...]
+    n: tuple[int, ...]  # generations per prompt
+    batch: bool
+    stream: bool
+    rids: tuple[str, ...]
+
+
+def routes(server: PastryServer) -> list[Route]:
+    def model_name() -> str:
+        return server.models[0]
+
+    async def get_model_info(request: Request) -> JSONResponse:
+        info = server.controller.models[model_name()].info
+        return JSONResponse(
+            {
+                "model_path": info.model_name,
+                "tokenizer_path": info.model_name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": info.arch,
+                "architectures": None,
+            }
+        )
+
+    async def get_server_info(request: Request) -> JSONResponse:
+        info = server.controller.models[model_name()].info
+        cfg = server.config
+        return JSONResponse(
+            {
+                "version": f"pastry {pastry.__version__}",
+                "model_path": info.model_name,
+                "served_model_name": info.model_name,
+                "served_models": server.models,
+                "context_length": info.max_position,
+                "page_size": info.page_size,
+                "max_total_num_tokens": info.num_pages * info.page_size,
+                "max_batch_tokens": info.max_batch_tokens,
+                "dtype": info.dtype,
+                "device": info.device,
+                "host": cfg.host,
+                "port": cfg.port,
+                "schedule_policy": cfg.policy,
+                "internal_states": [],
+            }
+        )
+
+    async def flush_cache(request: Request) -> PlainTextResponse:
+        flushed = []
+        for m in server.controller.models.values():
+            cache = getattr(m, "prefix_cache", None)
+            if cache is not None and hasattr(cache, "flush"):
+                cache.flush()
+                flushed.append(m.name)
+        if flushed:
+            return PlainTextResponse(f"Cache flushed ({', '.join(flushed)}).\n")
+        return PlainTextResponse(
+            "Cache flushed. (This server keeps no KV between requests: nothing to flush.)\n"
+        )
+
+    async def generate(request: Request):
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return ApiError(f"the request body is not valid JSON: {e}").response()
+        try:
+            return Generate(server, parse(server, body))
+        except ApiError as e:
+            return e.response()
+
+    return [
+        Route("/generate", generate, methods=["POST", "PUT"]),
+        Route("/get_model_info", get_model_info, methods=["GET"]),
+        Route("/get_server_info", get_server_info, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+    ]
+
+
+# ---------------------------------------------------------------------- checking requests
+
+
+def parse(server: PastryServer, body: Any) -> Job:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    for name in body:
+        if name in OFF:
+            if body[name] not in OFF[name]:
+                raise ApiError(f"'{name}' is not supported by this server")
+        elif name not in FIELDS:
+            raise ApiError(f"unknown field '{name}'; the fields are {sorted(FIELDS | set(OFF))}")
+    model = body.get("model") or server.models[0]
+    if model not in server.controller.models:
+        raise ApiError(f"no model {model!r}; this server serves {', '.join(server.models)}")
+    vocab = server.controller.models[model].info.vocab_size
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError("give exactly one of 'text' and 'input_ids'")
+    if text is not None:
+        batch = isinstance(text, list)
+        prompts: list[dict] = [{"text": t} for t in (text if batch else [text])]
+        if not all(isinstance(p["text"], str) for p in prompts) or not prompts:
+            raise ApiError("'text' must be a string or a non-empty list of strings")
+    else:
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        rows = ids if batch else [ids]
+        if not rows or not all(
+            isinstance(r, list) and r and all(type(t) is int and 0 <= t < vocab for t in r)
+            for r in rows
+        ):
+            raise ApiError(
+                f"'input_ids' must be a non-empty list of token ids (0 to {vocab - 1}) or a "
+                "list of such lists"
+            )
+        prompts = [{"input_ids": r} for r in rows]
+    k = len(prompts)
+    sampling = _per_prompt(body.get("sampling_params"), k, "sampling_params", {})
+    per = {
+        name: _per_prompt(body.get(name), k, name, None)
+        for name in (
+            "return_logprob",
+            "logprob_start_len",
+            "top_logprobs_num",
+            "return_text_in_logprobs",
+        )
+    }
+    rid = body.get("rid")
+    rids = _per_prompt(rid, k, "rid", None) if rid is not None else [None] * k
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(f"'stream' must be true or false, got {stream!r}")
+    args, ns = [], []
+    for i, prompt in enumerate(prompts):
+        sp = _sampling(sampling[i])
+        req = {**prompt, "sampling_params": sp, "model": model, "stream": stream}
+        for name, values in per.items():
+            if values[i] is not None:
+                req[name] = values[i]
+        _check_logprob_args(req)
+        ns.append(sp.get("n", 1))
+        args.append(json.dumps(req))
+    rids_out = tuple(r if r is not None else uuid.uuid4().hex for r in rids)
+    return Job(tuple(args), tuple(ns), batch, stream, rids_out)
+
+
+def _per_prompt(value: Any, k: int, name: str, default: Any) -> list[Any]:
+    if isinstance(value, list) and name != "sampling_params" and name != "rid":
+        if len(value) != k:
+            raise ApiError(f"'{name}' has {len(value)} values for {k} prompts")
+        return value
+    if name in ("sampling_params", "rid") and isinstance(value, list):
+        if len(value) != k:
+            raise ApiError(f"'{name}' has {len(value)} values for {k} prompts")
+        return value
+    return [default if value is None else value] * k
+
+
+def _sampling(given: Any) -> dict[str, Any]:
+    if not isinstance(given, dict):
+        raise ApiError(f"'sampling_params' must be an object, got {given!r:.100}")
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        if name in SAMPLING_OFF:
+            if value not in SAMPLING_OFF[name]:
+                raise ApiError(f"'sampling_params.{name}' is not supported by this server")
+        elif name not in SAMPLING:
+            raise ApiError(
+                f"unknown sampling parameter '{name}'; this server takes {sorted(SAMPLING)}"
+            )
+        elif value is not None:
+            out[name] = value
+    if isinstance(out.get("stop"), str):
+        out["stop"] = [out["stop"]]
+    if "json_schema" in out and not isinstance(out["json_schema"], str):
+        out["json_schema"] = json.dumps(out["json_schema"])
+    try:
+        p = SamplingParams().override({("seed" if k == "sampling_seed" else k): v
+                                       for k, v in out.items()})  # fmt: skip
+        check(p)
+    except (TypeError, ValueError) as e:
+        raise ApiError(f"sampling_params: {e}") from None
+    if p.n > MAX_N:
+        raise ApiError(f"'sampling_params.n' must be at most {MAX_N}, got {p.n}")
+    if p.regex is not None:
+        _check_grammar({"regex": p.regex})
+    if p.json_schema is not None:
+        _check_grammar({"json_schema": p.json_schema})
+    return out
+
+
+def _check_grammar(spec: dict) -> None:
+    from pastry.sdk.grammar import compile_grammar
+
+    try:
+        compile_grammar(spec)
+    except ValueError as e:
+        raise ApiError(f"sampling_params.{next(iter(spec))}: {e}") from None
+
+
+def _check_logprob_args(req: dict) -> None:
+    for name, kind in (("return_logprob", bool), ("return_text_in_logprobs", bool),
+                       ("logprob_start_len", int), ("top_logprobs_num", int)):  # fmt: skip
+        v = req.get(name)
+        if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+            raise ApiError(f"'{name}' must be {'true or false' if kind is bool else 'an integer'}")
+    if (req.get("top_logprobs_num") or 0) < 0:
+        raise ApiError("'top_logprobs_num' must be >= 0")
+
+
+# ---------------------------------------------------------------------- running and answering
+
+
+class Generate:
+    """The answer to one ``/generate``, as an ASGI response: launches one instance per
+    prompt, relays their results (or text, when streaming), ends them if the client goes."""
+
+    def __init__(self, server: PastryServer, job: Job) -> None:
+        self.server = server
+        self.job = job
+        self.start = time.time()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        events: asyncio.Queue = asyncio.Queue()
+        tasks: list[asyncio.Task] = []
+        try:
+            for k, arg in enumerate(self.job.args):
+                inst = self.server.launch(PROGRAM, [arg], owner=self)
+                tasks.append(asyncio.create_task(_pump(k, inst, events)))
+            reply = self._stream(events, send) if self.job.stream else self._reply(events, send)
+            answer = asyncio.create_task(reply)
+            gone = asyncio.create_task(_disconnected(receive))
+            tasks += [answer, gone]
+            await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.server.disown(self)
+        if answer.done() and not answer.cancelled():
+            answer.result()
+
+    def _items(self, k: int, result: str) -> list[dict]:
+        items = json.loads(result)
+        for item in items:
+            item["meta_info"]["id"] = self.job.rids[k]
+            item["meta_info"]["e2e_latency"] = time.time() - self.start
+        return items
+
+    async def _reply(self, events: asyncio.Queue, send: Send) -> None:
+        results: dict[int, list[dict]] = {}
+        while len(results) < len(self.job.args):
+            k, ev = await events.get()
+            if isinstance(ev, Finished):
+                results[k] = self._items(k, ev.result)
+            elif isinstance(ev, Failed | Terminated):
+                status, message = _failure(ev)
+                await _send_json(send, status, {"error": {"message": message}})
+                return
+        flat = [item for k in sorted(results) for item in results[k]]
+        body = flat if self.job.batch or len(flat) > 1 else flat[0]
+        await _send_json(send, 200, body)
+
+    async def _stream(self, events: asyncio.Queue, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def emit(data: Any) -> None:
+            text = data if isinstance(data, str) else json.dumps(data)
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": f"data: {text}\n\n".encode(),
+                    "more_body": True,
+                }
+            )
+
+        offsets = [0]
+        for n in self.job.n[:-1]:
+            offsets.append(offsets[-1] + n)
+        texts: dict[int, str] = {}
+        left = len(self.job.args)
+        while left:
+            k, ev = await events.get()
+            if isinstance(ev, Message):
+                m = json.loads(ev.text)
+                index = offsets[k] + m["index"]
+                texts[index] = texts.get(index, "") + m["delta"]
+                meta = {"id": self.job.rids[k], "finish_reason": None}
+                await emit({"text": texts[index], "meta_info": meta, "index": index})
+            elif isinstance(ev, Finished):
+                for j, item in enumerate(self._items(k, ev.result)):
+                    await emit({**item, "index": offsets[k] + j})
+                left -= 1
+            elif isinstance(ev, Failed | Terminated):
+                await emit({"error": {"message": _failure(ev)[1]}})
+                break
+        await emit("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _failure(ev: Failed | Terminated) -> tuple[int, str]:
+    if isinstance(ev, Terminated):
+        return 503, f"the request was ended: {ev.reason}"
+    last = (ev.error.strip().splitlines() or ["unknown error"])[-1]
+    return 500, f"generation failed: {last}"
+
+
+async def _pump(k: int, instance, events: asyncio.Queue) -> None:
+    async for ev in instance.events():
+        events.put_nowait((k, ev))
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_json(send: Send, status: int, body: Any) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
