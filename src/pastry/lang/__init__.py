@@ -15,8 +15,9 @@ makes states that share the prefix's KV pages (computed once, before they run); 
 another ``@function`` from a body runs it as a concurrent nested program; ``s.user(...)``
 and friends render role blocks with the model's chat template.
 
-Run a program inside an inferlet (``await qa.arun(question=...)``, or ``main = qa.main``
-in its file and ``pastry run file.py -- question=...``) or from a client, where each run
+Run a program inside an inferlet (``await qa.arun(question=...)``, or
+``async def main(args): return await qa.main(args)`` in its file and
+``pastry run file.py -- question=...``) or from a client, where each run
 is shipped to the server as one inferlet::
 
     import pastry.lang as sgl

@@ -61,6 +61,8 @@ class Endpoint:
         )
         if not stream:
             state._future.result()
+            if state._error is not None:
+                raise state._error
         return state
 
     def run_batch(

@@ -2,7 +2,8 @@
 
 - Inside an inferlet (in the server, trusted or sandboxed): ``await f.arun(**args)``,
   ``await f.arun_batch([...])``; or make the program's file an inferlet with
-  ``main = f.main`` and run it with ``pastry run file.py -- key=value ...``.
+  ``async def main(args): return await f.main(args)`` and run it with
+  ``pastry run file.py -- key=value ...``.
 - From a client process: ``f.run(**args)`` / ``f.run_batch([...])`` with a backend
   (``set_default_backend(Endpoint(url))``): each call ships the program to the server and
   runs it there as one inferlet (:mod:`pastry.lang.endpoint`).
@@ -157,14 +158,24 @@ class Function:
 
         return list(await asyncio.gather(*(one(b) for b in batch_kwargs)))
 
-    async def main(self, args: list[str]) -> str:
-        """An inferlet entry point: ``main = my_program.main`` in a program's file, then
-        ``pastry run file.py -- key=value ...`` (or one JSON object of arguments). Values
-        are parsed as JSON when they are JSON, else taken as text. Sampling parameters
+    @property
+    def main(self) -> Callable[[list[str]], Any]:
+        """An inferlet entry point for a program's file::
+
+            async def main(args):
+                return await my_program.main(args)
+
+        then ``pastry run file.py -- key=value ...`` (or one JSON object of arguments). Values
+        are parsed as JSON when they are JSON, else taken as text; sampling parameters
         (``temperature=0``) are accepted too. Returns ``{"text", "variables"}`` as JSON."""
-        kwargs = parse_args(args)
-        state = await self.arun(**kwargs)
-        return json.dumps({"text": state.text(), "variables": _plain(state.stream.variables)})
+        program = self
+
+        async def main(args: list[str]) -> str:
+            state = await program.arun(**parse_args(args))
+            variables = _plain(state.stream.variables)
+            return json.dumps({"text": state.text(), "variables": variables})
+
+        return main
 
     # ------------------------------------------------------------------ internals
 

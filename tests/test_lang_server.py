@@ -1,0 +1,266 @@
+"""pastry.lang against a live server: the same greedy program through pastry.lang in the
+server (`pastry run file.py`), pastry.lang from a client, and SGLang's native API gives
+the same text; SGLang's /generate, /get_model_info, /get_server_info, /flush_cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+import textwrap
+
+import pytest
+import requests
+
+from pastry.cli import main as cli
+from server_util import integrity, running_server
+
+PROGRAM = textwrap.dedent(
+    """
+    import pastry.lang as sgl
+    from pastry.lang import function, gen, select
+
+    INTRO = "Story: "
+
+
+    @function
+    def complete(s, prompt):
+        s += INTRO + prompt + gen("out", max_tokens=12)
+
+
+    @function
+    def rate(s, prompt):
+        s += INTRO + prompt + "\\nRating:" + select("r", choices=[" good", " bad"])
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += " because" + gen("why", max_tokens=4)
+        s += forks[0]["why"] + forks[1]["why"]
+
+
+    @function
+    def broken(s):
+        s += "x" + gen("g", max_tokens=2, presence_penalty=0.5)
+        s["g"]
+
+
+    async def main(args):
+        return await complete.main(args)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def server(make_tiny, tmp_path_factory):
+    from pastry.runtime import build_pyrt
+
+    try:
+        build_pyrt.build()  # uploads (pastry run file.py) run in the sandbox
+    except build_pyrt.BuildError as e:
+        pytest.skip(f"cannot build the Python runtime component: {e}")
+    with running_server(make_tiny("llama"), tmp_path_factory.mktemp("lang")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prog") / "stories.py"
+    path.write_text(PROGRAM)
+    spec = importlib.util.spec_from_file_location("stories_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return path, module
+
+
+@pytest.fixture(scope="module")
+def endpoint(server):
+    from pastry.lang import Endpoint
+
+    ep = Endpoint(server[0])
+    yield ep
+    ep.close()
+
+
+def test_greedy_text_is_the_same_in_server_from_a_client_and_native(
+    server, program, endpoint, capsys
+):
+    url, srv = server
+    path, module = program
+    prompt = "Once upon a time"
+    # (a) in the server: the file is an inferlet (sandboxed, as uploads are by default)
+    assert cli(["run", str(path), "--server", url, "--", f"prompt={prompt}", "temperature=0"]) == 0
+    in_server = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # (b) from a client: shipped to the server as an inferlet
+    state = module.complete.run(prompt=prompt, temperature=0, backend=endpoint)
+    # (c) SGLang's native API
+    r = requests.post(
+        url + "/generate",
+        json={
+            "text": "Story: " + prompt,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    native = r.json()
+    assert in_server["variables"]["out"] == state["out"] == native["text"]
+    assert in_server["text"] == state.text() == "Story: " + prompt + native["text"]
+    assert (
+        state.get_meta_info("out")["completion_tokens"] == native["meta_info"]["completion_tokens"]
+    )
+    assert integrity(srv)[0] == 0
+
+
+def test_client_run_batch_streaming_and_forks(program, endpoint):
+    _, module = program
+    prompts = ["a dog", "a cat", "a fox"]
+    states = module.rate.run_batch(
+        [{"prompt": p} for p in prompts], temperature=0, backend=endpoint
+    )
+    one = [module.rate.run(prompt=p, temperature=0, backend=endpoint) for p in prompts]
+    assert [s.text() for s in states] == [s.text() for s in one]
+    assert all(s["r"] in (" good", " bad") for s in states)
+    streamed = module.rate.run(prompt="a dog", temperature=0, backend=endpoint, stream=True)
+    pieces = list(streamed.text_iter())
+    assert len(pieces) >= 3 and "".join(pieces) == one[0].text()
+
+
+def test_client_errors_name_the_problem(program, endpoint):
+    from pastry.lang import ProgramError, function, gen
+    from pastry.lang.ship import ShipError
+
+    _, module = program
+    with pytest.raises(ProgramError, match="presence_penalty"):
+        module.broken.run(backend=endpoint)
+    handle = open(__file__)  # noqa: SIM115  (a global that cannot travel)
+    try:
+        globals()["OPEN_FILE"] = handle
+
+        @function
+        def reads_a_file(s):
+            s += OPEN_FILE.name + gen("x", max_tokens=1)  # noqa: F821
+
+        with pytest.raises(ShipError, match="OPEN_FILE"):
+            reads_a_file.run(backend=endpoint)
+    finally:
+        handle.close()
+        globals().pop("OPEN_FILE", None)
+
+
+def test_program_source_carries_what_the_program_reads(program):
+    from pastry.lang.ship import program_source
+
+    _, module = program
+    src = program_source(module.rate)
+    assert "INTRO = 'Story: '" in src and "def rate(s, prompt):" in src
+    assert "async def main(args)" in src
+    compile(src, "shipped", "exec")
+
+
+# ---------------------------------------------------------------------- the native API
+
+
+def post(url, body):
+    return requests.post(url + "/generate", json=body, timeout=60)
+
+
+def test_native_single_batch_n_and_input_ids(server):
+    url, srv = server
+    sp = {"max_new_tokens": 5, "temperature": 0}
+    one = post(url, {"text": "Hello,", "sampling_params": sp}).json()
+    assert set(one) == {"text", "output_ids", "meta_info"}
+    meta = one["meta_info"]
+    assert meta["completion_tokens"] == 5 and meta["finish_reason"] == {
+        "type": "length",
+        "length": 5,
+    }
+    assert {"id", "prompt_tokens", "cached_tokens", "e2e_latency"} <= set(meta)
+    batch = post(url, {"text": ["Hello,", "World"], "sampling_params": {**sp, "n": 2}}).json()
+    assert isinstance(batch, list) and len(batch) == 4
+    assert batch[0]["text"] == batch[1]["text"] == one["text"]  # greedy: both samples agree
+    ids = post(url, {"input_ids": one["output_ids"], "sampling_params": sp}).json()
+    assert ids["meta_info"]["prompt_tokens"] == 5
+    stop_id = post(
+        url, {"text": "Hello,", "sampling_params": {**sp, "stop_token_ids": one["output_ids"][2:3]}}
+    ).json()
+    assert stop_id["meta_info"]["finish_reason"] == {
+        "type": "stop",
+        "matched": one["output_ids"][2],
+    }
+    assert stop_id["output_ids"] == one["output_ids"][:3]
+    assert integrity(srv)[0] == 0
+
+
+def test_native_logprobs(server):
+    url, _ = server
+    body = {
+        "text": "The quick brown fox",
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+        "return_text_in_logprobs": True,
+    }
+    r = post(url, body).json()
+    m = r["meta_info"]
+    n = m["prompt_tokens"]
+    inp, out = m["input_token_logprobs"], m["output_token_logprobs"]
+    assert len(inp) == n and inp[0][0] is None and all(lp <= 0 for lp, _, _ in inp[1:])
+    assert [t for _, t, _ in out] == r["output_ids"]
+    assert len(m["output_top_logprobs"]) == 3 and len(m["output_top_logprobs"][0]) == 3
+    # greedy: the chosen token is the most likely one
+    assert all(row[0][1] == t for row, (_, t, _) in zip(m["output_top_logprobs"], out, strict=True))
+    assert m["input_top_logprobs"][0] is None and len(m["input_top_logprobs"]) == n
+    default = post(url, {**body, "logprob_start_len": None}).json()["meta_info"]
+    assert len(default["input_token_logprobs"]) == 1  # SGLang's default: the last prompt token
+
+
+def test_native_stream(server):
+    url, _ = server
+    r = requests.post(
+        url + "/generate",
+        json={
+            "text": "Hello,",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        },
+        stream=True,
+        timeout=60,
+    )
+    lines = [line.decode() for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[5:]) for line in lines[:-1]]
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # cumulative
+    whole = post(
+        url, {"text": "Hello,", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    )
+    assert texts[-1] == whole.json()["text"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),
+        ({"text": "x", "image_data": "abc"}, "image_data"),
+        ({"text": "x", "what": 1}, "what"),
+        ({"text": "x", "input_ids": [1]}, "exactly one"),
+        ({"text": "x", "sampling_params": {"regex": "("}}, "regex"),
+        ({"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [10**9]}, "input_ids"),
+    ],
+)
+def test_native_refuses_what_it_cannot_do_by_name(server, body, message):
+    r = post(server[0], body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
+def test_native_info_and_flush(server):
+    url, _ = server
+    info = requests.get(url + "/get_model_info", timeout=10).json()
+    assert info["is_generation"] is True and info["model_path"]
+    srv = requests.get(url + "/get_server_info", timeout=10).json()
+    assert srv["version"].startswith("pastry") and srv["page_size"] > 0
+    assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
