@@ -12,6 +12,11 @@ python -m pip install --quiet --upgrade pip
 # first) downloads gigabytes of CUDA packages.
 python -m pip install --quiet "torch==${PASTRY_TORCH_VERSION:-2.13.0}"
 python -m pip install --quiet -e ".[test]"
+# SGLang's own frontend, for the tests that drive it against Pastry: the last release whose
+# `import sglang` needs no torch/CUDA, without its dependencies (the few it imports come
+# from the sglang-frontend extra).
+python -m pip install --quiet -e ".[sglang-frontend]"
+python -m pip install --quiet --no-deps "sglang==0.4.10.post2"
 # The sandbox's CPython-on-WASI runtime: built once (about a minute) and cached compiled
 # under $PASTRY_HOME; rebuilt only when its inputs change.
 python -m pastry.runtime.build_pyrt
