@@ -41,11 +41,14 @@ def _log(p: float) -> float:
 async def score(ctx: Context, tokens: Sequence[int], top_n: int = 0) -> list[Scored]:
     """Append ``tokens`` to ``ctx`` and forward them with the tokens pending before them (at
     least one); each appended token's log-probability given every token before it, with the
-    ``top_n`` most likely tokens at its position. Afterwards nothing is pending."""
+    ``top_n`` most likely tokens at its position. Outputs are read only from the last
+    pending token on (the ones before are forwarded first, without). Afterwards nothing is
+    pending."""
     if not ctx.pending:
         raise ValueError("score needs a pending token before the scored ones: fill it first")
     if not tokens:
         return []
+    await ctx.flush()  # the context before the last pending token: no outputs read there
     before = len(ctx.pending)
     ctx.fill_tokens(tokens)
     n_out = len(ctx.pending)
