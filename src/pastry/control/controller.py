@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pastry.control.kvstore import KvStore
 from pastry.control.messaging import MessageBus
 from pastry.control.policies import BatchPolicy, Fcfs, SchedulePolicy
+from pastry.control.programs import ProcessTable
 from pastry.control.resources import ResourceManager
 from pastry.control.scheduler import BatchScheduler
 from pastry.control.session import Session
+from pastry.control.swap import KvSwapper
 from pastry.engine.calls import EngineInfo
 from pastry.engine.handle import EngineHandle
 from pastry.engine.tokenizer import Tokenizer
@@ -38,6 +40,7 @@ class Model:
     resources: ResourceManager
 
     adapters: dict[str, int] = field(default_factory=dict)  # LoRA adapter name -> engine id
+    swapper: KvSwapper | None = None  # when the engine has swap space
 
     @property
     def traits(self) -> list[str]:
@@ -48,8 +51,12 @@ class Controller:
     """Shared state of the control layer. Create inside a running event loop.
 
     Each engine's model gets a :class:`BatchScheduler` with the ``batching`` policy (default
-    :class:`~pastry.control.policies.Adaptive`) and its own schedule policy, made by calling
-    ``schedule`` (default :class:`~pastry.control.policies.Fcfs`).
+    :class:`~pastry.control.policies.Adaptive`), at most ``max_batch`` forward calls per
+    batch (None: no cap) and its own schedule policy, made by calling ``schedule`` (default
+    :class:`~pastry.control.policies.Fcfs`). Every instance is a program in
+    ``programs``, the process table all schedulers share. An engine with swap space (the
+    ``kv_swap`` trait and host pages) gets a :class:`KvSwapper`: page shortage preempts
+    programs with their KV kept in host memory before anyone is terminated.
     """
 
     def __init__(
@@ -58,9 +65,11 @@ class Controller:
         batching: BatchPolicy | None = None,
         http_allow: Sequence[str] = (),
         schedule: Callable[[], SchedulePolicy] = Fcfs,
+        max_batch: int | None = None,
     ) -> None:
         self.models: dict[str, Model] = {}
         self.sessions: dict[int, Session] = {}
+        self.programs = ProcessTable()
         self.bus = MessageBus()
         self.store = KvStore()
         self.http_allow = list(http_allow)
@@ -69,14 +78,19 @@ class Controller:
         for eng in engines:
             info = eng.info
             sched = BatchScheduler(
-                eng.execute, info.max_batch_tokens, info.page_size, batching, schedule()
-            )
-            res = ResourceManager(info.num_pages, info.num_embeds, on_terminate=self._evict)
+                eng.execute, info.max_batch_tokens, info.page_size, batching, schedule(),
+                programs=self.programs, engine=info.model_name, max_batch=max_batch,
+            )  # fmt: skip
+            res = ResourceManager(
+                info.num_pages, info.num_embeds, on_terminate=self._evict,
+                num_host_pages=info.num_host_pages if "kv_swap" in info.traits else 0,
+            )  # fmt: skip
+            swapper = KvSwapper(res, sched) if res.host_usage()[2] else None
             tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
             # Adapters are loaded on the engine before serving and listed in its info.
             adapters = {name: i for i, name in enumerate(info.adapters)}
             self.models[info.model_name] = Model(
-                info.model_name, eng, info, tok, sched, res, adapters
+                info.model_name, eng, info, tok, sched, res, adapters, swapper
             )
             sched.start()
 
@@ -87,6 +101,7 @@ class Controller:
     def session(self, instance: int, args: Sequence[str] = ()) -> Session:
         s = Session(self, instance, list(args))
         self.sessions[instance] = s
+        self.programs.start(instance)
         for m in self.models.values():
             m.resources.add_instance(instance)
         return s
@@ -98,6 +113,7 @@ class Controller:
             s.close()
         for m in self.models.values():
             m.resources.remove_instance(instance)
+        self.programs.end(instance)
         self.bus.unsubscribe_all(str(instance))
 
     def _evict(self, instance: int, reason: str) -> None:

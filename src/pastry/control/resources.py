@@ -19,6 +19,15 @@ The engine owns the memory: KV pages ``[0, num_pages)`` and embedding slots
 - Limits: :meth:`ResourceManager.set_limit` caps how many handles of a kind one instance
   may hold at once (the sandbox's ``SandboxLimits``, say); ``alloc`` and ``import_`` over it
   raise :class:`QuotaExceeded` and change nothing.
+- Swap: a KV page an instance alone references may move to a *host page* (the engine's
+  swap space): its handles then map to ``-1 - host_id`` (:meth:`~ResourceManager.swap_out`)
+  until :meth:`~ResourceManager.swap_in` maps them to device pages again. With swap space
+  enabled (``defer_when_short``, set by :class:`~pastry.control.swap.KvSwapper`), an
+  ``alloc`` the device cannot meet is *deferred*: its pages start in host memory (no data
+  to copy) and get device pages before the instance's next batch. Moves are recorded
+  here and sent to the engine at the front of the next batch (:meth:`take_moves`); host
+  pages released meanwhile stay held until then, so that no move of that batch can
+  overwrite another's source.
 
 Used from the control loop only (no locks). Pure Python; numpy only for ``translate_array``.
 """
@@ -221,6 +230,11 @@ class _Export:
     persistent: bool
 
 
+def _on_host(host_id: int) -> int:
+    """The table value of a KV handle whose page is host page ``host_id``."""
+    return -1 - host_id
+
+
 class ResourceManager:
     """Virtual handles of every inferlet instance over the engine's KV pages and embeds.
 
@@ -239,6 +253,7 @@ class ResourceManager:
         num_embeds: int,
         policy: EvictionPolicy | None = None,
         on_terminate: Callable[[int, str], None] | None = None,
+        num_host_pages: int = 0,
     ) -> None:
         self._pools: dict[Kind, PhysicalPool] = {
             "kv": PhysicalPool(num_pages),
@@ -255,6 +270,15 @@ class ResourceManager:
         self._exports: dict[str, _Export] = {}
         # instance -> kind -> (most handles it may hold, who set that limit)
         self._limits: dict[int, dict[Kind, tuple[int, str]]] = {}
+        # swap: host pages; per instance the number of its KV handles on host pages
+        self._host = PhysicalPool(num_host_pages)
+        self._handles_on_host: dict[int, int] = {}
+        self._unbacked: set[int] = set()  # host pages of deferred allocs (nothing to copy)
+        self._moves_out: list[tuple[int, int]] = []  # (device page, host page), not yet sent
+        self._moves_in: list[tuple[int, int]] = []  # (host page, device page), not yet sent
+        self._arriving: set[int] = set()  # device pages that _moves_in fill
+        self._held: list[int] = []  # host references released while moves are unsent
+        self.defer_when_short = False  # set by the swapper: short allocs start on host
 
     # ------------------------------------------------------------------ instances
 
@@ -279,7 +303,8 @@ class ResourceManager:
         for kind in KINDS:
             table = self._handles[kind].pop(instance_id)
             del self._next[kind][instance_id]
-            self._pools[kind].decref(table.values())
+            self._release(kind, table.values())
+        self._handles_on_host.pop(instance_id, None)
 
     def instances(self) -> list[int]:
         """Registered instances, oldest first."""
@@ -324,6 +349,11 @@ class ResourceManager:
             raise ValueError(f"cannot allocate a negative number of {_PLURAL[kind]} ({n})")
         self._check_limit(instance, kind, len(table), n)
         pool = self._pools[kind]
+        if pool.free < n and kind == "kv" and self.defer_when_short and self._host.free >= n:
+            hosts = self._host.alloc(n)  # deferred: device pages come with the next swap-in
+            self._unbacked.update(hosts)
+            self._handles_on_host[instance] = self._handles_on_host.get(instance, 0) + n
+            return self._bind(instance, kind, table, [_on_host(h) for h in hosts])
         if pool.free < n:
             self._reclaim(instance, kind, n)
         return self._bind(instance, kind, table, pool.alloc(n))
@@ -335,7 +365,11 @@ class ResourceManager:
         handles = list(handles)
         if len(set(handles)) != len(handles) or not all(h in table for h in handles):
             raise self._invalid(instance, kind, handles, twice_is_bad=True)
-        self._pools[kind].decref([table.pop(h) for h in handles])
+        ids = [table.pop(h) for h in handles]
+        on_host = sum(1 for pid in ids if pid < 0)
+        if on_host:
+            self._handles_on_host[instance] -= on_host
+        self._release(kind, ids)
 
     def translate(self, instance: int, kind: Kind, handles: Sequence[int]) -> list[int]:
         """Physical ids of ``handles`` (hot path: one dict lookup per handle)."""
@@ -380,6 +414,11 @@ class ResourceManager:
                 f"export name {name!r} is already taken; unexport it first or choose another name"
             )
         ids = tuple(table[h] for h in handles)
+        if any(pid < 0 for pid in ids):
+            raise ResourceError(
+                f"inferlet {instance}: cannot export pages that are swapped out to host memory "
+                "(the scheduler brings them back before the instance's commands run)"
+            )
         self._pools[kind].incref(ids)
         self._exports[name] = _Export(kind, ids, instance, persistent)
         if not persistent:
@@ -450,7 +489,7 @@ class ResourceManager:
             names = self._instances.get(inst)
             if names is None:
                 continue
-            refs.update(self._handles[kind][inst].values())
+            refs.update(pid for pid in self._handles[kind][inst].values() if pid >= 0)
             for name in names:
                 exp = self._exports[name]
                 if exp.kind == kind:
@@ -472,7 +511,7 @@ class ResourceManager:
                 nxt = self._next[kind][inst]
                 bad = [h for h in table if not 0 <= h < nxt]
                 assert not bad, f"inferlet {inst} has {kind} handles {bad} outside [0, {nxt})"
-                refs.update(table.values())
+                refs.update(pid for pid in table.values() if pid >= 0)
             for exp in self._exports.values():
                 if exp.kind == kind:
                     refs.update(exp.ids)
@@ -489,6 +528,152 @@ class ResourceManager:
         for name, exp in self._exports.items():
             if not exp.persistent:
                 assert name in self._instances.get(exp.owner, ()), (name, exp.owner)
+            assert all(pid >= 0 for pid in exp.ids), f"export {name!r} names host pages"
+        self._check_swap_integrity()
+
+    def _check_swap_integrity(self) -> None:
+        """Host pages: each one's count equals the handles mapped to it plus the references
+        held until the pending moves are sent; moves name pages in use."""
+        host = self._host
+        host.check_integrity()
+        refs: Counter[int] = Counter(self._held)
+        for inst, table in self._handles["kv"].items():
+            mine = [-1 - pid for pid in table.values() if pid < 0]
+            refs.update(mine)
+            assert self._handles_on_host.get(inst, 0) == len(mine), (
+                f"inferlet {inst}: {len(mine)} handles on host, counted "
+                f"{self._handles_on_host.get(inst, 0)}"
+            )
+        assert all(not any(pid < 0 for pid in t.values()) for t in self._handles["embed"].values())
+        wrong = {
+            h: (host.refcount(h), refs[h]) for h in range(host.size) if host.refcount(h) != refs[h]
+        }
+        assert not wrong, f"host pages whose (refcount, references) differ: {wrong}"
+        assert all(host.refcount(h) > 0 for h in self._unbacked), "unbacked host pages are free"
+        assert all(host.refcount(h) > 0 for _, h in self._moves_out), "swap-out into a free page"
+        pool = self._pools["kv"]
+        assert all(pool.refcount(p) > 0 for _, p in self._moves_in), "swap-in into a free page"
+        assert self._arriving == {p for _, p in self._moves_in}, "arriving pages out of date"
+        assert not self._held or self._moves_out or self._moves_in, "held without moves"
+
+    # ------------------------------------------------------------------ swap
+
+    def handles_on_host(self, instance: int) -> int:
+        """How many of ``instance``'s KV handles map to host pages (0: all resident)."""
+        return self._handles_on_host.get(instance, 0)
+
+    def pages_on_host(self, instance: int) -> int:
+        """How many distinct host pages ``instance``'s handles map to."""
+        if not self._handles_on_host.get(instance):
+            return 0
+        return len({pid for pid in self._table(instance, "kv").values() if pid < 0})
+
+    def host_usage(self) -> tuple[int, int, int]:
+        """``(free, used, total)`` host pages (swap space)."""
+        h = self._host
+        return h.free, h.used, h.size
+
+    def swappable(self, instance: int) -> int:
+        """Device pages that could move to host memory now: referenced by ``instance``'s
+        handles alone (not exported, not shared) and not being filled by a pending
+        swap-in."""
+        return len(self._swappable(instance))
+
+    def swap_out(self, instance: int, max_pages: int | None = None) -> int:
+        """Move up to ``max_pages`` of ``instance``'s swappable pages (newest handles first)
+        to free host pages; returns how many moved. Bookkeeping only: the copies are
+        recorded for :meth:`take_moves`, and the freed device pages may be handed out at
+        once (the copies run first in the next batch)."""
+        table = self._table(instance, "kv")
+        pages = self._swappable(instance)
+        n = min(len(pages), self._host.free, len(pages) if max_pages is None else max_pages)
+        if n <= 0:
+            return 0
+        pages = pages[:n]
+        hosts = self._host.alloc(n)
+        where = dict(zip(pages, hosts, strict=True))
+        refs: Counter[int] = Counter()
+        for h, pid in table.items():
+            if pid in where:
+                table[h] = _on_host(where[pid])
+                refs[pid] += 1
+        for pid, host in where.items():
+            self._host.incref([host] * (refs[pid] - 1))
+            self._pools["kv"].decref([pid] * refs[pid])
+        self._handles_on_host[instance] = self._handles_on_host.get(instance, 0) + refs.total()
+        self._moves_out.extend(where.items())
+        return n
+
+    def swap_in(self, instance: int) -> int:
+        """Give every host page of ``instance`` a device page again (its handles keep their
+        numbers); returns how many pages. Raises :class:`OutOfResources` (changing nothing)
+        when the device has too few free pages: make room first."""
+        table = self._table(instance, "kv")
+        if not self._handles_on_host.get(instance):
+            return 0
+        refs = Counter(-1 - pid for pid in table.values() if pid < 0)
+        pool = self._pools["kv"]
+        if pool.free < len(refs):
+            raise self._out_of(instance, "kv", len(refs), "to bring its swapped pages back")
+        where = dict(zip(refs, pool.alloc(len(refs)), strict=True))
+        for h, pid in table.items():
+            if pid < 0:
+                table[h] = where[-1 - pid]
+        for host, dev in where.items():
+            pool.incref([dev] * (refs[host] - 1))
+            if host in self._unbacked:
+                self._unbacked.discard(host)  # a deferred alloc: nothing to copy
+            else:
+                self._moves_in.append((host, dev))
+                self._arriving.add(dev)
+        self._handles_on_host[instance] = 0
+        self._release_host(list(refs.elements()))
+        return len(where)
+
+    def take_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The recorded copies, ``(device, host)`` out and ``(host, device)`` in, to run
+        at the front of the batch about to be dispatched (out before in); forgets them and
+        frees the host pages held meanwhile."""
+        out, into = self._moves_out, self._moves_in
+        self._moves_out, self._moves_in, self._arriving = [], [], set()
+        held, self._held = self._held, []
+        for h in self._host.decref(held):
+            self._unbacked.discard(h)
+        return out, into
+
+    def reclaim(self, requester: int, kind: Kind, needed: int) -> None:
+        """Terminate the eviction policy's victims until ``needed`` ids of ``kind`` are
+        free, or raise :class:`OutOfResources` (the last resort, after swapping)."""
+        self._require(requester)
+        if self._pools[kind].free < needed:
+            self._reclaim(requester, kind, needed)
+
+    def _swappable(self, instance: int) -> list[int]:
+        table = self._handles["kv"][instance]
+        pool = self._pools["kv"]
+        refs: Counter[int] = Counter()
+        order: dict[int, None] = {}
+        for h in reversed(table):  # newest handles first
+            pid = table[h]
+            if pid >= 0 and pid not in self._arriving:
+                refs[pid] += 1
+                order[pid] = None
+        return [pid for pid in order if pool.refcount(pid) == refs[pid]]
+
+    def _release(self, kind: Kind, ids: Iterable[int]) -> None:
+        """Drop one reference per id: device ids at once, host pages via the hold."""
+        ids = list(ids)
+        hosts = [-1 - pid for pid in ids if pid < 0]
+        self._pools[kind].decref([pid for pid in ids if pid >= 0] if hosts else ids)
+        if hosts:
+            self._release_host(hosts)
+
+    def _release_host(self, hosts: list[int]) -> None:
+        if self._moves_out or self._moves_in:
+            self._held.extend(hosts)  # a pending move may still read or write them
+            return
+        for h in self._host.decref(hosts):
+            self._unbacked.discard(h)
 
     # ------------------------------------------------------------------ internals
 

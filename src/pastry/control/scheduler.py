@@ -10,9 +10,19 @@ the pending commands of all queues into engine batches:
   conflict (a later forward may extend an earlier one's KV, but may not overwrite slots or
   embeddings the earlier one uses);
 - **order**: the queues are taken in the order of the :class:`SchedulePolicy` (by default
-  :class:`Fcfs`: higher-priority queues first, then the oldest head command);
+  :class:`Fcfs`: higher-priority queues first, then the call that arrived first);
 - **limits**: a batch never holds more forward tokens than the engine's
-  ``max_batch_tokens``, nor more queues or forward calls than the batching policy allows.
+  ``max_batch_tokens``, nor more forward calls than ``max_batch`` (the serving system's
+  maximum batch size, the same for every schedule policy), nor more queues or forward
+  calls than the batching policy allows.
+- **programs**: every queue is a thread of a program in the process table
+  (:mod:`pastry.control.programs`), which the scheduler tells of arrivals, dispatches and
+  completions; program-aware policies read it.
+- **preemption**: a queue the policy leaves out, or that does not fit, waits with its KV
+  in place. When device KV memory runs short, a :class:`~pastry.control.swap.KvSwapper`
+  moves the pages of programs that rank lower to host memory; before a swapped-out
+  program's commands are taken, its pages come back (``SwapOut`` / ``SwapIn`` calls at the
+  front of the batch, one batched copy each).
 
 Within a batch, calls are ordered by stage, so the engine runs one handler per stage.
 *Control* commands (deallocation, export, synchronize) need no engine call: they take
@@ -38,10 +48,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pastry.api import ApiError
 from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
+from pastry.control.programs import ProcessTable, Thread
 from pastry.engine.calls import (
     Call,
     CallError,
@@ -56,13 +67,16 @@ from pastry.engine.calls import (
     SwapOut,
 )
 
+if TYPE_CHECKING:
+    from pastry.control.swap import KvSwapper
+
 log = logging.getLogger(__name__)
 
 
 class Stage(IntEnum):
     """Order of call types inside one batch; a queue's commands batch while it rises."""
 
-    KV = 0  # CopyKv, MaskKv, SwapIn, SwapOut
+    KV = 0  # SwapOut, SwapIn (the swapper's, first), CopyKv, MaskKv
     EMBED = 1
     FORWARD = 2
     OUTPUT = 3  # NextDist, Sample
@@ -70,10 +84,10 @@ class Stage(IntEnum):
 
 
 _STAGE = {
+    SwapOut: Stage.KV,  # out before in: a swap-in may fill pages a swap-out frees
+    SwapIn: Stage.KV,
     CopyKv: Stage.KV,
     MaskKv: Stage.KV,
-    SwapIn: Stage.KV,
-    SwapOut: Stage.KV,
     EmbedTxt: Stage.EMBED,
     Forward: Stage.FORWARD,
     NextDist: Stage.OUTPUT,
@@ -118,6 +132,7 @@ class Queue:
     priority: int = 0
     pending: deque[Command] = field(default_factory=deque)
     closed: bool = False
+    thread: Thread | None = None  # its entry in the process table
 
 
 @dataclass(eq=False)
@@ -160,7 +175,10 @@ class BatchScheduler:
 
     ``execute`` is the engine handle's async ``execute(batch) -> results``. ``batching``
     says when to dispatch and caps a batch (default :class:`Adaptive`); ``schedule`` orders
-    the queues (default :class:`Fcfs`; one object per scheduler).
+    the queues (default :class:`Fcfs`; one object per scheduler). ``programs`` is the
+    process table it reports to (default: its own), ``engine`` the model's name there;
+    ``max_batch`` caps the forward calls of a batch (None: no cap). ``swapper`` (set by
+    the controller when the engine can swap) keeps preempted programs' KV in host memory.
     """
 
     def __init__(
@@ -170,12 +188,23 @@ class BatchScheduler:
         page_size: int,
         batching: BatchPolicy | None = None,
         schedule: SchedulePolicy | None = None,
+        *,
+        programs: ProcessTable | None = None,
+        engine: str = "",
+        max_batch: int | None = None,
     ) -> None:
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch must be an integer >= 1 or None, got {max_batch!r}")
         self.execute = execute
         self.max_batch_tokens = max_batch_tokens
         self.page_size = page_size
+        self.max_batch = max_batch
         self.batching: BatchPolicy = batching if batching is not None else Adaptive()
         self.schedule: SchedulePolicy = schedule if schedule is not None else Fcfs()
+        self.programs = programs if programs is not None else ProcessTable()
+        self.engine = engine
+        self.schedule.bind(self.programs)
+        self.swapper: KvSwapper | None = None
         self.queues: list[Queue] = []
         self.stats = SchedulerStats()
         self._wake = asyncio.Event()
@@ -188,6 +217,7 @@ class BatchScheduler:
 
     def create_queue(self, instance: int, priority: int = 0) -> Queue:
         q = Queue(instance, next(self._qids), priority)
+        q.thread = self.programs.open_thread(instance, self.engine)
         self.queues.append(q)
         return q
 
@@ -204,12 +234,15 @@ class BatchScheduler:
                 cmd.future.set_exception(CommandError(reason))
         if q in self.queues:
             self.queues.remove(q)
+        if q.thread is not None:
+            self.programs.close_thread(q.thread)
 
     def submit(self, q: Queue, cmd: Command) -> asyncio.Future:
         if q.closed:
             raise CommandError("the queue is closed")
         cmd.queue = q
         q.pending.append(cmd)
+        self.programs.arrive(q.thread, cmd.created)
         self.stats.commands += 1
         self._wake.set()
         return cmd.future
@@ -259,9 +292,12 @@ class BatchScheduler:
         """Take ready commands into the batch being formed; returns it (None if empty).
 
         Queues are considered in the schedule policy's order, within the batching policy's
-        caps. Can be called repeatedly while the engine is busy: each call adds what became
-        ready since, continuing every queue where it stopped. Control commands are taken
-        in queue order but act only when the batch is dispatched.
+        caps and ``max_batch``. Can be called repeatedly while the engine is busy: each
+        call adds what became ready since, continuing every queue where it stopped. Control
+        commands are taken in queue order but act only when the batch is dispatched. A
+        queue whose program has KV in host memory is taken only once the swapper brought
+        it back; if no queue could be taken and nothing is on the engine, the first such
+        queue is brought back by force (or its commands fail), so the loop never stalls.
         """
         f = self._forming
         if f is None:
@@ -271,35 +307,73 @@ class BatchScheduler:
         if max_queues is not None:  # continue the queues already in, then new ones
             fresh = [q for q in order if q not in f.per_queue]
             order = [q for q in order if q in f.per_queue] + fresh[: max_queues - len(f.per_queue)]
-        cap = max_forwards if max_forwards is not None else float("inf")
+        caps = [c for c in (max_forwards, self.max_batch) if c is not None]
+        cap = min(caps) if caps else float("inf")
+        swapper, swapped_out = self.swapper, []
         for q in order:
-            mine = f.per_queue.setdefault(q, [])
-            stage = f.stage.get(q, Stage.KV)
-            while q.pending:
-                cmd = q.pending[0]
-                if cmd.stage == Stage.FORWARD and f.forwards >= cap:
+            if swapper is not None and not swapper.ensure_resident(q.instance):
+                swapped_out.append(q)  # preempted: its KV stays in host memory for now
+                continue
+            self._take(q, f, cap)
+        if swapped_out and not f.commands and self._inflight == 0:
+            q = swapped_out[0]
+            if self._force_resident(q):
+                self._take(q, f, cap)
+        return f.commands or None
+
+    def _take(self, q: Queue, f: _Forming, cap: float) -> None:
+        """Take ``q``'s commands into ``f`` while they keep the stage order, do not
+        conflict and fit."""
+        mine = f.per_queue.setdefault(q, [])
+        stage = f.stage.get(q, Stage.KV)
+        while q.pending:
+            cmd = q.pending[0]
+            if cmd.stage == Stage.FORWARD and f.forwards >= cap:
+                f.blocked.add(q)
+                break
+            if cmd.stage != Stage.CONTROL:
+                over = f.tokens + cmd.tokens > self.max_batch_tokens and f.commands
+                if cmd.stage < stage or over:
                     f.blocked.add(q)
                     break
-                if cmd.stage != Stage.CONTROL:
-                    over = f.tokens + cmd.tokens > self.max_batch_tokens and f.commands
-                    if cmd.stage < stage or over:
-                        f.blocked.add(q)
-                        break
-                    if not self._prepare(cmd):  # rejected: its future holds the error
-                        q.pending.popleft()
-                        continue
-                    if cmd.stage == stage and _conflicts(mine, cmd, self.page_size):
-                        cmd.call = None  # prepared again when it is taken later
-                        f.blocked.add(q)
-                        break
-                    stage = cmd.stage
-                    f.tokens += cmd.tokens
-                    f.forwards += cmd.stage == Stage.FORWARD
-                mine.append(cmd)
-                f.commands.append(cmd)
-                q.pending.popleft()
-            f.stage[q] = stage
-        return f.commands or None
+                if not self._prepare(cmd):  # rejected: its future holds the error
+                    q.pending.popleft()
+                    self.programs.dropped(q.thread)
+                    continue
+                if cmd.stage == stage and _conflicts(mine, cmd, self.page_size):
+                    cmd.call = None  # prepared again when it is taken later
+                    f.blocked.add(q)
+                    break
+                stage = cmd.stage
+                f.tokens += cmd.tokens
+                f.forwards += cmd.stage == Stage.FORWARD
+            mine.append(cmd)
+            f.commands.append(cmd)
+            q.pending.popleft()
+        f.stage[q] = stage
+
+    def _force_resident(self, q: Queue) -> bool:
+        """Bring ``q``'s program back whatever it costs others; if even that cannot free
+        the memory, its pending commands fail with the reason."""
+        assert self.swapper is not None
+        try:
+            return self.swapper.ensure_resident(q.instance, force=True)
+        except Exception as e:  # OutOfResources: the program cannot fit at all
+            dropped = list(q.pending)
+            q.pending.clear()
+            self.programs.dropped(q.thread, len(dropped))
+            for cmd in dropped:
+                if not cmd.future.done():
+                    cmd.future.set_exception(CommandError(str(e)))
+            return False
+
+    def busy_instances(self) -> set[int]:
+        """Instances with commands in the batch being formed or on the engine: their KV
+        may not move."""
+        busy = {q.instance for q in self.queues if q.thread is not None and q.thread.inflight}
+        if self._forming is not None:
+            busy.update(q.instance for q, mine in self._forming.per_queue.items() if mine)
+        return busy
 
     def take_batch(self) -> list[Command] | None:
         """Finish forming the current batch and hand it over (None if nothing is ready)."""
@@ -324,6 +398,8 @@ class BatchScheduler:
                 self._prepare(c)
         engine_cmds = [c for c in batch if c.call is not None]
         engine_cmds.sort(key=lambda c: (_STAGE[type(c.call)], _TYPE_ORDER[type(c.call)]))
+        if self.swapper is not None:  # pages to move first (they free or fill pages used here)
+            engine_cmds[:0] = [_internal(call) for call in self.swapper.take_calls()]
         self.stats.batches += 1
         self.stats.calls += len(engine_cmds)
         n_fwd = sum(1 for c in engine_cmds if type(c.call) is Forward)
@@ -331,9 +407,9 @@ class BatchScheduler:
             self.stats.forward_items += n_fwd
             self.stats.forward_batches += 1
         self._inflight += 1
-        task = asyncio.get_running_loop().create_task(
-            self._complete(batch, engine_cmds, time.perf_counter())
-        )
+        started = time.perf_counter()
+        self.programs.dispatched(_per_thread(batch).items(), self.programs.clock())
+        task = asyncio.get_running_loop().create_task(self._complete(batch, engine_cmds, started))
         task.add_done_callback(_log_failure)
 
     async def _complete(
@@ -345,13 +421,17 @@ class BatchScheduler:
             for c in batch:
                 if not c.future.done():
                     c.future.set_exception(CommandError(f"engine failure: {e}"))
-            self.schedule.on_batch_done(batch, time.perf_counter() - started)
+            self._account(batch, time.perf_counter() - started)
             return
         finally:
             self._inflight -= 1
             self._wake.set()
         elapsed = time.perf_counter() - started
         for c, r in zip(engine_cmds, results, strict=True):
+            if c.queue is None:  # the swapper's: nobody waits for it
+                if isinstance(r, CallError):
+                    log.error("KV swap failed (a bookkeeping bug): %s", r.message)
+                continue
             if c.future.done():
                 continue
             if isinstance(r, CallError):
@@ -367,7 +447,28 @@ class BatchScheduler:
                     c.future.set_result(c.finish(None))
                 except Exception as e:
                     c.future.set_exception(e)
+        self._account(batch, elapsed)
+
+    def _account(self, batch: list[Command], elapsed: float) -> None:
+        """Charge the batch to the process table, then tell the schedule policy."""
+        counts = _per_thread(batch)
+        forwards = {c.queue.thread for c in batch if c.stage == Stage.FORWARD}
+        done = [(t, n, t in forwards) for t, n in counts.items()]
+        self.programs.completed(done, elapsed, self.programs.clock())
         self.schedule.on_batch_done(batch, elapsed)
+
+
+def _per_thread(batch: Sequence[Command]) -> dict[Thread, int]:
+    counts: dict[Thread, int] = {}
+    for c in batch:
+        t = c.queue.thread
+        counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
+def _internal(call: Call) -> Command:
+    """A command of the control layer itself (no queue, nobody awaits it)."""
+    return Command(_STAGE[type(call)], prepare=lambda: call, call=call)
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -120,10 +120,13 @@ class Session:
         ref = self._queue(q)
         pages = self._alloc(q, "kv", n)
         if pages:
-            phys = self._phys(ref, "kv", pages)
             hidden = np.ones(ref.model.info.page_size, dtype=np.bool_)
-            for p in phys:
-                fut = self._submit(q, Command(Stage.KV, prepare=lambda p=p: MaskKv(p, hidden)))
+            for h in pages:  # translated when run: the page may move (swap) meanwhile
+
+                def prepare(h=h):
+                    return MaskKv(self._phys(ref, "kv", [h])[0], hidden)
+
+                fut = self._submit(q, Command(Stage.KV, prepare=prepare))
                 fut.add_done_callback(_consume)
         return pages
 

@@ -527,25 +527,26 @@ class Engine:
         self._swap(ok, to_host=False)
 
     def _swap(self, ok, to_host: bool) -> None:
+        """Every page of the run at once: one gather of their slots across all layers' K
+        and V (one ``index_select`` on the pool's backing tensor) into one buffer, one bulk
+        copy to the other side, one scatter into the destination slots (and the same for
+        the slots' attendable bits and positions)."""
         if not ok:
             return
         pages = torch.from_numpy(self._cat([p[0] for _, _, p in ok]))
         host = torch.from_numpy(self._cat([p[1] for _, _, p in ok]))
         dev_slots = self.kv.slots_of(pages.to(self.device))
         host_slots = self.kv.slots_of(host)
-        pairs = zip(
-            (*self.kv.k, *self.kv.v, self.kv.attendable, self.kv.positions),
-            (*self.host.k, *self.host.v, self.host.attendable, self.host.positions),
-            strict=True,
-        )
-        for dev_t, host_t in pairs:
-            dim = 1 if dev_t.dim() == 3 else 0  # K/V: [heads, slots, dim]; bits, positions: [slots]
-            if to_host:
-                host_t.index_copy_(dim, host_slots, dev_t.index_select(dim, dev_slots).cpu())
-            else:
-                dev_t.index_copy_(
-                    dim, dev_slots, host_t.index_select(dim, host_slots).to(self.device)
-                )
+        kv, hk = self.kv, self.host
+        if to_host:
+            hk.data.index_copy_(2, host_slots, kv.data.index_select(2, dev_slots).cpu())
+            hk.attendable[host_slots] = kv.attendable[dev_slots].cpu()
+            hk.positions[host_slots] = kv.positions[dev_slots].cpu()
+        else:
+            dev = self.device
+            kv.data.index_copy_(2, dev_slots, hk.data.index_select(2, host_slots).to(dev))
+            kv.attendable[dev_slots] = hk.attendable[host_slots].to(dev)
+            kv.positions[dev_slots] = hk.positions[host_slots].to(dev)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -67,9 +67,13 @@ class KvPool:
         self.num_pages = num_pages
         self.page_size = page_size
         slots = num_pages * page_size
-        shape = (model.num_kv_heads, slots, model.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+        n = model.num_layers
+        # One tensor behind every layer's K and V ([2 * layers, heads, slots, dim]: K of each
+        # layer, then V), so that a swap gathers a page set across all of them at once.
+        self.data = torch.zeros((2 * n, model.num_kv_heads, slots, model.head_dim), dtype=dtype,
+                                device=device)  # fmt: skip
+        self.k = [self.data[i] for i in range(n)]
+        self.v = [self.data[n + i] for i in range(n)]
         self.attendable = torch.zeros(slots, dtype=torch.bool, device=device)
         self.positions = torch.zeros(slots, dtype=torch.int64, device=device)
 
@@ -86,13 +90,15 @@ class HostPool:
         self.num_pages = num_pages
         pin = kv.k[0].device.type == "cuda"
         slots = num_pages * kv.page_size
-        shape = (kv.k[0].shape[0], slots, kv.k[0].shape[2])
 
         def alloc(dtype: torch.dtype, shape) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
-        self.k = [alloc(kv.k[0].dtype, shape) for _ in kv.k]
-        self.v = [alloc(kv.v[0].dtype, shape) for _ in kv.v]
+        # The device pool's layout ([2 * layers, heads, slots, dim]), in host memory.
+        self.data = alloc(kv.data.dtype, (kv.data.shape[0], kv.data.shape[1], slots,
+                                          kv.data.shape[3]))  # fmt: skip
+        self.k = list(self.data[: len(kv.k)])
+        self.v = list(self.data[len(kv.k) :])
         self.attendable = alloc(torch.bool, (slots,))
         self.positions = alloc(torch.int64, (slots,))
 

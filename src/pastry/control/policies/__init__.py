@@ -1,7 +1,9 @@
 """Scheduler policies as objects: batching (:mod:`.batching`: when to dispatch, batch
-caps) and scheduling (:mod:`.schedule`: which queues go first). A new policy is a new
-class, not a new branch in the scheduler."""
+caps) and scheduling (:mod:`.schedule`: which queues go first, who is preempted; FCFS
+there, MLFQ in :mod:`.mlfq`, PLAS in :mod:`.plas`, ATLAS in :mod:`.atlas`). A new policy is
+a new class, not a new branch in the scheduler."""
 
+from pastry.control.policies.atlas import Atlas
 from pastry.control.policies.batching import (
     BATCH_POLICIES,
     Adaptive,
@@ -12,17 +14,33 @@ from pastry.control.policies.batching import (
     TOnly,
     batch_policy,
 )
-from pastry.control.policies.schedule import Fcfs, SchedulePolicy
+from pastry.control.policies.mlfq import Levels, Mlfq, MultilevelQueues
+from pastry.control.policies.plas import Plas
+from pastry.control.policies.schedule import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    Fcfs,
+    SchedulePolicy,
+    schedule_policy,
+)
 
 __all__ = [
     "BATCH_POLICIES",
+    "DEFAULT_SCHEDULE",
+    "SCHEDULES",
     "Adaptive",
+    "Atlas",
     "BatchPolicy",
     "Eager",
     "Fcfs",
     "KOnly",
+    "Levels",
+    "Mlfq",
+    "MultilevelQueues",
+    "Plas",
     "SchedulePolicy",
     "SchedulerState",
     "TOnly",
     "batch_policy",
+    "schedule_policy",
 ]

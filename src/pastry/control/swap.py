@@ -1,0 +1,143 @@
+"""Preemption that keeps KV: moving programs' pages between device and host memory.
+
+A program the schedule policy does not put into a batch is preempted: its commands wait,
+its KV pages stay where they are. When the device runs out of KV pages, the
+:class:`KvSwapper` of that model moves pages of preempted programs to the engine's host
+pool, and brings a program's pages back before its commands are taken into a batch. The
+inferlet never notices: its handles keep their numbers (the
+:class:`~pastry.control.resources.ResourceManager` maps each one to a device page or a host
+page), and its next forward finds its context where it left it.
+
+- **When memory is short.** An ``alloc`` the device cannot meet is deferred (its pages
+  start in host memory, with nothing to copy). When the scheduler is about to take a
+  program's commands and some of its pages are on the host, :meth:`KvSwapper.ensure_resident`
+  frees device pages by swapping out lower-ranked programs, then swaps the program in; if
+  that is not possible, the program stays preempted for this batch.
+- **Who gives way** (:meth:`~pastry.control.policies.SchedulePolicy.rank`): programs with
+  nothing in the batch being formed or on the engine, that rank strictly after the program
+  that needs the memory (idle programs, e.g. in a tool call, before waiting ones; then by
+  the policy's priority), the last-ranked first; only the pages they alone reference
+  (shared and exported pages stay).
+- **Bounded swapping (no thrashing).** (1) Memory only flows to a strictly better-ranked
+  program, so two programs cannot take it from each other back and forth unless their
+  ranks change; (2) a program brought back stays at least ``min_resident`` batches before
+  it may be swapped out again. So each page moves out at most once per ``min_resident``
+  batches, and a swap-out always serves a more important program.
+- **Last resort.** If nothing can run (no batch could be formed and nothing is on the
+  engine) and the best-ranked swapped-out program still cannot come back, it is brought
+  back by force: any program not running gives way, ignoring ranks and residency; if even
+  that is not enough (its pages exceed what can be freed), the eviction policy
+  (``TerminateNewest``: the newest programs end) runs as before swapping existed.
+- **The copies.** All moves recorded since the last batch go to the engine at the front
+  of the next batch as one ``SwapOut`` (one gather of the pages' K/V over every layer into
+  one buffer, one bulk copy into the host pool) and one ``SwapIn`` (the reverse), out
+  before in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pastry.engine.calls import Call, SwapIn, SwapOut, ids
+
+if TYPE_CHECKING:
+    from pastry.control.resources import ResourceManager
+    from pastry.control.scheduler import BatchScheduler
+
+MIN_RESIDENT_BATCHES = 8
+
+
+@dataclass
+class SwapStats:
+    pages_out: int = 0
+    pages_in: int = 0  # pages that came back with data (deferred allocs not counted)
+    swap_outs: int = 0  # programs swapped out (one event per program per call)
+    swap_ins: int = 0
+    forced: int = 0  # last-resort swap-ins
+
+
+class KvSwapper:
+    """Swaps KV pages of one model's programs between device and host (see the module
+    docstring). Installs itself on ``resources`` (deferred allocs) and ``scheduler``."""
+
+    def __init__(
+        self,
+        resources: ResourceManager,
+        scheduler: BatchScheduler,
+        min_resident: int = MIN_RESIDENT_BATCHES,
+    ) -> None:
+        if not isinstance(min_resident, int) or min_resident < 0:
+            raise ValueError(f"min_resident must be an integer >= 0, got {min_resident!r}")
+        self.resources = resources
+        self.scheduler = scheduler
+        self.min_resident = min_resident
+        self.stats = SwapStats()
+        self._back_at: dict[int, int] = {}  # instance -> batch number when it came back
+        resources.defer_when_short = True
+        scheduler.swapper = self
+
+    def ensure_resident(self, instance: int, force: bool = False) -> bool:
+        """Whether ``instance``'s pages are all on the device now, after swapping it in
+        (and others out) if the rules allow. ``force``: the last resort (see the module
+        docstring); may raise :class:`~pastry.control.resources.OutOfResources`."""
+        res = self.resources
+        if not res.handles_on_host(instance):
+            return True
+        need = res.pages_on_host(instance)
+        short = need - res.usage("kv")[0]
+        if short > 0:
+            self._make_room(instance, short, force)
+        if res.usage("kv")[0] < need:
+            if not force:
+                return False
+            res.reclaim(instance, "kv", need)  # terminate others (or raise)
+        moved = res.swap_in(instance)
+        if moved:
+            self.stats.swap_ins += 1
+            self.stats.forced += force
+        self._back_at[instance] = self.scheduler.stats.batches
+        return True
+
+    def take_calls(self) -> list[Call]:
+        """The engine calls for the moves recorded since the last batch (out, then in)."""
+        out, into = self.resources.take_moves()
+        calls: list[Call] = []
+        if out:
+            calls.append(SwapOut(ids([d for d, _ in out]), ids([h for _, h in out])))
+            self.stats.pages_out += len(out)
+        if into:
+            calls.append(SwapIn(ids([h for h, _ in into]), ids([d for _, d in into])))
+            self.stats.pages_in += len(into)
+        return calls
+
+    def _make_room(self, requester: int, needed: int, force: bool) -> None:
+        res, sched = self.resources, self.scheduler
+        busy = sched.busy_instances()
+        now = sched.stats.batches
+        mine = self._rank(requester)
+        victims = []
+        for inst in res.instances():
+            if inst == requester or inst in busy:
+                continue
+            if not force and now - self._back_at.get(inst, -math.inf) < self.min_resident:
+                continue
+            rank = self._rank(inst)
+            if force or rank > mine:
+                victims.append((rank, inst))
+        victims.sort(reverse=True)  # the last-ranked first
+        for _, inst in victims:
+            if needed <= 0:
+                break
+            n = res.swap_out(inst, needed)
+            if n:
+                needed -= n
+                self.stats.swap_outs += 1
+        if len(self._back_at) > 2 * len(res.instances()) + 64:  # forget ended instances
+            alive = set(res.instances())
+            self._back_at = {i: b for i, b in self._back_at.items() if i in alive}
+
+    def _rank(self, instance: int) -> tuple[float, ...]:
+        p = self.scheduler.programs.program_of(instance)
+        return self.scheduler.schedule.rank(p) if p is not None else (2.0,)
