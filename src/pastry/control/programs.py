@@ -114,8 +114,10 @@ class Program:
 
     @property
     def active(self) -> list[Thread]:
-        """Threads in a call."""
-        return [t for t in self.threads if t.call is not None]
+        """Threads in a call with a command pending or in flight (a thread whose call is
+        open but that queued nothing since its last batch is in an interrupt: its call
+        ends at the next dispatch)."""
+        return [t for t in self.threads if t.call is not None and (t.pending or t.inflight)]
 
     @property
     def queue(self) -> int | None:

@@ -127,7 +127,7 @@ class MultilevelQueues(SchedulePolicy):
             c.wait, c.run, c.promoted = 0.0, 0.0, now
 
     def rank(self, program: Program) -> tuple[float, ...]:
-        placed = [t.call for t in program.threads if t.call is not None and t.call.level >= 0]
+        placed = [t.call for t in program.active if t.call.level >= 0]
         if not placed:
             return super().rank(program)
         best = min(placed, key=lambda c: (c.level, c.entered))

@@ -67,10 +67,11 @@ class SchedulePolicy(abc.ABC):
     def order(self, ready: Sequence[Queue]) -> list[Queue]: ...
 
     def rank(self, program: Program) -> tuple[float, ...]:
-        """Sort key for preemption (smaller: more important). Default: programs in a call
-        before idle ones (an idle program, e.g. in a tool call, gives way first), then by
-        the arrival of their oldest current call."""
-        arrivals = [t.call.arrival for t in program.threads if t.call is not None]
+        """Sort key for preemption (smaller: more important). Default: programs with an
+        active call (:attr:`~pastry.control.programs.Program.active`) before idle ones (an
+        idle program, e.g. in a tool call, gives way first, the longest idle first), then
+        by the arrival of their oldest active call."""
+        arrivals = [t.call.arrival for t in program.active]
         return (0.0, min(arrivals)) if arrivals else (1.0, -(program.last_completion or 0.0))
 
     def on_batch_done(self, batch: Sequence[Command], elapsed_s: float) -> None:  # noqa: B027
