@@ -266,7 +266,20 @@ def _nothing() -> None:
 
 
 def simulate(
-    policy: SchedulePolicy, programs: Sequence[ProgramSpec], config: SimConfig | None = None
+    policy: SchedulePolicy | Callable[[Simulator], SchedulePolicy],
+    programs: Sequence[ProgramSpec],
+    config: SimConfig | None = None,
 ) -> SimResult:
-    """Run ``programs`` under ``policy`` (a fresh object) on a fresh simulator."""
-    return Simulator(policy, config).run(programs)
+    """Run ``programs`` under ``policy`` (a fresh object, or a function of the simulator
+    that makes one: how the clairvoyant SRPT gets its oracle) on a fresh simulator."""
+    if isinstance(policy, SchedulePolicy):
+        return Simulator(policy, config).run(programs)
+    sim = Simulator(_Placeholder(), config)
+    sim.policy = policy(sim)
+    sim.policy.bind(sim.table)
+    return sim.run(programs)
+
+
+class _Placeholder(SchedulePolicy):
+    def order(self, ready: Sequence[Queue]) -> list[Queue]:
+        raise AssertionError("replaced before the simulation runs")

@@ -55,7 +55,7 @@ class Levels:
             raise ValueError(f"queue bounds must increase, got {b!r}")
 
     @classmethod
-    def geometric(cls, k: int = 8, first: float = 0.25, ratio: float = 2.0) -> Levels:
+    def geometric(cls, k: int = 8, first: float = 1.0, ratio: float = 2.0) -> Levels:
         """``k`` queues: ``Q_1 = [0, first)``, each next bound ``ratio`` times the last."""
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the number of queues must be an integer >= 1, got {k!r}")
@@ -112,7 +112,7 @@ class MultilevelQueues(SchedulePolicy):
     def _update(self, t: Thread, c: Call, now: float) -> None:
         lv = self.levels
         if c.level < 0:  # lines 10-13: enter by priority
-            c.level, c.level_mark, c.entered = lv.index(self.entry(t)), c.model_time, c.arrival
+            c.level, c.level_mark, c.entered = lv.index(self.entry(t)), 0.0, c.arrival
         while c.model_time - c.level_mark >= lv.quantum(c.level):  # lines 20-23: demote
             c.level_mark += lv.quantum(c.level)
             c.level += 1
