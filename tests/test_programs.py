@@ -90,7 +90,7 @@ def test_waiting_counts_only_while_pending_and_nothing_in_flight():
 def test_programs_live_from_start_to_end_and_sessions_wait_for_their_next_request():
     pt, clock = table()
     pt.start(1)
-    s = pt.join(2, session_key("chat-7", None, "r1"))
+    s = pt.join(2, session_key("chat-7", None))
     assert s.key == "session:chat-7" and pt.program_of(2) is s
     pt.join(3, "session:chat-7")
     assert pt.program_of(3) is s and s.instances == {2, 3}
@@ -119,9 +119,9 @@ def test_join_refuses_an_instance_that_already_runs():
 
 
 def test_session_key_precedence():
-    assert session_key("abc", "u", "r") == "session:abc"
-    assert session_key(" ", "u", "r") == "user:u"
-    assert session_key(None, None, "r") == "request:r"
+    assert session_key("abc", "u") == "session:abc"
+    assert session_key(" ", "u") == "user:u"
+    assert session_key(None, 7) is None  # a request of its own
 
 
 def test_the_batch_scheduler_reports_to_the_table():
@@ -172,3 +172,34 @@ def test_max_batch_caps_forwards_and_is_validated():
     assert asyncio.run(go()) == [0, 1]
     with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
         BatchScheduler(_results, 100, 4, max_batch=0)
+
+
+def test_api_requests_join_their_client_s_session(make_tiny, tmp_path):
+    """OpenAI clients: an X-Session-Id header (else the user field) names the program, whose
+    entry outlives each request; a request without either is a program of its own."""
+    import openai
+
+    from server_util import call, running_server
+
+    with running_server(make_tiny("llama"), tmp_path, schedule="atlas", max_batch=4) as (
+        url,
+        server,
+    ):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = server.models[0]
+
+        def ask(**kw):
+            client.completions.create(model=model, prompt="Hi", max_tokens=3, **kw)
+
+        ask(extra_headers={"X-Session-Id": "conv-1"}, user="alice")
+        ask(extra_headers={"X-Session-Id": "conv-1"})
+        ask(user="alice")
+        ask()
+
+        def entries():
+            server.controller.programs.check_integrity()
+            return {p.key: (p.calls, p.service > 0) for p in server.controller.programs.programs()}
+
+        got = call(server, entries)
+        assert got == {"session:conv-1": (2, True), "user:alice": (1, True)}
+        assert call(server, lambda: server.controller.models[model].scheduler.max_batch) == 4

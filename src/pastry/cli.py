@@ -184,7 +184,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     """``pastry serve``: engines + the WebSocket and OpenAI endpoints, until stopped."""
-    from pastry.control.policies import BATCH_POLICIES
+    from pastry.control.policies import BATCH_POLICIES, DEFAULT_SCHEDULE, SCHEDULES
 
     p = subparsers.add_parser(
         "serve",
@@ -218,6 +218,15 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="hosts inferlets may reach over HTTP (default: none)",
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+        help=f"who goes first when a batch cannot take everyone, and whose KV is swapped out "
+        f"when memory is short (docs/scheduling.md; default {DEFAULT_SCHEDULE})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-batch", type=int, default=None, metavar="N",
+        help="at most N forward calls per batch (default: no cap but the token budget)",
+    )  # fmt: skip
     p.add_argument(
         "--adapter", action="append", default=[], metavar="NAME=DIR",
         help="serve a PEFT LoRA adapter (repeatable); inferlets use it with "
@@ -263,6 +272,8 @@ def _serve(args: argparse.Namespace) -> int:
             http_allow=tuple(args.http_allow),
             trusted_uploads=args.trusted_uploads,
             adapters=tuple(_adapter_spec(a) for a in args.adapter),
+            schedule=args.schedule,
+            max_batch=args.max_batch,
         )
     except ConfigError as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)

@@ -126,14 +126,15 @@ class Program:
         return min(levels) if levels else None
 
 
-def session_key(session_id: str | None, user: str | None, request_id: str) -> str:
+def session_key(session_id: object, user: object) -> str | None:
     """The program an API request belongs to: the ``X-Session-Id`` header's session, else
-    the ``user`` field's, else the request alone. Blank values do not count."""
-    if session_id and session_id.strip():
+    the ``user`` field's, else ``None`` (the request is a program of its own). Blank or
+    non-string values do not count."""
+    if isinstance(session_id, str) and session_id.strip():
         return f"session:{session_id.strip()}"
-    if user and user.strip():
+    if isinstance(user, str) and user.strip():
         return f"user:{user.strip()}"
-    return f"request:{request_id}"
+    return None
 
 
 class ProcessTable:

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pastry.control.events import Event, Failed, Finished, Message, Terminated
+from pastry.control.programs import session_key
 from pastry.runtime.trusted import Instance
 from pastry.server.service import PastryServer
 
@@ -110,7 +111,9 @@ def routes(server: PastryServer) -> list[Route]:
     def endpoint(parse):
         async def run(request: Request):
             try:
-                return Run(server, parse(server, await _body(request)))
+                body = await _body(request)
+                session = session_key(request.headers.get("x-session-id"), body.get("user"))
+                return Run(server, parse(server, body), session)
             except OpenAIError as e:
                 return e.response()
 
@@ -305,11 +308,12 @@ class Run:
     """The answer to one request, as an ASGI response: launches the job's instances, relays
     their events as JSON or server-sent events, and ends them if the client goes away."""
 
-    def __init__(self, server: PastryServer, job: Job) -> None:
+    def __init__(self, server: PastryServer, job: Job, session: str | None = None) -> None:
         self.server = server
         self.job = job
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.program = session or f"request:{self.id}"  # its entry in the process table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -317,6 +321,7 @@ class Run:
         try:
             for k, arg in enumerate(self.job.args):
                 instance = self.server.launch(self.job.program, [arg], owner=self)
+                self.server.controller.programs.join(instance.id, self.program)
                 tasks.append(asyncio.create_task(_pump(k, instance, events)))
             reply = self._stream(events, send) if self.job.stream else self._reply(events, send)
             answer = asyncio.create_task(reply)

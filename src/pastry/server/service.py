@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pastry.control.controller import Controller
-from pastry.control.policies import batch_policy
+from pastry.control.policies import DEFAULT_SCHEDULE, batch_policy, schedule_policy
 from pastry.engine.config import EngineConfig
 from pastry.engine.handle import EngineHandle
 from pastry.paths import programs_dir
@@ -51,6 +51,8 @@ class ServerConfig:
     trusted_uploads: bool = False  # run uploaded programs in the server, not the sandbox
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory) to load
     engine_kwargs: dict = field(default_factory=dict)
+    schedule: str = DEFAULT_SCHEDULE  # fcfs | mlfq | plas | atlas (docs/scheduling.md)
+    max_batch: int | None = None  # forward calls per batch (None: no cap)
 
     def __post_init__(self) -> None:
         if not self.auth_token and not is_loopback(self.host):
@@ -60,6 +62,11 @@ class ServerConfig:
                 "bind 127.0.0.1"
             )
         batch_policy(self.policy)  # validates the name
+        schedule_policy(self.schedule)
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ConfigError(
+                f"max_batch must be >= 1 (forward calls per batch), got {self.max_batch}"
+            )
 
 
 def is_loopback(host: str) -> bool:
@@ -113,8 +120,9 @@ class PastryServer:
                 "work): give one device"
             )
         self.controller = Controller(
-            self._handles, batch_policy(cfg.policy), http_allow=cfg.http_allow
-        )
+            self._handles, batch_policy(cfg.policy), http_allow=cfg.http_allow,
+            schedule=lambda: schedule_policy(cfg.schedule), max_batch=cfg.max_batch,
+        )  # fmt: skip
         self.runtime = TrustedRuntime(self.controller)
         # Long-lived objects (tokenizers, an in-process model) stay out of later garbage
         # collections, which otherwise rescan them on every full pass (measured: about
