@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 from pastry.api import ApiError
 from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
 from pastry.control.programs import ProcessTable, Thread
+from pastry.control.resources import ResourceError
 from pastry.engine.calls import (
     Call,
     CallError,
@@ -358,7 +359,7 @@ class BatchScheduler:
         assert self.swapper is not None
         try:
             return self.swapper.ensure_resident(q.instance, force=True)
-        except Exception as e:  # OutOfResources: the program cannot fit at all
+        except ResourceError as e:  # OutOfResources: the program cannot fit at all
             dropped = list(q.pending)
             q.pending.clear()
             self.programs.dropped(q.thread, len(dropped))
