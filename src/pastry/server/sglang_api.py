@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 import pastry
 from pastry.control.events import Failed, Finished, Message, Terminated
+from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import check
 from pastry.server.service import PastryServer
@@ -143,9 +144,11 @@ def routes(server: PastryServer) -> list[Route]:
         except ValueError as e:
             return ApiError(f"the request body is not valid JSON: {e}").response()
         try:
-            return Generate(server, parse(server, body))
+            job = parse(server, body)
         except ApiError as e:
             return e.response()
+        user = body.get("user") if isinstance(body, dict) else None
+        return Generate(server, job, session_key(request.headers.get("x-session-id"), user))
 
     return [
         Route("/generate", generate, methods=["POST", "PUT"]),
@@ -292,10 +295,11 @@ class Generate:
     """The answer to one ``/generate``, as an ASGI response: launches one instance per
     prompt, relays their results (or text, when streaming), ends them if the client goes."""
 
-    def __init__(self, server: PastryServer, job: Job) -> None:
+    def __init__(self, server: PastryServer, job: Job, session: str | None = None) -> None:
         self.server = server
         self.job = job
         self.start = time.time()
+        self.program = session or f"request:{uuid.uuid4().hex}"  # its process-table entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         events: asyncio.Queue = asyncio.Queue()
@@ -303,6 +307,7 @@ class Generate:
         try:
             for k, arg in enumerate(self.job.args):
                 inst = self.server.launch(PROGRAM, [arg], owner=self)
+                self.server.controller.programs.join(inst.id, self.program)
                 tasks.append(asyncio.create_task(_pump(k, inst, events)))
             reply = self._stream(events, send) if self.job.stream else self._reply(events, send)
             answer = asyncio.create_task(reply)
