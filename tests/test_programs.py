@@ -4,6 +4,8 @@ batch scheduler feeding it."""
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
 import pytest
 
@@ -195,11 +197,18 @@ def test_api_requests_join_their_client_s_session(make_tiny, tmp_path):
         ask(extra_headers={"X-Session-Id": "conv-1"})
         ask(user="alice")
         ask()
+        native = urllib.request.Request(  # SGLang's native /generate joins the same way
+            f"{url}/generate",
+            json.dumps({"text": "Hi", "sampling_params": {"max_new_tokens": 2}}).encode(),
+            {"Content-Type": "application/json", "X-Session-Id": "conv-1"},
+        )
+        with urllib.request.urlopen(native, timeout=60) as r:
+            assert r.status == 200
 
         def entries():
             server.controller.programs.check_integrity()
             return {p.key: (p.calls, p.service > 0) for p in server.controller.programs.programs()}
 
         got = call(server, entries)
-        assert got == {"session:conv-1": (2, True), "user:alice": (1, True)}
+        assert got == {"session:conv-1": (3, True), "user:alice": (1, True)}
         assert call(server, lambda: server.controller.models[model].scheduler.max_batch) == 4
