@@ -23,9 +23,9 @@ choice; ATLAS equals PLAS on single-threaded programs).
     / 16 (so prefill:decode ratios stay), interrupt times x 0.25, at most 60 calls and 1500
     context tokens per program; lengths from the real data sets unless ``--synthetic``.
     Programs run as the replay inferlet (``pastry.sched.replay``) launched at their Poisson
-    arrival times; ``N_REAL`` programs per run, at arrival rates that are fractions of the
-    engine's measured decode capacity (``max_batch`` sequences per step) divided by the
-    workload's mean tokens per program. A run *completes* when every program finished
+    arrival times; ``N_REAL`` programs per run, at arrival rates that are multiples of the
+    engine's measured decode capacity (``max_batch`` sequences per step, fused loop)
+    divided by the workload's mean work per program (decode tokens + prefill tokens / 6). A run *completes* when every program finished
     within 2 x the last arrival + 60 s (then the rest are terminated). Policies alternate
     within each rate and repetition (the machine is shared and noisy).
 (c) sim: ``pastry.sched.sim`` at the paper's scale: its token counts and interrupts, max
@@ -78,8 +78,8 @@ POLICIES = ("fcfs", "mlfq", "plas", "atlas")
 AUTELLIX = {"sharegpt": "plas", "bfcl": "plas", "lats": "atlas", "mixed": "atlas"}
 PAGE_SIZE, NUM_PAGES, HOST_PAGES, MAX_BATCH = 16, 128, 4096, 8
 CPU_SCALE = workloads.Scale(tokens=16, time=0.25, max_calls=60, max_context=1500)
-N_REAL = {"sharegpt": 12, "bfcl": 12, "lats": 6, "mixed": 12}
-REAL_RATES = (0.6, 1.0, 1.4)  # x the engine's capacity in programs/s
+N_REAL = {"sharegpt": 60, "bfcl": 60, "lats": 16, "mixed": 40}
+REAL_RATES = (0.6, 1.2, 1.8)  # x the engine's estimated capacity in programs/s
 N_SIM = {"sharegpt": 600, "bfcl": 600, "lats": 100, "mixed": 300}
 SIM_RATES = (0.7, 0.9, 1.1, 1.3)
 
@@ -180,6 +180,12 @@ def capacity_tok_s(handle: InProcessEngine) -> float:
     return rate
 
 
+def work(spec: ProgramSpec) -> float:
+    """A program's engine work in decode-token equivalents (a prefill token ~1/6 of a
+    decode step's share at this batch size), for choosing arrival rates."""
+    return spec.decode_tokens + spec.prefill_tokens / 6
+
+
 async def real_run(
     handle: InProcessEngine, policy: str, specs: list[ProgramSpec], vocab: int, seed: int
 ) -> Run:
@@ -236,7 +242,7 @@ def section_real(args, engine: Engine, sources: workloads.Sources, reps: int) ->
     results: dict[str, dict[float, dict[str, list[Run]]]] = {}
     for w in workloads.WORKLOADS:
         probe = workloads.make(w, 200, 1.0, seed=99, scale=CPU_SCALE, sources=sources, knobs=knobs)
-        base = cap / np.mean([p.decode_tokens for p in probe])
+        base = cap / np.mean([work(p) for p in probe])
         results[w] = {}
         for f in REAL_RATES:
             rate = round(f * base, 3)
