@@ -30,7 +30,10 @@ choice; ATLAS equals PLAS on single-threaded programs).
     within each rate and repetition (the machine is shared and noisy).
 (c) sim: ``pastry.sched.sim`` at the paper's scale: its token counts and interrupts, max
     batch 256, ~LLaMA-3.1-8B-on-A100 step costs, ``N_SIM`` programs per run, rates as
-    fractions of the simulated capacity; FCFS, MLFQ, PLAS, ATLAS and the clairvoyant SRPT.
+    multiples of the simulated capacity (max batch x step rate, divided by the workload's
+    mean decode tokens per program: an underestimate of the load it takes to fill the
+    batch, since programs spend time in interrupts); FCFS, MLFQ, PLAS, ATLAS and the
+    clairvoyant SRPT.
     A run completes when every program finished within 1.25 x the last arrival + 600 s.
 
 Throughput at equal latency: the latency target is FCFS's average at the highest rate
@@ -81,7 +84,7 @@ CPU_SCALE = workloads.Scale(tokens=16, time=0.25, max_calls=60, max_context=1500
 N_REAL = {"sharegpt": 60, "bfcl": 60, "lats": 16, "mixed": 40}
 REAL_RATES = (0.6, 1.2, 1.8)  # x the engine's estimated capacity in programs/s
 N_SIM = {"sharegpt": 600, "bfcl": 600, "lats": 100, "mixed": 300}
-SIM_RATES = (0.7, 0.9, 1.1, 1.3)
+SIM_RATES = (1.0, 1.5, 2.0, 3.0)
 
 
 @dataclass

@@ -120,7 +120,10 @@ def _policies() -> dict[str, type[SchedulePolicy]]:
 
 
 SCHEDULES: tuple[str, ...] = ("fcfs", "mlfq", "plas", "atlas")
-DEFAULT_SCHEDULE = "plas"  # the best measured (benchmarks/RESULTS.md, "Scheduling")
+# The best measured (benchmarks/RESULTS.md, "Scheduling"): PLAS and ATLAS tie on
+# single-threaded programs (they are the same policy there); ATLAS does not count a
+# program's parallel threads against it (inferlets fork), and led on the tree-search runs.
+DEFAULT_SCHEDULE = "atlas"
 
 
 def schedule_policy(name: str, **params: Any) -> SchedulePolicy:
