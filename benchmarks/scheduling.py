@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import os
@@ -304,19 +303,23 @@ def mean_stat(runs: list[Run], what: str) -> float:
 
 
 def throughput_at(curve: list[tuple[float, float, bool]], target: float) -> tuple[float, bool]:
-    """The highest rate whose latency is <= target (interpolated), and whether the curve
-    crossed the target within the sweep (False: a lower bound)."""
-    best = 0.0
-    for (r0, l0, ok0), (r1, l1, ok1) in itertools.pairwise(curve):
-        if ok0 and l0 <= target:
-            best = r0
-            if not (ok1 and l1 <= target):
-                frac = (target - l0) / (l1 - l0) if ok1 and l1 > l0 else 0.0
-                return r0 + frac * (r1 - r0), True
-    last_rate, last_lat, last_ok = curve[-1]
-    if last_ok and last_lat <= target:
-        return last_rate, False
-    return best, True
+    """The highest swept rate whose latency is <= target, moved toward the next rate by
+    linear interpolation when that one is above; and whether the curve went above the
+    target within the sweep (False: the rate is a lower bound). 0 if no rate meets it."""
+    ok = [i for i, (_, lat, done) in enumerate(curve) if done and lat <= target]
+    if not ok:
+        return 0.0, True
+    r0, l0, _ = curve[ok[-1]]
+    if ok[-1] + 1 == len(curve):
+        return r0, False
+    r1, l1, done1 = curve[ok[-1] + 1]
+    frac = (target - l0) / (l1 - l0) if done1 and l1 > l0 else 0.0
+    return r0 + frac * (r1 - r0), True
+
+
+def ratio(a: float, b: float) -> float | None:
+    """``a / b`` rounded, or None (JSON null) when undefined."""
+    return round(a / b, 3) if b and math.isfinite(a) and math.isfinite(b) else None
 
 
 def curve(by_rate: dict, policy: str) -> list[tuple[float, float, bool]]:
@@ -345,29 +348,28 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
         fcfs_ok = [r for r in rates if all(x.completed for x in by_rate[r]["fcfs"])]
         at = fcfs_ok[-1] if fcfs_ok else rates[0]
         runs_f, runs_a = by_rate[at]["fcfs"], by_rate[at][auto]
-        out[f"{prefix}avg_latency_fcfs_over_autellix_{w}"] = round(
-            mean_stat(runs_f, "avg") / mean_stat(runs_a, "avg"), 3)  # fmt: skip
-        out[f"{prefix}p99_latency_fcfs_over_autellix_{w}"] = round(
-            mean_stat(runs_f, "p99") / mean_stat(runs_a, "p99"), 3)  # fmt: skip
+        out[f"{prefix}avg_latency_fcfs_over_autellix_{w}"] = ratio(
+            mean_stat(runs_f, "avg"), mean_stat(runs_a, "avg"))  # fmt: skip
+        out[f"{prefix}p99_latency_fcfs_over_autellix_{w}"] = ratio(
+            mean_stat(runs_f, "p99"), mean_stat(runs_a, "p99"))  # fmt: skip
         out[f"{prefix}rate_compared_{w}"] = at
         target = mean_stat(runs_f, "avg")
 
         tf, _ = throughput_at(curve(by_rate, "fcfs"), target)
         ta, crossed = throughput_at(curve(by_rate, auto), target)
         tm, _ = throughput_at(curve(by_rate, "mlfq"), target)
-        ratio = round(ta / tf, 3) if tf else math.nan
-        out[f"{prefix}throughput_at_equal_latency_autellix_over_fcfs_{w}"] = ratio
-        out[f"{prefix}throughput_at_equal_latency_autellix_over_mlfq_{w}"] = (
-            round(ta / tm, 3) if tm else math.nan)  # fmt: skip
+        over_fcfs = ratio(ta, tf)
+        out[f"{prefix}throughput_at_equal_latency_autellix_over_fcfs_{w}"] = over_fcfs
+        out[f"{prefix}throughput_at_equal_latency_autellix_over_mlfq_{w}"] = ratio(ta, tm)
         out[f"{prefix}throughput_ratio_is_lower_bound_{w}"] = not crossed
         if "srpt" in policies:
-            out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = round(
-                mean_stat(runs_a, "avg") / mean_stat(by_rate[at]["srpt"], "avg"), 3)  # fmt: skip
+            out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = ratio(
+                mean_stat(runs_a, "avg"), mean_stat(by_rate[at]["srpt"], "avg"))  # fmt: skip
         bound = " (>=)" if not crossed else ""
         print(f"at {at} programs/s (FCFS's highest completing rate): FCFS / {auto} avg "
               f"{out[f'{prefix}avg_latency_fcfs_over_autellix_{w}']}x, p99 "
               f"{out[f'{prefix}p99_latency_fcfs_over_autellix_{w}']}x; throughput at FCFS's "
-              f"latency: {auto} / FCFS {ratio}x{bound}")  # fmt: skip
+              f"latency: {auto} / FCFS {over_fcfs}x{bound}")  # fmt: skip
     return out
 
 
