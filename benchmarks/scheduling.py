@@ -82,8 +82,8 @@ PAGE_SIZE, NUM_PAGES, HOST_PAGES, MAX_BATCH = 16, 128, 4096, 8
 CPU_SCALE = workloads.Scale(tokens=16, time=0.25, max_calls=60, max_context=1500)
 N_REAL = {"sharegpt": 60, "bfcl": 60, "lats": 16, "mixed": 40}
 REAL_RATES = (0.6, 1.2, 1.8)  # x the engine's estimated capacity in programs/s
-N_SIM = {"sharegpt": 600, "bfcl": 600, "lats": 100, "mixed": 300}
-SIM_RATES = (1.0, 1.5, 2.0, 3.0)
+N_SIM = {"sharegpt": 400, "bfcl": 400, "lats": 100, "mixed": 300}
+SIM_RATES = (1.0, 2.0, 4.0, 8.0)
 
 
 @dataclass

@@ -120,10 +120,11 @@ def _policies() -> dict[str, type[SchedulePolicy]]:
 
 
 SCHEDULES: tuple[str, ...] = ("fcfs", "mlfq", "plas", "atlas")
-# The best measured (benchmarks/RESULTS.md, "Scheduling"): PLAS and ATLAS tie on
-# single-threaded programs (they are the same policy there); ATLAS does not count a
-# program's parallel threads against it (inferlets fork), and led on the tree-search runs.
-DEFAULT_SCHEDULE = "atlas"
+# The best measured (benchmarks/RESULTS.md, "Scheduling"): on the simulator's mixed
+# workload PLAS had the lowest average latency (ATLAS favours wide programs, which costs
+# the others); the two are the same policy on single-threaded programs. ATLAS is the
+# choice for a server of mostly parallel programs (it minds their critical path).
+DEFAULT_SCHEDULE = "plas"
 
 
 def schedule_policy(name: str, **params: Any) -> SchedulePolicy:
