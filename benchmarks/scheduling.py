@@ -370,11 +370,12 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
         if "srpt" in policies:
             out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = ratio(
                 mean_stat(runs_a, "avg"), mean_stat(by_rate[at]["srpt"], "avg"))  # fmt: skip
-        bound = " (>=)" if not crossed else ""
+        shown = "unresolved (FCFS stays under it)" if over_fcfs is None else f"{over_fcfs}x"
+        bound = " (>=)" if not crossed and over_fcfs is not None else ""
         print(f"at {at} programs/s (FCFS's highest completing rate): FCFS / {auto} avg "
               f"{out[f'{prefix}avg_latency_fcfs_over_autellix_{w}']}x, p99 "
               f"{out[f'{prefix}p99_latency_fcfs_over_autellix_{w}']}x; throughput at the latency "
-              f"SLO ({target:.4f} s/token): {auto} / FCFS {over_fcfs}x{bound}")  # fmt: skip
+              f"SLO ({target:.4f} s/token): {auto} / FCFS {shown}{bound}")  # fmt: skip
     return out
 
 
