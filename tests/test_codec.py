@@ -24,6 +24,7 @@ from pastry.engine.calls import (
 )
 from pastry.engine.codec import (
     SUPPORTED_DTYPES,
+    VERSION,
     CodecError,
     decode_batch,
     decode_info,
@@ -320,8 +321,8 @@ def set_at(path, value):
         (set_at([2, 0, 1], 0), "count must be"),
         (set_at([2, 0, 1], 2), "2 arrays of 2 do not fill 2"),
         (lambda h: h[2][1].__setitem__(1, 2), "Sample.embed: expected 2 items, got 1"),
-        (lambda h: h[2][0][2].pop(), "expected 10 fields, got 9"),
-        (lambda h: h[2][1][2].append([0, [None]]), "expected 6 fields, got 7"),
+        (lambda h: h[2][0][2].pop(), "expected 12 fields, got 11"),
+        (lambda h: h[2][1][2].append([0, [None]]), "expected 15 fields, got 16"),
         (set_at([2, 0, 2, 0, 0], 7), "unknown column kind"),
         (set_at([2, 0, 2, 0, 1, 0], 9), "unknown dtype code"),
         (set_at([2, 0, 2, 0, 1, 0], 5), "do not fill"),  # float32 over 16 bytes = 4 items, not 2
@@ -337,7 +338,7 @@ def set_at(path, value):
         (set_at([2, 0, 2, 8, 1, 0], [0, [-2, -2]]), "bad array shape"),
         (set_at([2, 0, 2, 8, 1, 0], [0, 4]), "an array is"),
         (set_at([2, 0, 2, 1, 1, 0], 4), "do not fill"),  # float16: 1 int64 = 4 halves
-        (set_at([2, 0, 2, 8, 1, 0], None), "left over"),  # mask may be None: frame unused
+        (set_at([2, 0, 2, 8, 1, 0], None), "bad array frame"),  # mask None: its frame is misread
         (set_at([2, 0, 2, 1], [2, [None]]), "ctx_pages: None is not allowed"),
     ],
 )
@@ -350,6 +351,7 @@ def test_malformed_batches_raise_codec_error(edit, match):
 
 def test_malformed_frames_raise_codec_error():
     frames = wire(encode_batch(BATCH))
+    mask = next(i for i, f in enumerate(frames) if bytes(f) == np.ones((2, 2), bool).tobytes())
     cases = {
         "empty message": [],
         "not valid msgpack": [b"\xc1", *frames[1:]],
@@ -357,7 +359,7 @@ def test_malformed_frames_raise_codec_error():
         "missing array frame": frames[:-1],
         "left over": [*frames, b"\x00" * 8],
         "multiple of element size": [frames[0], frames[1][:-3], *frames[2:]],
-        "bytes other than 0 and 1": [*frames[:-1], b"\x02" * len(frames[-1])],
+        "bytes other than 0 and 1": [*frames[:mask], b"\x02" * 4, *frames[mask + 1 :]],
     }
     for match, bad in cases.items():
         with pytest.raises(CodecError, match=match):
@@ -366,7 +368,9 @@ def test_malformed_frames_raise_codec_error():
         decode_results(frames)
     with pytest.raises(CodecError, match="message kind"):
         decode_info(frames)
-    ext = msgpack.packb([1, 1, [[4, 1, [[0, [msgpack.ExtType(1, b"x")]]] + [[0, [None]]] * 5]]])
+    ext = msgpack.packb(
+        [VERSION, 1, [[4, 1, [[0, [msgpack.ExtType(1, b"x")]]] + [[0, [None]]] * 14]]]
+    )
     with pytest.raises(CodecError, match="unexpected value type ExtType"):
         decode_batch([ext])
 
@@ -382,10 +386,10 @@ def test_malformed_info_raises_codec_error():
         bad = [*header[2]]
         bad[index] = value
         with pytest.raises(CodecError, match=match):
-            decode_info([msgpack.packb([1, 3, bad])])
+            decode_info([msgpack.packb([VERSION, 3, bad])])
     n_fields = len(dataclasses.fields(EngineInfo))
     with pytest.raises(CodecError, match=f"needs {n_fields} fields"):
-        decode_info([msgpack.packb([1, 3, header[2][:-1]])])
+        decode_info([msgpack.packb([VERSION, 3, header[2][:-1]])])
     with pytest.raises(CodecError, match="1 frame"):
         decode_info([*encode_info(INFO), b""])
 

@@ -3,9 +3,16 @@
 A *batch* is a list of calls, executed in order; consecutive calls of the same type run as
 one batched handler invocation (one forward over all tokens of all ``Forward`` calls, one
 ``lm_head`` over all ``Sample`` rows, ...). The engine answers with one result per call, in
-the same order: ``None`` for calls with no output, a :class:`Dist` for :class:`NextDist`, an
-``int`` token id for :class:`Sample`, or a :class:`CallError` when that call was rejected.
-A rejected call has no effect; the other calls of the batch still run.
+the same order: ``None`` for calls with no output (a :class:`Logprobs` for a ``Forward`` that
+asks for prompt log-probabilities), a :class:`Dist` for :class:`NextDist`, an ``int`` token
+id for :class:`Sample` (a :class:`Sampled` when it asks for log-probabilities), or a
+:class:`CallError` when that call was rejected. A rejected call has no effect; the other
+calls of the batch still run.
+
+``NextDist`` and ``Sample`` rows of one batch share one ``lm_head``; each row may carry its
+own logit processing (:mod:`pastry.engine.logits`): a packed token bitmask, a sparse logit
+bias and repetition / frequency / presence penalties over a token history, applied in that
+order before temperature and the top-k / top-p / min-p filters.
 
 All ids are *physical* indices into the engine's pools: KV pages (``page_size`` token slots
 each), embedding slots (one hidden vector each, with a position) and host pages (swap
@@ -29,6 +36,16 @@ def ids(values) -> np.ndarray:
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_EMPTY_F32.flags.writeable = False
+
+MAX_LOGPROBS = 20
+"""The most top log-probabilities a call may ask for (OpenAI's limit)."""
+
+
+def mask_words(vocab_size: int) -> int:
+    """Length of a packed token bitmask over ``vocab_size`` rows: one int32 per 32 tokens."""
+    return (vocab_size + 31) // 32
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -62,6 +79,12 @@ class Forward:
 
     ``adapter`` is the id of a LoRA adapter (from ``Engine.load_adapter``) applied to this
     call's tokens, or -1 for the base model; calls of one batch may name different adapters.
+
+    Prompt log-probabilities: with ``logprob_targets`` (one token id per input, -1 for none),
+    the result is a :class:`Logprobs`: for input ``i``, the log-probability (log-softmax of
+    the model's logits at ``i``) of ``logprob_targets[i]`` and the ``logprob_top`` (at most
+    :data:`MAX_LOGPROBS`) most likely tokens with theirs. Scoring a prompt passes each
+    position the next prompt token.
     """
 
     in_embeds: np.ndarray
@@ -74,6 +97,8 @@ class Forward:
     positions: np.ndarray | None = None
     mask: np.ndarray | None = None
     adapter: int = -1
+    logprob_targets: np.ndarray = field(default_factory=lambda: _EMPTY)
+    logprob_top: int = 0
 
     @property
     def num_inputs(self) -> int:
@@ -82,10 +107,22 @@ class Forward:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class NextDist:
-    """Top-``k`` next-token distribution from the hidden state in embed slot ``embed``."""
+    """Top-``k`` next-token distribution from the hidden state in embed slot ``embed``.
+
+    The logit processing fields are those of :class:`Sample`; the probabilities are the
+    softmax of the processed logits (tokens a mask forbids have probability 0).
+    """
 
     embed: int
     k: int = 256
+    mask: np.ndarray | None = None
+    bias_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
+    bias_values: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    penalty_tokens: np.ndarray = field(default_factory=lambda: _EMPTY)
+    penalty_prompt: np.ndarray = field(default_factory=lambda: _EMPTY)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -95,6 +132,25 @@ class Sample:
     ``temperature == 0`` is greedy. Filters apply in the order top-k, top-p, min-p (0 / 1.0
     / 0.0 disable them). With a ``seed`` the draw is a pure function of (seed, logits):
     the same in any batch, on any run; without one the engine draws a seed.
+
+    Logit processing, before temperature and filters, in this order (vLLM's):
+
+    - ``mask``: allowed tokens, a packed bitmask of :func:`mask_words` int32 words (bit
+      ``t % 32`` of word ``t // 32`` set = token ``t`` allowed; llguidance's
+      ``compute_bitmask()`` layout); the others get logit -inf. At least one token must be
+      allowed.
+    - ``bias_ids`` / ``bias_values`` (float32): added to those tokens' logits.
+    - penalties over a token history: ``penalty_tokens`` (typically the generated tokens)
+      count for all three, ``penalty_prompt`` (typically the prompt) only for the
+      repetition penalty. A token seen in either has its logit divided by
+      ``repetition_penalty`` when positive, multiplied when negative (1 = off); then each
+      logit loses ``frequency_penalty`` times the token's count in ``penalty_tokens`` and
+      ``presence_penalty`` if it occurs there at all (0 = off).
+
+    ``logprobs``: -1 returns the token id alone; ``n`` in 0..:data:`MAX_LOGPROBS` returns a
+    :class:`Sampled` with the token's log-probability and the ``n`` most likely tokens'.
+    Log-probabilities are those of the model's raw distribution (log-softmax of the logits
+    before any processing), as vLLM reports them by default.
     """
 
     embed: int
@@ -103,6 +159,15 @@ class Sample:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    mask: np.ndarray | None = None
+    bias_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
+    bias_values: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    penalty_tokens: np.ndarray = field(default_factory=lambda: _EMPTY)
+    penalty_prompt: np.ndarray = field(default_factory=lambda: _EMPTY)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int = -1
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -161,6 +226,28 @@ class Dist:
     probs: np.ndarray
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Sampled:
+    """A sampled token with log-probabilities (:class:`Sample` with ``logprobs >= 0``):
+    the token's, and the ``n`` most likely tokens' by decreasing log-probability."""
+
+    token: int
+    logprob: float
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Logprobs:
+    """Prompt log-probabilities of a :class:`Forward` (``logprob_targets``): per input,
+    the target's log-probability (NaN where the target was -1), and the ``logprob_top``
+    most likely tokens (``top_ids[i]``, int64) with theirs (``top_logprobs[i]``)."""
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
 @dataclass(frozen=True, slots=True)
 class CallError:
     """Why one call of a batch was rejected. The call had no effect."""
@@ -168,7 +255,7 @@ class CallError:
     message: str
 
 
-Result = None | int | Dist | CallError
+Result = None | int | Dist | Sampled | Logprobs | CallError
 
 
 @dataclass(frozen=True, slots=True)

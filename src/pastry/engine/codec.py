@@ -44,15 +44,17 @@ from pastry.engine.calls import (
     EmbedTxt,
     EngineInfo,
     Forward,
+    Logprobs,
     MaskKv,
     NextDist,
     Result,
     Sample,
+    Sampled,
     SwapIn,
     SwapOut,
 )
 
-VERSION: Final = 1
+VERSION: Final = 2  # 2: logit processing, logprobs (Sampled, Logprobs)
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(d) for d in ("|b1", "|u1", "<i4", "<i8", "<f2", "<f4")
 )
@@ -132,7 +134,12 @@ _CALL_TAGS = {
 }
 assert set(_CALL_TAGS) == set(CALL_TYPES), "every call type needs a wire tag"
 _CALL_SPECS = {t: _Spec.of(tag, t) for t, tag in _CALL_TAGS.items()}
-_RESULT_SPECS: dict[type, _Spec] = {Dist: _Spec.of(16, Dist), CallError: _Spec.of(17, CallError)}
+_RESULT_SPECS: dict[type, _Spec] = {
+    Dist: _Spec.of(16, Dist),
+    CallError: _Spec.of(17, CallError),
+    Sampled: _Spec.of(18, Sampled),
+    Logprobs: _Spec.of(19, Logprobs),
+}
 _RESULT_SPECS |= {t: _PLAIN for t in (NoneType, int, *_NP_INTS)}
 _CALLS_BY_TAG = {s.tag: s for s in _CALL_SPECS.values()}
 _RESULTS_BY_TAG = {s.tag: s for s in _RESULT_SPECS.values()}
@@ -154,7 +161,8 @@ def decode_batch(frames: Sequence[Any]) -> list[Call]:
 
 
 def encode_results(results: Sequence[Result]) -> Frames:
-    """Frames for the results of a batch (``None`` | ``int`` | ``Dist`` | ``CallError``)."""
+    """Frames for the results of a batch (``None`` | ``int`` | ``Dist`` | ``Sampled`` |
+    ``Logprobs`` | ``CallError``)."""
     return _encode(_KIND_RESULTS, results, _RESULT_SPECS, "result")
 
 

@@ -21,6 +21,7 @@ import torch
 
 from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
 from pastry.engine.calls import (
+    MAX_LOGPROBS,
     Call,
     CallError,
     CopyKv,
@@ -28,14 +29,25 @@ from pastry.engine.calls import (
     EmbedTxt,
     EngineInfo,
     Forward,
+    Logprobs,
     MaskKv,
     NextDist,
     Result,
     Sample,
+    Sampled,
     SwapIn,
     SwapOut,
+    mask_words,
 )
 from pastry.engine.config import EngineConfig, ModelConfig
+from pastry.engine.logits import (
+    LogitsProcessor,
+    log_softmax,
+    mask_allows_any,
+    needs_processing,
+    token_logprobs,
+    top_logprobs,
+)
 from pastry.engine.lora import Adapter, plan_adapters, use_adapters
 from pastry.engine.model import LlamaModel
 from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
@@ -58,6 +70,12 @@ TRAITS = (
     "output_text",
     "kv_swap",
 )
+
+# Call types that run in one handler invocation when adjacent in a batch: NextDist and
+# Sample rows share one lm_head.
+_HANDLER_GROUP: dict[type, type] = {NextDist: Sample}
+# Rows of prompt log-probabilities computed at once (bounds the [rows, vocab] logits).
+_LOGPROB_CHUNK = 256
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -124,8 +142,7 @@ class Engine:
         self._handlers: dict[type, Callable[[list[tuple[int, Call]], list[Result]], None]] = {
             EmbedTxt: self._embed_txt,
             Forward: self._forward,
-            NextDist: self._next_dist,
-            Sample: self._sample,
+            Sample: self._output,  # and NextDist (_HANDLER_GROUP)
             CopyKv: self._copy_kv,
             MaskKv: self._mask_kv,
             SwapOut: self._swap_out,
@@ -206,7 +223,8 @@ class Engine:
         """Run a batch; one result per call, in order (see ``calls.py``)."""
         results: list[Result] = [None] * len(batch)
         indexed = list(enumerate(batch))
-        for kind, run in itertools.groupby(indexed, key=lambda ic: type(ic[1])):
+        group = _HANDLER_GROUP.get
+        for kind, run in itertools.groupby(indexed, key=lambda ic: group(type(ic[1]), type(ic[1]))):
             handler = self._handlers.get(kind)
             run = list(run)
             if handler is None:
@@ -340,7 +358,21 @@ class Engine:
         adapter = self._scalar(c.adapter, -(1 << 62), 1 << 62, "adapter")
         if not -1 <= adapter < len(self._adapters):
             raise Invalid(f"adapter {adapter} is not loaded ({self._adapter_ids()})")
-        return ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask, adapter
+        targets = None
+        if len(c.logprob_targets):
+            targets = np.asarray(c.logprob_targets)
+            vocab = self.cfg.vocab_size
+            if targets.ndim != 1 or targets.dtype.kind not in "iu":
+                raise Invalid("logprob_targets must be a 1-D integer array")
+            if targets.min() < -1 or targets.max() >= vocab:
+                raise Invalid(f"logprob_targets must be token ids below {vocab} or -1 (none)")
+            targets = targets.astype(np.int64, copy=False)
+            if len(targets) != n:
+                raise Invalid(f"{n} inputs but {len(targets)} logprob targets")
+            self._scalar(c.logprob_top, 0, MAX_LOGPROBS + 1, "logprob_top")
+        elif c.logprob_top:
+            raise Invalid("logprob_top needs logprob_targets")
+        return ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask, adapter, targets
 
     def _forward(self, run, results) -> None:
         ok = self._accept(run, results, self._check_forward)
@@ -349,14 +381,14 @@ class Engine:
         for entry in ok:
             n = len(entry[2][0])
             if chunk and tokens + n > self.config.max_batch_tokens:
-                self._forward_chunk(chunk)
+                self._forward_chunk(chunk, results)
                 chunk, tokens = [], 0
             chunk.append(entry)
             tokens += n
         if chunk:
-            self._forward_chunk(chunk)
+            self._forward_chunk(chunk, results)
 
-    def _forward_chunk(self, ok) -> None:
+    def _forward_chunk(self, ok, results) -> None:
         dev = self.device
         in_slots = self._cat([plan[0] for _, _, plan in ok])
         in_slots_t = torch.from_numpy(in_slots).to(dev)
@@ -367,7 +399,10 @@ class Engine:
         out_embeds, out_rows = [], []
         row = 0
         lora_spans = []
-        for _, _, (ins, ctx_slots, out_slots, oe, oi, positions, mask, adapter) in ok:
+        scored = []  # (result index, first row, targets, top)
+        for i, c, (ins, ctx_slots, out_slots, oe, oi, positions, mask, adapter, targets) in ok:
+            if targets is not None:
+                scored.append((i, row, targets, c.logprob_top))
             n = len(ins)
             if positions is None:
                 positions = stored_pos[row : row + n]
@@ -413,59 +448,132 @@ class Engine:
             rows_t = torch.from_numpy(self._cat(out_rows)).to(dev)
             self.embeds.hidden.index_copy_(0, oe_t, take(hidden, rows_t))
             self.embeds.positions.index_copy_(0, oe_t, take(pos_t, rows_t))
+        for i, first, targets, top in scored:
+            results[i] = self._prompt_logprobs(hidden, first, targets, top)
+
+    def _prompt_logprobs(self, hidden, first: int, targets: np.ndarray, top: int) -> Logprobs:
+        """Log-probabilities of ``targets`` at rows ``first ...`` of ``hidden``, in chunks."""
+        n = len(targets)
+        lp = np.full(n, np.nan, dtype=np.float32)
+        ids = np.zeros((n, top), dtype=np.int64)
+        lps = np.zeros((n, top), dtype=np.float32)
+        for s in range(0, n, _LOGPROB_CHUNK):
+            e = min(n, s + _LOGPROB_CHUNK)
+            logp = log_softmax(self.model.logits(hidden[first + s : first + e]))
+            t = torch.from_numpy(np.maximum(targets[s:e], 0)).to(self.device)
+            got = token_logprobs(logp, t).cpu().numpy()
+            lp[s:e] = np.where(targets[s:e] >= 0, got, np.nan)
+            if top:
+                ti, tv = top_logprobs(logp, top)
+                ids[s:e], lps[s:e] = ti.cpu().numpy(), tv.cpu().numpy()
+        return Logprobs(lp, ids, lps)
 
     # ------------------------------------------------------------------ output heads
 
-    def _check_next_dist(self, c: NextDist) -> None:
+    def _check_processing(self, c: NextDist | Sample) -> None:
+        vocab = self.cfg.vocab_size
+        if c.mask is not None:
+            mask = np.asarray(c.mask)
+            want = mask_words(vocab)
+            if mask.dtype != np.int32 or mask.shape != (want,):
+                raise Invalid(
+                    f"mask must be int32 of shape ({want},) (a packed bitmask over {vocab} "
+                    f"tokens), got {mask.dtype} {mask.shape}"
+                )
+            if not mask_allows_any(mask, vocab):
+                raise Invalid("mask allows no token")
+        bias_ids = self._ids(c.bias_ids, vocab, "bias token id", " (vocab size)")
+        values = np.asarray(c.bias_values)
+        if values.shape != bias_ids.shape or values.dtype != np.float32:
+            raise Invalid(
+                f"bias_values must be float32, one per bias id ({len(bias_ids)}), got "
+                f"{values.dtype} {values.shape}"
+            )
+        if np.isnan(values).any() or (values == np.inf).any():
+            raise Invalid("bias_values must not be NaN or +inf")
+        self._ids(c.penalty_tokens, vocab, "penalty token id", " (vocab size)")
+        self._ids(c.penalty_prompt, vocab, "penalty prompt token id", " (vocab size)")
+        rep = c.repetition_penalty
+        if not (isinstance(rep, int | float) and 0 < rep < float("inf")):
+            raise Invalid(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(c, name)
+            if not (isinstance(v, int | float) and abs(v) < float("inf")):
+                raise Invalid(f"{name} must be a finite number, got {v!r}")
+
+    def _check_output(self, c: NextDist | Sample) -> None:
         self._scalar(c.embed, 0, self.embeds.num, "embed")
-        self._scalar(c.k, 1, self.cfg.vocab_size + 1, "k")
+        if isinstance(c, NextDist):
+            self._scalar(c.k, 1, self.cfg.vocab_size + 1, "k")
+        else:
+            if not (isinstance(c.temperature, int | float) and 0 <= c.temperature < float("inf")):
+                raise Invalid(f"temperature must be a finite number >= 0, got {c.temperature!r}")
+            self._scalar(c.top_k, 0, 1 << 31, "top_k")
+            if not (isinstance(c.top_p, int | float) and 0 < c.top_p <= 1):
+                raise Invalid(f"top_p must be in (0, 1], got {c.top_p!r}")
+            if not (isinstance(c.min_p, int | float) and 0 <= c.min_p <= 1):
+                raise Invalid(f"min_p must be in [0, 1], got {c.min_p!r}")
+            if c.seed is not None:
+                self._scalar(c.seed, -(1 << 63), 1 << 63, "seed")
+            self._scalar(c.logprobs, -1, MAX_LOGPROBS + 1, "logprobs")
+        if needs_processing(c):
+            self._check_processing(c)
 
-    def _next_dist(self, run, results) -> None:
-        ok = self._accept(run, results, self._check_next_dist)
-        if not ok:
-            return
-        slots = torch.tensor([c.embed for _, c, _ in ok], device=self.device)
-        logits = self.model.logits(take(self.embeds.hidden, slots))
-        k_max = max(c.k for _, c, _ in ok)
-        ids, probs = top_k_dist(logits, k_max)
-        ids, probs = ids.cpu().numpy(), probs.cpu().numpy()
-        for row, (i, c, _) in enumerate(ok):
-            results[i] = Dist(ids=ids[row, : c.k].copy(), probs=probs[row, : c.k].copy())
-
-    def _check_sample(self, c: Sample) -> None:
-        self._scalar(c.embed, 0, self.embeds.num, "embed")
-        if not (isinstance(c.temperature, int | float) and 0 <= c.temperature < float("inf")):
-            raise Invalid(f"temperature must be a finite number >= 0, got {c.temperature!r}")
-        self._scalar(c.top_k, 0, 1 << 31, "top_k")
-        if not (isinstance(c.top_p, int | float) and 0 < c.top_p <= 1):
-            raise Invalid(f"top_p must be in (0, 1], got {c.top_p!r}")
-        if not (isinstance(c.min_p, int | float) and 0 <= c.min_p <= 1):
-            raise Invalid(f"min_p must be in [0, 1], got {c.min_p!r}")
-        if c.seed is not None:
-            self._scalar(c.seed, -(1 << 63), 1 << 63, "seed")
-
-    def _sample(self, run, results) -> None:
-        ok = self._accept(run, results, self._check_sample)
+    def _output(self, run, results) -> None:
+        """NextDist and Sample rows: one lm_head, one pass of logit processing, then the
+        distributions, the samples and their log-probabilities."""
+        ok = self._accept(run, results, self._check_output)
         if not ok:
             return
         calls = [c for _, c, _ in ok]
         dev = self.device
         slots = torch.tensor([c.embed for c in calls], device=dev)
         logits = self.model.logits(take(self.embeds.hidden, slots))
+        want_lp = [r for r, c in enumerate(calls) if isinstance(c, Sample) and c.logprobs >= 0]
+        logp = log_softmax(logits[want_lp]) if want_lp else None  # raw: before processing
+        processor = LogitsProcessor.build(calls, logits.shape[1], dev)
+        if processor is not None:
+            processor.apply(logits)
+        dists = [r for r, c in enumerate(calls) if isinstance(c, NextDist)]
+        if dists:
+            rows = logits if len(dists) == len(calls) else logits[dists]
+            k_max = max(calls[r].k for r in dists)
+            ids, probs = top_k_dist(rows, k_max)
+            ids, probs = ids.cpu().numpy(), probs.cpu().numpy()
+            for j, r in enumerate(dists):
+                k = calls[r].k
+                results[ok[r][0]] = Dist(ids=ids[j, :k].copy(), probs=probs[j, :k].copy())
+        samples = [r for r, c in enumerate(calls) if isinstance(c, Sample)]
+        if not samples:
+            return
+        sc = [calls[r] for r in samples]
         params = SamplingParams(
-            temperature=torch.tensor([float(c.temperature) for c in calls], device=dev),
-            top_k=torch.tensor([c.top_k for c in calls], dtype=torch.int64, device=dev),
-            top_p=torch.tensor([float(c.top_p) for c in calls], device=dev),
-            min_p=torch.tensor([float(c.min_p) for c in calls], device=dev),
+            temperature=torch.tensor([float(c.temperature) for c in sc], device=dev),
+            top_k=torch.tensor([c.top_k for c in sc], dtype=torch.int64, device=dev),
+            top_p=torch.tensor([float(c.top_p) for c in sc], device=dev),
+            min_p=torch.tensor([float(c.min_p) for c in sc], device=dev),
             seed=torch.tensor(
-                [self._draw_seed() if c.seed is None else c.seed for c in calls],
+                [self._draw_seed() if c.seed is None else c.seed for c in sc],
                 dtype=torch.int64,
                 device=dev,
             ),
         )
-        tokens = sample(logits, params).tolist()
-        for (i, _, _), t in zip(ok, tokens, strict=True):
-            results[i] = t
+        rows = logits if len(samples) == len(calls) else logits[samples]
+        tokens_t = sample(rows, params)
+        tokens = tokens_t.tolist()
+        for r, t in zip(samples, tokens, strict=True):
+            results[ok[r][0]] = t
+        if logp is None:
+            return
+        at = {r: j for j, r in enumerate(samples)}
+        chosen = token_logprobs(logp, tokens_t[[at[r] for r in want_lp]]).tolist()
+        top_ids, top_lps = top_logprobs(logp, max(calls[r].logprobs for r in want_lp))
+        top_ids, top_lps = top_ids.cpu().numpy(), top_lps.cpu().numpy()
+        for j, r in enumerate(want_lp):
+            n = calls[r].logprobs
+            results[ok[r][0]] = Sampled(
+                tokens[at[r]], chosen[j], top_ids[j, :n].copy(), top_lps[j, :n].copy()
+            )
 
     def _draw_seed(self) -> int:
         return int(self._rng.integers(0, 1 << 62))
