@@ -128,14 +128,21 @@ class InferletApi(Protocol):
         out_kv_offset: int,
         out_embeds: list[int],
         mask: list[list[bool]] | None = None,
-    ) -> Awaitable[None]:
+        logprob_targets: list[int] | None = None,
+        logprob_top: int = 0,
+    ) -> Awaitable[tuple[list[float], list[list[int]], list[list[float]]] | None]:
         """Queued: the model over ``in_embeds`` (positions stored with them by
         ``embed_txt``) on top of the context in ``in_kv`` (all tokens of every page, of the
         last only ``in_kv_last_len``). New K/V go to ``out_kv`` from slot
         ``out_kv_offset``; ``out_embeds`` receive the outputs of the last
         ``len(out_embeds)`` inputs. ``mask``: one row per input over context + inputs,
         True = attend (default: all context, causal among inputs). Leaving a page out of
-        ``in_kv`` masks its tokens."""
+        ``in_kv`` masks its tokens.
+
+        Prompt log-probabilities: with ``logprob_targets`` (one token id per input, -1 for
+        none; to score a prompt, each input's next token), resolves to ``(logprobs,
+        top_ids, top_logprobs)``: per input the target's log-probability under the model
+        (NaN for -1) and the ``logprob_top`` (at most 20) most likely tokens with theirs."""
 
     def forward_with_adapter(
         self,
@@ -148,7 +155,9 @@ class InferletApi(Protocol):
         out_kv_offset: int,
         out_embeds: list[int],
         mask: list[list[bool]] | None = None,
-    ) -> Awaitable[None]:
+        logprob_targets: list[int] | None = None,
+        logprob_top: int = 0,
+    ) -> Awaitable[tuple[list[float], list[list[int]], list[list[float]]] | None]:
         """Queued: ``forward`` with the LoRA adapter named ``adapter`` applied."""
 
     def get_adapters(self, q: int) -> list[str]:
@@ -182,9 +191,21 @@ class InferletApi(Protocol):
 
     # ------------------------------------------------------------------ output
     def get_next_dist(
-        self, q: int, embed: int, k: int = 256
+        self,
+        q: int,
+        embed: int,
+        k: int = 256,
+        mask: bytes | None = None,
+        logit_bias: list[tuple[int, float]] | None = None,
+        penalty_tokens: list[int] | None = None,
+        penalty_prompt: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
     ) -> Awaitable[tuple[list[int], list[float]]]:
-        """Queued: the top-``k`` next-token distribution at ``embed`` (ids, probabilities)."""
+        """Queued: the top-``k`` next-token distribution at ``embed`` (ids, probabilities),
+        after the logit processing described at ``sample`` (forbidden tokens: probability
+        0)."""
 
     def sample(
         self,
@@ -195,8 +216,30 @@ class InferletApi(Protocol):
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int | None = None,
-    ) -> Awaitable[int]:
-        """Queued: sample a token on the device (greedy at temperature 0)."""
+        mask: bytes | None = None,
+        logit_bias: list[tuple[int, float]] | None = None,
+        penalty_tokens: list[int] | None = None,
+        penalty_prompt: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        logprobs: int | None = None,
+    ) -> Awaitable[int | tuple[int, float, list[int], list[float]]]:
+        """Queued: sample a token on the device (greedy at temperature 0).
+
+        Logit processing on the device, before temperature and the top-k / top-p / min-p
+        filters, in this order: ``mask``, the allowed tokens as a packed bitmask (bit
+        ``t % 32`` of little-endian 32-bit word ``t // 32``: what llguidance's
+        ``compute_bitmask()`` returns; ``(vocab_size + 31) // 32`` words); ``logit_bias``,
+        ``(token, bias)`` pairs added to the logits; penalties over a token history (vLLM's
+        semantics): a token in ``penalty_tokens`` (the generated ones) or ``penalty_prompt``
+        has its logit divided by ``repetition_penalty`` if positive, multiplied if
+        negative; then ``frequency_penalty`` times its count in ``penalty_tokens`` and
+        ``presence_penalty`` once if it occurs there are subtracted.
+
+        ``logprobs``: None resolves to the token id; ``n`` (0 to 20) to ``(token,
+        logprob, top_ids, top_logprobs)``: the token's log-probability and the ``n`` most
+        likely tokens' under the model's raw distribution (before any processing)."""
 
     # ------------------------------------------------------------------ messaging
     def broadcast(self, topic: str, message: str) -> int:

@@ -24,7 +24,20 @@ from pastry.api import ApiError
 from pastry.control.events import Event, Message
 from pastry.control.resources import Kind, QuotaExceeded, ResourceError
 from pastry.control.scheduler import Command, Queue, Stage
-from pastry.engine.calls import CopyKv, Dist, EmbedTxt, Forward, MaskKv, NextDist, Sample, ids
+from pastry.engine.calls import (
+    MAX_LOGPROBS,
+    CopyKv,
+    Dist,
+    EmbedTxt,
+    Forward,
+    Logprobs,
+    MaskKv,
+    NextDist,
+    Sample,
+    Sampled,
+    ids,
+    mask_words,
+)
 
 if TYPE_CHECKING:
     from pastry.control.controller import Controller, Model
@@ -34,6 +47,31 @@ API_VERSION = "0.1.0"
 
 class QuotaError(ApiError):
     """A call would take the instance over a resource limit (:meth:`Session.set_limit`)."""
+
+
+def _token_ids(values, what: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    try:
+        arr = ids(values)
+    except (TypeError, ValueError, OverflowError):
+        raise ApiError(f"{what} must be a list of token ids") from None
+    top = hi if hi is not None else np.iinfo(np.int64).max
+    bad = arr[(arr < lo) | (arr >= top)]
+    if bad.size:
+        raise ApiError(f"{what} has token id {int(bad[0])}, outside the vocabulary (0 to {top - 1})")
+    return arr
+
+
+def _check_top(n, what: str) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(f"{what} must be an integer from 0 to {MAX_LOGPROBS}, got {n!r}")
+
+
+def _sampled(r: Sampled | int) -> tuple[int, float, list[int], list[float]]:
+    return r.token, r.logprob, r.top_ids.tolist(), r.top_logprobs.tolist()
+
+
+def _prompt_logprobs(r: Logprobs) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    return r.logprobs.tolist(), r.top_ids.tolist(), r.top_logprobs.tolist()
 
 
 def _consume(fut: asyncio.Future) -> None:
@@ -188,21 +226,26 @@ class Session:
         out_kv_offset: int,
         out_embeds: list[int],
         mask: list[list[bool]] | None = None,
+        logprob_targets: list[int] | None = None,
+        logprob_top: int = 0,
     ) -> asyncio.Future:
         """Run the model over ``in_embeds`` on top of the context in ``in_kv``.
 
         The new tokens' K/V go to ``out_kv`` from slot ``out_kv_offset`` on (no pages: not
         stored); ``out_embeds[j]`` receives the output of the ``len(out_embeds)`` last
         inputs. ``mask`` (one row per input over context + inputs, True = attend)
-        replaces the default causal attention.
+        replaces the default causal attention. With ``logprob_targets``, resolves to the
+        prompt log-probabilities (see :meth:`pastry.api.InferletApi.forward`).
         """
         return self._forward(
-            q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, -1
-        )
+            q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, -1,
+            logprob_targets, logprob_top,
+        )  # fmt: skip
 
     def _forward(
-        self, q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, adapter
-    ) -> asyncio.Future:
+        self, q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds, mask, adapter,
+        logprob_targets=None, logprob_top=0,
+    ) -> asyncio.Future:  # fmt: skip
         ref = self._queue(q)
         # Snapshot the handle lists now: the command is prepared later, and the caller may
         # change its lists in the meantime (a context growing its pages, say).
@@ -222,6 +265,16 @@ class Session:
                 raise ApiError(
                     f"mask must have one row per input ({n}), got shape {mask_arr.shape}"
                 )
+        targets = ids(())
+        if logprob_targets is not None:
+            targets = _token_ids(logprob_targets, "logprob_targets", -1, ref.model.info.vocab_size)
+            if len(targets) != n:
+                raise ApiError(
+                    f"logprob_targets needs one token per input ({n}), got {len(targets)}"
+                )
+            _check_top(logprob_top, "logprob_top")
+        elif logprob_top:
+            raise ApiError("logprob_top needs logprob_targets")
 
         def prepare():
             return Forward(
@@ -234,9 +287,14 @@ class Session:
                 out_indices=ids(range(n - m, n)),
                 mask=mask_arr,
                 adapter=adapter,
+                logprob_targets=targets,
+                logprob_top=int(logprob_top) if len(targets) else 0,
             )
 
-        return self._submit(q, Command(Stage.FORWARD, prepare=prepare, tokens=n))
+        cmd = Command(Stage.FORWARD, prepare=prepare, tokens=n)
+        if len(targets):
+            cmd.finish = _prompt_logprobs
+        return self._submit(q, cmd)
 
     def forward_with_adapter(
         self,
@@ -249,6 +307,8 @@ class Session:
         out_kv_offset: int,
         out_embeds: list[int],
         mask: list[list[bool]] | None = None,
+        logprob_targets: list[int] | None = None,
+        logprob_top: int = 0,
     ) -> asyncio.Future:
         ref = self._queue(q)
         if adapter not in ref.model.adapters:
@@ -264,6 +324,8 @@ class Session:
             out_embeds,
             mask,
             ref.model.adapters[adapter],
+            logprob_targets,
+            logprob_top,
         )
 
     def get_adapters(self, q: int) -> list[str]:
@@ -328,12 +390,28 @@ class Session:
 
     # ------------------------------------------------------------------ output
 
-    def get_next_dist(self, q: int, embed: int, k: int = 256) -> asyncio.Future:
+    def get_next_dist(
+        self,
+        q: int,
+        embed: int,
+        k: int = 256,
+        mask: bytes | None = None,
+        logit_bias: list[tuple[int, float]] | None = None,
+        penalty_tokens: list[int] | None = None,
+        penalty_prompt: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+    ) -> asyncio.Future:
         """Top-``k`` next-token distribution at ``embed``: (token ids, probabilities)."""
         ref = self._queue(q)
+        proc = self._processing(
+            ref, mask, logit_bias, penalty_tokens, penalty_prompt,
+            repetition_penalty, frequency_penalty, presence_penalty,
+        )  # fmt: skip
 
         def prepare():
-            return NextDist(self._phys(ref, "embed", [embed])[0], int(k))
+            return NextDist(self._phys(ref, "embed", [embed])[0], int(k), **proc)
 
         def finish(d: Dist):
             return d.ids.tolist(), d.probs.tolist()
@@ -349,16 +427,75 @@ class Session:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int | None = None,
+        mask: bytes | None = None,
+        logit_bias: list[tuple[int, float]] | None = None,
+        penalty_tokens: list[int] | None = None,
+        penalty_prompt: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        logprobs: int | None = None,
     ) -> asyncio.Future:
-        """Sample a token on the device (greedy at temperature 0)."""
+        """Sample a token on the device (greedy at temperature 0), after the logit
+        processing; with ``logprobs``, also log-probabilities (see the API)."""
         ref = self._queue(q)
+        proc = self._processing(
+            ref, mask, logit_bias, penalty_tokens, penalty_prompt,
+            repetition_penalty, frequency_penalty, presence_penalty,
+        )  # fmt: skip
+        if logprobs is not None:
+            _check_top(logprobs, "logprobs")
+            proc["logprobs"] = int(logprobs)
 
         def prepare():
             return Sample(
-                self._phys(ref, "embed", [embed])[0], temperature, top_k, top_p, min_p, seed
-            )
+                self._phys(ref, "embed", [embed])[0], temperature, top_k, top_p, min_p, seed,
+                **proc,
+            )  # fmt: skip
 
-        return self._submit(q, Command(Stage.OUTPUT, prepare=prepare))
+        cmd = Command(Stage.OUTPUT, prepare=prepare)
+        if logprobs is not None:
+            cmd.finish = _sampled
+        return self._submit(q, cmd)
+
+    @staticmethod
+    def _processing(
+        ref: _QueueRef, mask, logit_bias, penalty_tokens, penalty_prompt, rep, freq, pres
+    ) -> dict:
+        """The engine call's logit processing fields (only those that are set), checked."""
+        proc: dict = {}
+        vocab = ref.model.info.vocab_size
+        if mask is not None:
+            if not isinstance(mask, bytes | bytearray | memoryview):
+                raise ApiError(f"mask must be bytes (a packed bitmask), got {type(mask).__name__}")
+            want = mask_words(vocab) * 4
+            if len(mask) != want:
+                raise ApiError(
+                    f"mask must be {want} bytes (one bit per token of the {vocab} output "
+                    f"rows, packed in 32-bit words), got {len(mask)}"
+                )
+            proc["mask"] = np.frombuffer(bytes(mask), dtype="<i4").astype(np.int32, copy=False)
+        if logit_bias:
+            try:
+                pairs = [(int(t), float(b)) for t, b in logit_bias]
+            except (TypeError, ValueError):
+                raise ApiError("logit_bias must be a list of (token id, bias) pairs") from None
+            proc["bias_ids"] = _token_ids([t for t, _ in pairs], "logit_bias token", 0, vocab)
+            proc["bias_values"] = np.array([b for _, b in pairs], dtype=np.float32)
+        if penalty_tokens:
+            proc["penalty_tokens"] = _token_ids(penalty_tokens, "penalty_tokens", 0, vocab)
+        if penalty_prompt:
+            proc["penalty_prompt"] = _token_ids(penalty_prompt, "penalty_prompt", 0, vocab)
+        for name, value, off in (
+            ("repetition_penalty", rep, 1.0),
+            ("frequency_penalty", freq, 0.0),
+            ("presence_penalty", pres, 0.0),
+        ):
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ApiError(f"{name} must be a number, got {value!r}")
+            if value != off:
+                proc[name] = float(value)
+        return proc
 
     # ------------------------------------------------------------------ messaging, store, http
 

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import wasmtime
 from wasmtime import _bindings
 from wasmtime import _ffi as ffi
@@ -101,6 +102,10 @@ def _value(v) -> ctypes_.Variant:
         return ctypes_.Variant("token", v)
     if isinstance(v, str):
         return ctypes_.Variant("text", v)
+    if len(v) == 4:  # sample-with with logprobs
+        return ctypes_.Variant("sampled", tuple(v))
+    if len(v) == 3:  # forward-with-logprobs
+        return ctypes_.Variant("logprobs", tuple(v))
     a, b = v
     if isinstance(a, int):
         return ctypes_.Variant("http", (a, b))
@@ -129,6 +134,27 @@ def _broadcast(g: Guest, topic: str, message: str) -> int:
 def _store_set(g: Guest, key: str, value: str) -> None:
     check_message(g, key, value)
     g.session.store_set(key, value)
+
+
+def _words(mask: list[int] | None) -> bytes | None:
+    """A WIT bitmask (``list<u32>`` words) as the API's bytes."""
+    return None if mask is None else np.asarray(mask, dtype="<u4").tobytes()
+
+
+def _forward_with_logprobs(g: Guest, q, adapter, *args):
+    *fwd, targets, top = args
+    s = g.session
+    if adapter is None:
+        return s.forward(q, *fwd, logprob_targets=targets, logprob_top=top)
+    return s.forward_with_adapter(q, adapter, *fwd, logprob_targets=targets, logprob_top=top)
+
+
+def _get_next_dist_with(g: Guest, q, embed, k, mask, bias, *rest):
+    return g.session.get_next_dist(q, embed, k, _words(mask), bias, *rest)
+
+
+def _sample_with(g: Guest, q, embed, t, top_k, top_p, min_p, seed, mask, bias, *rest):
+    return g.session.sample(q, embed, t, top_k, top_p, min_p, seed, _words(mask), bias, *rest)
 
 
 # name -> (handler(guest, *args), blocking). Handlers return the import's result; a
@@ -180,6 +206,9 @@ HOST: dict[str, Callable] = {
     "store-list-keys": lambda g, p: _s(g).store_list_keys(p),
     "http-get": lambda g, url: g.track(_s(g).http_get(url)),
     "http-post": lambda g, url, body: g.track(_s(g).http_post(url, body)),
+    "forward-with-logprobs": _queued(_forward_with_logprobs),
+    "get-next-dist-with": _queued(_get_next_dist_with),
+    "sample-with": _queued(_sample_with),
 }
 
 

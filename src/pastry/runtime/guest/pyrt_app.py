@@ -98,6 +98,12 @@ def _unwrap(v):
         return list(ids), list(probs)
     if isinstance(v, wit_world.imports.api.Value_Http):
         return tuple(v.value)
+    if isinstance(v, wit_world.imports.api.Value_Sampled):
+        token, logprob, ids, lps = v.value
+        return token, logprob, list(ids), list(lps)
+    if isinstance(v, wit_world.imports.api.Value_Logprobs):
+        lps, ids, tops = v.value
+        return list(lps), [list(r) for r in ids], [list(r) for r in tops]
     return getattr(v, "value", None)
 
 
@@ -199,16 +205,29 @@ class GuestApi:
 
     # forward
     def forward(self, q, in_kv, in_kv_last_len, in_embeds, out_kv, out_kv_offset, out_embeds,
-                mask=None):  # fmt: skip
+                mask=None, logprob_targets=None, logprob_top=0):  # fmt: skip
         m = None if mask is None else [[bool(x) for x in row] for row in mask]
+        if logprob_targets is not None:
+            return self._queued(
+                host.forward_with_logprobs, q, None, list(in_kv), in_kv_last_len,
+                list(in_embeds), list(out_kv), out_kv_offset, list(out_embeds), m,
+                [int(t) for t in logprob_targets], int(logprob_top),
+            )  # fmt: skip
         return self._queued(
             host.forward, q, list(in_kv), in_kv_last_len, list(in_embeds), list(out_kv),
             out_kv_offset, list(out_embeds), m,
         )  # fmt: skip
 
     def forward_with_adapter(self, q, adapter, in_kv, in_kv_last_len, in_embeds, out_kv,
-                             out_kv_offset, out_embeds, mask=None):  # fmt: skip
+                             out_kv_offset, out_embeds, mask=None, logprob_targets=None,
+                             logprob_top=0):  # fmt: skip
         m = None if mask is None else [[bool(x) for x in row] for row in mask]
+        if logprob_targets is not None:
+            return self._queued(
+                host.forward_with_logprobs, q, adapter, list(in_kv), in_kv_last_len,
+                list(in_embeds), list(out_kv), out_kv_offset, list(out_embeds), m,
+                [int(t) for t in logprob_targets], int(logprob_top),
+            )  # fmt: skip
         return self._queued(
             host.forward_with_adapter, q, adapter, list(in_kv), in_kv_last_len,
             list(in_embeds), list(out_kv), out_kv_offset, list(out_embeds), m,
@@ -244,14 +263,34 @@ class GuestApi:
         return _call(host.apply_chat_template, q, msgs, bool(add_generation_prompt))
 
     # output
-    def get_next_dist(self, q, embed, k=256):
-        return self._queued(host.get_next_dist, q, embed, k)
-
-    def sample(self, q, embed, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None):
-        return self._queued(
-            host.sample, q, embed, float(temperature), int(top_k), float(top_p),
-            float(min_p), None if seed is None else int(seed),
+    def get_next_dist(self, q, embed, k=256, mask=None, logit_bias=None, penalty_tokens=None,
+                      penalty_prompt=None, repetition_penalty=1.0, frequency_penalty=0.0,
+                      presence_penalty=0.0):  # fmt: skip
+        proc = _processing(
+            mask, logit_bias, penalty_tokens, penalty_prompt, repetition_penalty,
+            frequency_penalty, presence_penalty,
         )  # fmt: skip
+        if proc is None:
+            return self._queued(host.get_next_dist, q, embed, k)
+        return self._queued(host.get_next_dist_with, q, embed, k, *proc)
+
+    def sample(self, q, embed, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
+               mask=None, logit_bias=None, penalty_tokens=None, penalty_prompt=None,
+               repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+               logprobs=None):  # fmt: skip
+        args = (
+            q, embed, float(temperature), int(top_k), float(top_p), float(min_p),
+            None if seed is None else int(seed),
+        )  # fmt: skip
+        proc = _processing(
+            mask, logit_bias, penalty_tokens, penalty_prompt, repetition_penalty,
+            frequency_penalty, presence_penalty,
+        )  # fmt: skip
+        if proc is None and logprobs is None:
+            return self._queued(host.sample, *args)
+        proc = proc or (None, [], [], [], 1.0, 0.0, 0.0)
+        top = None if logprobs is None else int(logprobs)
+        return self._queued(host.sample_with, *args, *proc, top)
 
     # messaging
     def broadcast(self, topic, message):
@@ -288,6 +327,22 @@ class GuestApi:
 
     def http_post(self, url, body):
         return self.loop.track(host.http_post(url, body))
+
+
+def _processing(mask, bias, penalty_tokens, penalty_prompt, rep, freq, pres):
+    """The WIT arguments of the logit processing, or None when there is none."""
+    unset = mask is None and not bias and not penalty_tokens and not penalty_prompt
+    if unset and rep == 1.0 and freq == 0.0 and pres == 0.0:
+        return None
+    if mask is not None:
+        if not isinstance(mask, bytes | bytearray | memoryview) or len(mask) % 4:
+            raise ApiError("mask must be bytes holding whole 32-bit words (a packed bitmask)")
+        mask = memoryview(bytes(mask)).cast("I").tolist()  # wasm32 is little-endian
+    pairs = [(int(t), float(b)) for t, b in (bias or [])]
+    return (
+        mask, pairs, [int(t) for t in (penalty_tokens or [])],
+        [int(t) for t in (penalty_prompt or [])], float(rep), float(freq), float(pres),
+    )  # fmt: skip
 
 
 def _load(name: str, source: str):
