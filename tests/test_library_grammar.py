@@ -356,3 +356,22 @@ def test_bad_grammars_fail_with_a_message(path, grammar, message):
     events, _ = asyncio.run(run_all(load_engine(path), [(SRC, [json.dumps(opts)])]))
     end = events[0][-1]
     assert isinstance(end, Failed) and message in end.error, end
+
+
+def test_device_mask_equals_the_pull_path(path):
+    """Greedy decoding with the mask applied on the device gives exactly the tokens of the
+    host-side pick over the pulled distribution, with the same number of steps; sampled
+    outputs from the device path still parse."""
+    grammars = [{"json_schema": PERSON}, {"regex": REGEXES[2]}, {"lark": PAIRS}]
+    todo = [
+        {"prompt_tokens": [11, 22, 33, 44], "grammar": g, "max_tokens": 48, "device_mask": d}
+        for g in grammars
+        for d in (True, False)
+    ]
+    outs = run(path, todo)
+    for device, pulled in zip(outs[::2], outs[1::2], strict=True):
+        assert device["tokens"] == pulled["tokens"]
+        assert device["forward_calls"] == pulled["forward_calls"]
+    hot = run(path, [{**todo[0], "temperature": 1.3, "seed": s} for s in range(4)])
+    for o in hot:
+        json.loads(o["text"])

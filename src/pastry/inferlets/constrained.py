@@ -16,7 +16,8 @@ Args (one JSON object)::
 
     {"prompt": "text" or [ids]} or {"prompt_tokens": [ids]}, "model": null (the first),
     "grammar": {"json_schema": {...}} | {"lark": "start: ..."} | {"regex": "..."},
-    "max_tokens": 128, "temperature": 0.0 (greedy), "seed": null, "fast_forward": true
+    "max_tokens": 128, "temperature": 0.0 (greedy), "seed": null, "fast_forward": true,
+    "device_mask": true (false: pick on the host from the pulled distribution)
 
 Result (JSON)::
 
@@ -39,6 +40,7 @@ DEFAULTS = {
     "temperature": 0.0,
     "seed": None,
     "fast_forward": True,
+    "device_mask": True,
 }
 
 
@@ -58,6 +60,7 @@ async def main(args: list[str]) -> str:
             temperature=float(opts["temperature"]),
             seed=opts["seed"],
             fast_forward=bool(opts["fast_forward"]),
+            device_mask=bool(opts["device_mask"]),
         )
         text = ctx.api.detokenize(ctx.queue, out.tokens)
     return json.dumps(

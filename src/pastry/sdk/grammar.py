@@ -3,11 +3,14 @@
 A grammar (a JSON schema, a Lark grammar, or a regular expression) is compiled by
 llguidance against the model's vocabulary, read through the API (``get_vocabs``,
 ``get_eos_token_ids``, ``get_vocab_size``). Every step, the grammar's matcher gives the set
-of tokens that keep the output a prefix of some word of the grammar; the next token is
-picked among them from the model's full next-token distribution (``get_next_dist`` with
-``k`` = the model's vocabulary), greedily or by temperature sampling; an end-of-sequence
-token is allowed exactly when the output is complete. Ids past the tokenizer's vocabulary
-(a model's padded rows) are never allowed.
+of tokens that keep the output a prefix of some word of the grammar, as llguidance's packed
+bitmask; ``sample`` applies it on the device (``mask``), so a constrained step costs one
+``sample`` call like an unconstrained one and only the token id comes back. Greedy or
+temperature sampling (reproducible for a seed); an end-of-sequence token is allowed exactly
+when the output is complete. Ids past the tokenizer's vocabulary (a model's padded rows)
+are never allowed. ``generate(..., device_mask=False)`` keeps the older path that pulls the
+model's whole distribution back each step and picks on the host (for comparison:
+``benchmarks/constrained.py``).
 
 Tokens the grammar forces (e.g. ``{"name":`` of a JSON object with one required key) are
 appended without sampling (fast-forward) and forwarded together with the next step.
@@ -21,6 +24,7 @@ appended without sampling (fast-forward) and forwarded together with the next st
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -162,6 +166,13 @@ class Constraint:
         """The output so far is a word of the grammar."""
         return self.matcher.is_accepting()
 
+    def bitmask(self) -> bytes:
+        """The tokens the grammar allows next as llguidance's packed bitmask (bit ``t % 32``
+        of 32-bit word ``t // 32``), what ``sample``'s ``mask`` takes."""
+        bits = self.matcher.compute_bitmask()
+        self._check()
+        return bytes(bits)
+
     def allowed(self) -> np.ndarray:
         """Boolean mask over the model's output rows of the tokens the grammar allows next
         (end-of-sequence tokens exactly when the output is complete)."""
@@ -189,13 +200,15 @@ async def generate(
     temperature: float = 0.0,
     seed: int | None = None,
     fast_forward: bool = True,
+    device_mask: bool = True,
 ) -> Generated:
     """Generate on ``ctx`` (which must have a pending token, e.g. a filled prompt) until the
     grammar ends or ``max_tokens``; the tokens stay in the context (a final end-of-sequence
     token is not added). Greedy at ``temperature`` 0, else sampled from the model's
     distribution at that temperature restricted to the allowed tokens, reproducibly for a
     given ``seed``. With ``fast_forward``, forced tokens are appended without a forward
-    each."""
+    each. ``device_mask`` False pulls the whole distribution each step instead of masking
+    on the device (slower; same greedy tokens)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if not (temperature >= 0 and math.isfinite(temperature)):
@@ -211,16 +224,40 @@ async def generate(
             ctx.fill_tokens(forced)
             out += forced
             continue
-        allowed = constraint.allowed()
-        ids, probs = await next_dist(ctx, constraint.n_vocab)
+        if device_mask:
+            step_seed = None if seed is None else _step_seed(seed, forwards)
+            tok = await sample_masked(ctx, constraint.bitmask(), temperature, step_seed)
+        else:
+            allowed = constraint.allowed()
+            ids, probs = await next_dist(ctx, constraint.n_vocab)
+            tok = _pick(ids, probs, allowed, temperature, rng)
         forwards += 1
-        tok = _pick(ids, probs, allowed, temperature, rng)
         constraint.consume([tok])
         if tok in eos:
             break
         ctx.fill_tokens([tok])
         out.append(tok)
     return Generated(out, constraint.complete, forwards)
+
+
+async def sample_masked(
+    ctx: Context, mask: bytes, temperature: float = 0.0, seed: int | None = None, **kw
+) -> int:
+    """Forward the pending tokens and sample the next one among those ``mask`` allows, on
+    the device (one ``sample`` call; ``kw``: its other parameters, e.g. ``logit_bias``).
+    Afterwards nothing is pending: append the token with ``ctx.fill_tokens``."""
+    if not ctx.pending:
+        raise ValueError("nothing to generate from: fill the context first")
+    futs, emb = ctx._forward(ctx.pending, want_output=True)
+    ctx.pending = []
+    sample = ctx.api.sample(ctx.queue, emb, temperature, seed=seed, mask=mask, **kw)
+    *_, tok = await asyncio.gather(*futs, sample)
+    return tok
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A well-spread per-step seed, so that seeds s and s + 1 share no draws."""
+    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (1 << 62)
 
 
 def _pick(ids: list[int], probs: list[float], allowed: np.ndarray, temperature: float, rng) -> int:
