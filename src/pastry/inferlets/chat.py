@@ -6,7 +6,10 @@ of ``prompt``.
     pastry run chat -- "Tell me a story"
     pastry run chat -- '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64}'
 
-Plain words are one user message, answered greedily and sent as raw text messages.
+Plain words are one user message, answered greedily and sent as raw text messages. A
+caller that renders the conversation itself (the OpenAI endpoint does, with tools and
+structured messages the API's ``apply_chat_template`` cannot carry) gives ``prompt``
+(text or token ids) instead of ``messages``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import pastry.sdk as px
 from pastry.inferlets.text_completion import OPTIONS, complete, parse
 from pastry.sdk import Context
 
-CHAT_OPTIONS = {k: v for k, v in OPTIONS.items() if k != "prompt"}
+CHAT_OPTIONS = {**OPTIONS, "prompt": None}
 CHAT_OPTIONS.update(messages=[], max_tokens=256)  # messages: [{"role", "content"}]
 
 
@@ -28,7 +31,11 @@ async def main(args: list[str]) -> str | None:
         user = {"role": "user", "content": " ".join(args)}
         opts = {**CHAT_OPTIONS, "messages": [user], "temperature": 0.0}
     ctx = Context(opts["model"])
-    messages = [(m["role"], m["content"]) for m in opts["messages"]]
-    ctx.fill(px.apply_chat_template(ctx.queue, messages))
+    if opts["prompt"] is not None:
+        prompt = opts["prompt"]
+        ctx.fill(prompt) if isinstance(prompt, str) else ctx.fill_tokens(prompt)
+    else:
+        messages = [(m["role"], m["content"]) for m in opts["messages"]]
+        ctx.fill(px.apply_chat_template(ctx.queue, messages))
     result = await complete(ctx, opts, plain)
     return None if plain else json.dumps(result)

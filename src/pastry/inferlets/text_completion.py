@@ -1,23 +1,42 @@
 """Text completion: a prompt in, ``n`` continuations out — the program behind
-``POST /v1/completions``, and an example of streaming, stop strings and ``fork``.
+``POST /v1/completions``, and an example of streaming, stop strings, ``fork``, logit
+processing on the device and log-probabilities.
 
     pastry run text-completion -- "Once upon a time"
     pastry run text-completion -- '{"prompt": "Once upon a time", "n": 2, "stream": true}'
 
 Plain words are the prompt, decoded greedily for 32 tokens and sent as raw text messages
 (no result). A JSON object sets the options in :data:`OPTIONS` (``prompt`` may also be a
-list of token ids); the result is ``{"choices": [{"index", "text", "finish_reason"}], "usage": {...}}`` as JSON and,
-with ``"stream": true``, each piece of text is first sent as a message
-``{"index": i, "delta": text}``.
+list of token ids). The result is JSON::
+
+    {"choices": [{"index", "text", "finish_reason": "stop" | "length", "tokens": [ids],
+                  "logprobs": null | [[token, logprob, [[id, logprob], ...]], ...],
+                  "cumulative_logprob": null | float}],
+     "prompt": {"tokens": [ids], "logprobs": null | [null | [token, logprob, top], ...]},
+     "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
+
+With ``"stream": true`` each piece of text is first sent as a message ``{"index": i,
+"delta": text, "logprobs": [entries of the tokens since the last message]}``. Sampling
+options follow vLLM's ``SamplingParams``: ``logit_bias`` ({token id: bias}),
+``repetition_penalty`` (over prompt and output), ``frequency_penalty`` /
+``presence_penalty`` (over the output), ``stop_token_ids``, ``ignore_eos`` (do not stop at
+end-of-sequence), ``min_tokens`` (end-of-sequence and stop tokens forbidden before),
+``best_of`` (sample that many, return the ``n`` with the highest cumulative
+log-probability), ``logprobs`` (the sampled token's log-probability and that many top ones,
+raw: before processing), ``echo`` (the prompt comes back with the text, and its
+log-probabilities when ``logprobs`` is set) and ``grammar`` ({"json_schema": ...} |
+{"regex": ...} | {"lark": ...}: the output is a word of it; see :mod:`pastry.sdk.grammar`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pastry.sdk as px
-from pastry.sdk import Context, EosTokens, MaxTokens, Sampler, StopCondition, StopStrings
+from pastry.sdk import Context, MaxTokens, Sampler, StopCondition, StopStrings
+from pastry.sdk.steps import prompt_logprobs, sample_next
 
 OPTIONS = {
     "model": None,  # None: the first model
@@ -25,10 +44,23 @@ OPTIONS = {
     "max_tokens": 16,
     "temperature": 1.0,  # 0: greedy
     "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
     "seed": None,  # choice i samples with its own seed derived from (seed, i)
     "stop": [],  # stop strings (a string is one)
+    "stop_token_ids": [],
+    "ignore_eos": False,
+    "min_tokens": 0,
     "n": 1,
+    "best_of": None,
     "stream": False,
+    "logprobs": None,  # None or 0..20
+    "echo": False,
+    "logit_bias": {},
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "grammar": None,
 }
 
 
@@ -69,41 +101,149 @@ async def complete(ctx: Context, opts: dict, plain: bool = False) -> dict:
     The branches are forks of ``ctx``: they share the prompt's KV pages, and their steps
     batch together because they run at the same time.
     """
-    prompt_tokens = len(ctx.tokens)
-    branches = [ctx] + [await ctx.fork() for _ in range(opts["n"] - 1)]
-    choices = await asyncio.gather(
-        *(generate(branch, i, opts, plain) for i, branch in enumerate(branches))
-    )
-    completion_tokens = sum(len(b.tokens) - prompt_tokens for b in branches)
-    await asyncio.gather(*(b.release() for b in branches[1:]))  # ctx is the caller's
+    prompt = list(ctx.tokens)
+    echo = {"tokens": prompt, "logprobs": None}
+    if opts["echo"] and opts["logprobs"] is not None:
+        lps, ids, tops = await prompt_logprobs(ctx, int(opts["logprobs"]))
+        echo["logprobs"] = [
+            None if lp is None else [t, lp, [list(p) for p in zip(i, v, strict=True)]]
+            for t, lp, i, v in zip(prompt, lps, ids, tops, strict=True)
+        ]
+    n = opts["n"]
+    best_of = opts["best_of"] or n
+    choices: list[dict] = []
+    if opts["max_tokens"] > 0:
+        branches = [ctx] + [await ctx.fork() for _ in range(best_of - 1)]
+        choices = await asyncio.gather(
+            *(generate(b, i, opts, prompt, plain, best_of > n) for i, b in enumerate(branches))
+        )
+        await asyncio.gather(*(b.release() for b in branches[1:]))  # ctx is the caller's
+    else:  # echo only: the prompt scored, nothing generated
+        choices = [_choice(i, [], "length", [], None) for i in range(n)]
+    completion_tokens = sum(len(c["tokens"]) for c in choices)
+    if best_of > n:
+        choices = sorted(choices, key=lambda c: -c["cumulative_logprob"])[:n]
+        for i, c in enumerate(choices):
+            c["index"] = i
+            if opts["logprobs"] is None:
+                c["logprobs"] = None
     usage = {
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": len(prompt),
         "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "total_tokens": len(prompt) + completion_tokens,
     }
-    return {"choices": choices, "usage": usage}
+    return {"choices": choices, "prompt": echo, "usage": usage}
 
 
-async def generate(ctx: Context, index: int, opts: dict, plain: bool) -> dict:
-    """One choice: generate, streaming the text if asked; its index, text and finish reason."""
-    start = len(ctx.tokens)
+def _choice(index, tokens, finish, entries, cumulative) -> dict:
+    return {
+        "index": index,
+        "text": "",
+        "finish_reason": finish,
+        "tokens": tokens,
+        "logprobs": entries,
+        "cumulative_logprob": cumulative,
+    }
+
+
+async def generate(
+    ctx: Context, index: int, opts: dict, prompt: list[int], plain: bool, rank: bool
+) -> dict:
+    """One choice: sample token by token with the request's processing, streaming the text
+    if asked; its index, text, tokens, log-probabilities and finish reason."""
+    a, q = ctx.api, ctx.queue
+    eos = set(ctx.eos_ids)
+    stop_ids = set(map(int, opts["stop_token_ids"])) | (set() if opts["ignore_eos"] else eos)
     stops = [s for s in opts["stop"] if s]
     seed = opts["seed"]
     if seed is not None:  # each choice its own draws: far from the others' seed + step
         seed = (seed + index * 0x9E3779B9) % (1 << 62)
-    sampler = Sampler(temperature=opts["temperature"], top_p=opts["top_p"], seed=seed)
-    stop = MaxTokens(opts["max_tokens"]) | EosTokens(ctx.eos_ids) | StopStrings(stops)
+    sampler = Sampler(
+        temperature=opts["temperature"],
+        top_k=opts["top_k"],
+        top_p=opts["top_p"],
+        min_p=opts["min_p"],
+        seed=seed,
+    )
+    bias = [(int(t), float(b)) for t, b in dict(opts["logit_bias"]).items()]
+    banned = [(t, -math.inf) for t in sorted(stop_ids)]  # before min_tokens
+    rep, freq, pres = opts["repetition_penalty"], opts["frequency_penalty"], opts["presence_penalty"]
+    penalize = rep != 1.0 or freq != 0.0 or pres != 0.0
+    top = opts["logprobs"]
+    want = top if top is not None else (0 if rank else None)
+    constraint = None
+    if opts["grammar"] is not None:
+        from pastry.sdk.grammar import Constraint
+
+        constraint = Constraint(ctx, opts["grammar"])
+    stop: StopCondition = MaxTokens(opts["max_tokens"]) | StopStrings(stops)
+    entries: list = []
     deltas = None
     if plain or opts["stream"]:
-        send = px.send if plain else lambda d: px.send(json.dumps({"index": index, "delta": d}))
-        deltas = Deltas(send, lambda t: px.detokenize(ctx.queue, t), ctx.eos_ids, stops)
-        stop = deltas | stop  # first, so that it sees every step
-    text = await ctx.generate(sampler, stop)
-    if deltas:
+        sent = [0]
+
+        def send(d: str) -> None:
+            if plain:
+                px.send(d)
+                return
+            px.send(json.dumps({"index": index, "delta": d, "logprobs": entries[sent[0] :]}))
+            sent[0] = len(entries)
+
+        deltas = Deltas(send, lambda t: a.detokenize(q, t), list(stop_ids), stops)
+    out: list[int] = []
+    finish = "length"
+    cumulative = 0.0
+    while len(out) < opts["max_tokens"]:
+        if constraint is not None and constraint.done:
+            finish = "stop"
+            break
+        kw = dict(sampler.params(len(out)))
+        step_bias = bias + banned if len(out) < opts["min_tokens"] else bias
+        if constraint is not None:
+            kw["mask"] = constraint.bitmask()
+            if constraint.complete:  # the end is allowed: min_tokens must not forbid it
+                step_bias = bias
+        if step_bias:
+            kw["logit_bias"] = step_bias
+        if penalize:
+            kw.update(
+                penalty_tokens=out,
+                penalty_prompt=prompt if rep != 1.0 else None,
+                repetition_penalty=rep,
+                frequency_penalty=freq,
+                presence_penalty=pres,
+            )
+        if want is not None:
+            kw["logprobs"] = want
+        got = await sample_next(ctx, **kw)
+        if want is not None:
+            tok, lp, ids, lps = got
+            cumulative += lp
+            entries.append([tok, lp, [list(p) for p in zip(ids, lps, strict=True)]])
+        else:
+            tok = got
+        if constraint is not None:
+            constraint.consume([tok])
+        out.append(tok)
+        ctx.fill_tokens([tok])
+        if tok in stop_ids:
+            finish = "stop"
+            break
+        tail = a.detokenize(q, out[-stop.tail_tokens :]) if stop.tail_tokens else ""
+        if deltas is not None:
+            deltas.should_stop(out, tail)
+        if stops and StopStrings(stops).should_stop(out, tail):
+            finish = "stop"
+            break
+    shown = out[:-1] if out and out[-1] in stop_ids else out
+    text = StopStrings(stops).trim(a.detokenize(q, shown)) if stops else a.detokenize(q, shown)
+    if deltas is not None:
         deltas.flush(text)
-    out = ctx.tokens[start:]
-    stopped = out[-1] in ctx.eos_ids or any(s in px.detokenize(ctx.queue, out) for s in stops)
-    return {"index": index, "text": text, "finish_reason": "stop" if stopped else "length"}
+    return {
+        **_choice(index, out, finish, entries if top is not None else None, None),
+        "text": text,
+        "cumulative_logprob": cumulative if want is not None else None,
+    }
 
 
 class Deltas(StopCondition):
@@ -143,3 +283,4 @@ class Deltas(StopCondition):
         if len(text) > self.sent:
             self.send(text[self.sent :])
             self.sent = len(text)
+

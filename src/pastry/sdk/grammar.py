@@ -24,7 +24,6 @@ appended without sampling (fast-forward) and forwarded together with the next st
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import re
@@ -37,7 +36,7 @@ import numpy as np
 
 from pastry.sdk import api
 from pastry.sdk.context import Context
-from pastry.sdk.steps import next_dist
+from pastry.sdk.steps import next_dist, sample_next
 
 # JSON output without optional whitespace unless the schema's "x-guidance" asks for it:
 # a random or weak model otherwise tends to emit whitespace forever.
@@ -246,13 +245,7 @@ async def sample_masked(
     """Forward the pending tokens and sample the next one among those ``mask`` allows, on
     the device (one ``sample`` call; ``kw``: its other parameters, e.g. ``logit_bias``).
     Afterwards nothing is pending: append the token with ``ctx.fill_tokens``."""
-    if not ctx.pending:
-        raise ValueError("nothing to generate from: fill the context first")
-    futs, emb = ctx._forward(ctx.pending, want_output=True)
-    ctx.pending = []
-    sample = ctx.api.sample(ctx.queue, emb, temperature, seed=seed, mask=mask, **kw)
-    *_, tok = await asyncio.gather(*futs, sample)
-    return tok
+    return await sample_next(ctx, temperature=temperature, seed=seed, mask=mask, **kw)
 
 
 def _step_seed(seed: int, step: int) -> int:

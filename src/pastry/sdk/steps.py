@@ -138,3 +138,54 @@ def _forward_pending(ctx: Context, n_out: int, k: int | None) -> list[Awaitable]
     ctx.kv_len += n
     ctx.pending = []
     return futs
+
+
+async def sample_next(ctx: Context, **kw):
+    """Forward the pending tokens and sample the next token on the device; ``kw`` are the
+    parameters of ``sample`` (temperature, seed, mask, logit_bias, penalties, logprobs...).
+    Resolves to what ``sample`` does (a token id, or a tuple with ``logprobs``). Afterwards
+    nothing is pending: append the token with ``ctx.fill_tokens``."""
+    ctx._check_live()
+    if not ctx.pending:
+        raise ApiError("nothing to generate from: fill the context first")
+    futs, emb = ctx._forward(ctx.pending, want_output=True)
+    ctx.pending = []
+    *_, out = await asyncio.gather(*futs, ctx.api.sample(ctx.queue, emb, **kw))
+    return out
+
+
+async def prompt_logprobs(
+    ctx: Context, top: int = 0
+) -> tuple[list[float | None], list[list[int]], list[list[float]]]:
+    """Forward the tokens of a new context but the last (like ``flush``), scoring them:
+    per token, its log-probability given the tokens before it (None for the first, which
+    has nothing before it) and the ``top`` most likely tokens at its place with theirs
+    (empty for the first). Echoing a prompt with its log-probabilities needs this."""
+    ctx._check_live()
+    tokens = ctx.pending
+    if not tokens or ctx.kv_len:
+        raise ApiError("prompt_logprobs scores a filled context before anything is forwarded")
+    lps: list[float | None] = [None]
+    ids: list[list[int]] = [[]]
+    tops: list[list[float]] = [[]]
+    if len(tokens) > 1:
+        a, q, ps = ctx.api, ctx.queue, ctx.page_size
+        todo = tokens[:-1]
+        n, start = len(todo), ctx.kv_len
+        need = -(-(start + n) // ps) - len(ctx.pages)
+        if need > 0:
+            ctx._alloc_pages(need)
+        ins = ctx._embed_slots(n)
+        ctx_pages = ctx.pages[: -(-start // ps)]
+        last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
+        out_pages = ctx.pages[start // ps : -(-(start + n) // ps)]
+        _, (got, got_ids, got_tops) = await asyncio.gather(
+            a.embed_txt(q, list(todo), list(range(start, start + n)), ins),
+            a.forward(q, ctx_pages, last, ins, out_pages, start % ps, [], None, tokens[1:], top),
+        )
+        ctx.kv_len += n
+        ctx.pending = tokens[-1:]
+        lps += got
+        ids += got_ids
+        tops += got_tops
+    return lps, ids, tops
