@@ -11,7 +11,7 @@ python -m pip install --quiet --upgrade pip
 # torch first and pinned: the CPU wheel. An unpinned torch (or a dependency that pulls it
 # first) downloads gigabytes of CUDA packages.
 python -m pip install --quiet "torch==${PASTRY_TORCH_VERSION:-2.13.0}"
-python -m pip install --quiet -e ".[test]"
+python -m pip install --quiet -e ".[test,eval]"
 # SGLang's own frontend, for the tests that drive it against Pastry: the last release whose
 # `import sglang` needs no torch/CUDA, without its dependencies (the few it imports come
 # from the sglang-frontend extra).

@@ -189,16 +189,32 @@ BAD_COMPLETIONS = [
     (dict(stop=[1]), "stop"),
     (dict(seed="x"), "seed"),
     (dict(stream="yes"), "stream"),
-    (dict(logprobs=2), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(suffix="x"), "suffix"),
+    (dict(n=2, best_of=1), "best_of"),
+    (dict(n=2, best_of=3, stream=True), "best_of"),
+    (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 101}), "logit_bias"),
+    (dict(frequency_penalty=3), "frequency_penalty"),
+    (dict(extra_body={"min_tokens": 5}), "min_tokens"),  # more than max_tokens
+    (dict(extra_body={"stop_token_ids": [-1]}), "stop_token_ids"),
+    (dict(extra_body={"no_such_field": 1}), "no_such_field"),
+    (dict(extra_body={"guided_regex": "a", "guided_choice": ["b"]}), "guided_choice"),
+    (dict(extra_body={"guided_json": {"type": "nonsense"}}), "guided_json"),
 ]
 BAD_CHATS = [
     (dict(messages=[]), "messages"),
     (dict(messages="hi"), "messages"),
     (dict(messages=[{"role": "user"}]), "messages[0].content"),
     (dict(messages=[{"content": "hi"}]), "messages[0]"),
-    (dict(messages=[{"role": "robot", "content": "hi"}]), "robot"),  # the template refuses it
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "role"),
     (dict(max_completion_tokens=-5), "max_completion_tokens"),
     (dict(messages=[{"role": "user", "content": "hi " * 2100}]), "maximum context length"),
+    (dict(top_logprobs=2), "top_logprobs"),  # without logprobs
+    (dict(response_format={"type": "xml"}), "response_format"),
+    (dict(tool_choice="required"), "tool_choice"),  # without tools
+    (dict(tools=[{"type": "function"}]), "tools"),
+    (dict(functions=[{"name": "f"}]), "functions"),
 ]
 
 

@@ -213,6 +213,9 @@ class BatchScheduler:
         self._task: asyncio.Task | None = None
         self._qids = itertools.count()
         self._forming: _Forming | None = None
+        # Called with (batch, seconds from dispatch to results) after each batch completes
+        # (metrics); they must be quick and must not raise.
+        self.observers: list[Callable[[list[Command], float], None]] = []
 
     # ---------------------------------------------------------------- queues and commands
 
@@ -457,6 +460,8 @@ class BatchScheduler:
         done = [(t, n, t in forwards) for t, n in counts.items()]
         self.programs.completed(done, elapsed, self.programs.clock())
         self.schedule.on_batch_done(batch, elapsed)
+        for observe in self.observers:
+            observe(batch, elapsed)
 
 
 def _per_thread(batch: Sequence[Command]) -> dict[Thread, int]:

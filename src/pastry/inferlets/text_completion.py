@@ -16,7 +16,8 @@ list of token ids). The result is JSON::
      "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}}
 
 With ``"stream": true`` each piece of text is first sent as a message ``{"index": i,
-"delta": text, "logprobs": [entries of the tokens since the last message]}``. Sampling
+"delta": text, "logprobs": [entries of the tokens since the last message]}`` (and, with
+``echo``, the ``"prompt"`` object first as ``{"prompt": {...}}``). Sampling
 options follow vLLM's ``SamplingParams``: ``logit_bias`` ({token id: bias}),
 ``repetition_penalty`` (over prompt and output), ``frequency_penalty`` /
 ``presence_penalty`` (over the output), ``stop_token_ids``, ``ignore_eos`` (do not stop at
@@ -109,6 +110,8 @@ async def complete(ctx: Context, opts: dict, plain: bool = False) -> dict:
             None if lp is None else [t, lp, [list(p) for p in zip(i, v, strict=True)]]
             for t, lp, i, v in zip(prompt, lps, ids, tops, strict=True)
         ]
+    if opts["echo"] and opts["stream"] and not plain:  # the echo streams first
+        px.send(json.dumps({"prompt": echo}))
     n = opts["n"]
     best_of = opts["best_of"] or n
     choices: list[dict] = []

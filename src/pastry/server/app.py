@@ -1,7 +1,8 @@
 """The ASGI application (Starlette) and ``serve``, which runs it with uvicorn.
 
 Routes: ``GET /health``; the client protocol at ``/ws`` (``server/ws.py``,
-``docs/protocol.md``); the OpenAI-compatible API under ``/v1`` (``server/openai.py``).
+``docs/protocol.md``); the OpenAI-compatible API under ``/v1`` (``server/openai.py``);
+Prometheus metrics at ``/metrics`` (``server/metrics.py``).
 With an auth token configured, every HTTP request must carry ``Authorization: Bearer
 <token>`` and every WebSocket connection must authenticate first.
 """
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pastry.server import openai, sglang_api, ws
+from pastry.server import metrics, openai, sglang_api, ws
 from pastry.server.service import PastryServer, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def create_app(server: PastryServer) -> Starlette:
         except BaseException:
             await server.stop()  # engines already started must not outlive a failed start
             raise
+        metrics.install(server)
         try:
             yield
         finally:
@@ -63,6 +65,7 @@ def create_app(server: PastryServer) -> Starlette:
 
     routes = [Route("/health", health), *ws.routes(server), *openai.routes(server)]
     routes += sglang_api.routes(server)  # SGLang's native API (/generate, ...)
+    routes += metrics.routes()
     return Starlette(
         routes=routes, lifespan=lifespan, middleware=[Middleware(BearerAuth, server=server)]
     )

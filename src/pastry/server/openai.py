@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP API: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models`` and ``GET /v1/models/{model}``.
+``GET /v1/models`` and ``GET /v1/models/{model}``, plus vLLM's ``POST /tokenize``, ``POST
+/detokenize`` and ``GET /tokenizer_info`` (what lm-eval's remote tokenizer reads).
 
-A request is checked here (errors in OpenAI's shape, naming the parameter), then runs as
-instances of the built-in inferlets — ``text-completion``, one instance per prompt, or
-``chat`` — through the same scheduler as every other inferlet. Their results become the
-JSON of a plain response; with ``"stream": true`` their messages become server-sent events
-(``data: {chunk}``, then ``data: [DONE]``). A client that goes away ends its instances.
+A request is checked by :mod:`pastry.server.openai_params` (errors in OpenAI's shape,
+naming the parameter), then runs as instances of the built-in inferlets —
+``text-completion``, one instance per prompt, or ``chat`` — through the same scheduler as
+every other inferlet. Their results become the JSON of a plain response; with ``"stream":
+true`` their messages become server-sent events (``data: {chunk}``, then ``data:
+[DONE]``). Log-probabilities come back as token ids and numbers and are written here in
+the shape of each endpoint; tool calls are read from the outputs here
+(:mod:`pastry.server.openai_tools`). A client that goes away ends its instances.
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
-from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -27,63 +31,24 @@ from starlette.types import Receive, Scope, Send
 from pastry.control.events import Event, Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.runtime.trusted import Instance
+from pastry.server import metrics
+from pastry.server.openai_params import (
+    MAX_N,
+    Job,
+    OpenAIError,
+    parse_chat,
+    parse_completion,
+)
+from pastry.server.openai_tools import ToolCall, new_call_id, parse_required
 from pastry.server.service import PastryServer
+
+__all__ = ["MAX_N", "Job", "OpenAIError", "routes"]
 
 log = logging.getLogger(__name__)
 
-MAX_N = 16
-# Parameters that are not implemented, with the values that leave them off (others: 400).
-UNSUPPORTED = {
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "tools": (None, []),
-    "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-}
 
-
-class OpenAIError(Exception):
-    """A failed request, answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.param, self.status, self.code, self.kind = param, status, code, kind
-
-    def body(self) -> dict:
-        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}
-        return {"error": error}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status)
-
-
-@dataclass(frozen=True)
-class Job:
-    """A checked request: one instance of the built-in per argument, and how to answer."""
-
-    chat: bool
-    model: str
-    args: tuple[str, ...]  # the JSON argument of each instance (one per prompt)
-    n: int  # choices per instance
-    stream: bool
-    include_usage: bool
-
-    @property
-    def program(self) -> str:
-        return "chat" if self.chat else "text-completion"
+def _error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.body(), e.status)
 
 
 def routes(server: PastryServer) -> list[Route]:
@@ -106,63 +71,103 @@ def routes(server: PastryServer) -> list[Route]:
         try:
             return JSONResponse(card(_model(server, {"model": request.path_params["model"]})))
         except OpenAIError as e:
-            return e.response()
+            return _error_response(e)
 
-    def endpoint(parse):
+    def endpoint(parse, name: str):
         async def run(request: Request):
             try:
                 body = await _body(request)
-                session = session_key(request.headers.get("x-session-id"), body.get("user"))
-                return Run(server, parse(server, body), session)
+                job = parse(server.controller.models[_model(server, body)], body)
             except OpenAIError as e:
-                return e.response()
+                metrics.request_done(name, e.status)
+                return _error_response(e)
+            session = session_key(request.headers.get("x-session-id"), body.get("user"))
+            return Run(server, job, session)
 
         return run
+
+    async def tokenize(request: Request) -> JSONResponse:
+        try:
+            body = await _body(request)
+            m = server.controller.models[_model(server, body, optional=True)]
+            tokens = _tokenize(m, body)
+        except OpenAIError as e:
+            return _error_response(e)
+        out: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": m.info.max_position,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+        if body.get("return_token_strs"):
+            out["token_strs"] = [m.tokenizer.id_to_token(t) for t in tokens]
+        return JSONResponse(out)
+
+    async def detokenize(request: Request) -> JSONResponse:
+        try:
+            body = await _body(request)
+            m = server.controller.models[_model(server, body, optional=True)]
+            tokens = body.get("tokens")
+            vocab = m.info.vocab_size
+            if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+                raise OpenAIError("'tokens' must be a list of token ids", "tokens")
+            if any(not 0 <= t < vocab for t in tokens):
+                raise OpenAIError(f"'tokens' must be token ids below {vocab}", "tokens")
+        except OpenAIError as e:
+            return _error_response(e)
+        return JSONResponse({"prompt": m.tokenizer.decode(tokens)})
+
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        m = server.controller.models[server.controller.default_model]
+        special = m.tokenizer.special_tokens
+        info = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": m.info.max_position,
+            "chat_template": m.tokenizer.chat_template,
+            **{k: special.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
+        }
+        return JSONResponse(info)
 
     return [
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/v1/completions", endpoint(parse_completion), methods=["POST"]),
-        Route("/v1/chat/completions", endpoint(parse_chat), methods=["POST"]),
+        Route("/v1/completions", endpoint(parse_completion, "/v1/completions"), methods=["POST"]),
+        Route(
+            "/v1/chat/completions",
+            endpoint(parse_chat, "/v1/chat/completions"),
+            methods=["POST"],
+        ),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]
 
 
-# ---------------------------------------------------------------------- checking requests
+def _tokenize(m, body: dict) -> list[int]:
+    """vLLM's ``/tokenize``: ``{"prompt", "add_special_tokens"}`` or ``{"messages",
+    "add_generation_prompt"}``."""
+    special = body.get("add_special_tokens")
+    if "messages" in body:
+        from pastry.server.openai_params import _messages
 
-
-def parse_completion(server: PastryServer, body: dict) -> Job:
-    model = _model(server, body)
-    m = server.controller.models[model]
-    prompts = _prompts(body.get("prompt"), m.info.vocab_size)
-    lengths = [len(p) if isinstance(p, list) else len(m.tokenizer.encode(p)) for p in prompts]
-    max_tokens = _get(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
-    for length in lengths:
-        _check_length(length, max_tokens, m.info.max_position, "prompt", "max_tokens")
-    opts = _options(body, model, max_tokens)
-    args = tuple(json.dumps({"prompt": p, **opts}) for p in prompts)
-    return Job(False, model, args, opts["n"], opts["stream"], _include_usage(body))
-
-
-def parse_chat(server: PastryServer, body: dict) -> Job:
-    model = _model(server, body)
-    m = server.controller.models[model]
-    messages = _messages(body.get("messages"))
-    try:
-        text = m.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except (ValueError, jinja2.TemplateError) as e:
-        raise OpenAIError(
-            f"'messages' cannot be rendered with the chat template: {e}", "messages"
-        ) from None
-    length = len(m.tokenizer.encode(text))
-    name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    room = m.info.max_position - length
-    max_tokens = _get(body, name, int, room, lambda v: v >= 1, "an integer >= 1")
-    _check_length(length, max_tokens, m.info.max_position, "messages", name)
-    opts = _options(body, model, max_tokens)
-    args = (json.dumps({"messages": messages, **opts}),)
-    return Job(True, model, args, opts["n"], opts["stream"], _include_usage(body))
+        add = body.get("add_generation_prompt", True)
+        if not isinstance(add, bool):
+            raise OpenAIError(
+                "'add_generation_prompt' must be true or false", "add_generation_prompt"
+            )
+        try:
+            text = m.tokenizer.apply_chat_template(
+                _messages(body["messages"]), add_generation_prompt=add
+            )
+        except ValueError as e:
+            raise OpenAIError(f"'messages' cannot be rendered: {e}", "messages") from None
+        return m.tokenizer.encode(text, add_special_tokens=bool(special))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise OpenAIError("'prompt' (a string) or 'messages' is required", "prompt")
+    if special is not None and not isinstance(special, bool):
+        raise OpenAIError("'add_special_tokens' must be true or false", "add_special_tokens")
+    return m.tokenizer.encode(prompt, add_special_tokens=special is not False)
 
 
 async def _body(request: Request) -> dict:
@@ -175,9 +180,11 @@ async def _body(request: Request) -> dict:
     return body
 
 
-def _model(server: PastryServer, body: dict) -> str:
+def _model(server: PastryServer, body: dict, optional: bool = False) -> str:
     name = body.get("model")
     served = ", ".join(server.models)
+    if name is None and optional:
+        return server.controller.default_model
     if not isinstance(name, str):
         raise OpenAIError(f"'model' is required: one of {served}", "model")
     if name not in server.controller.models:
@@ -190,118 +197,73 @@ def _model(server: PastryServer, body: dict) -> str:
     return name
 
 
-def _get(body: dict, name: str, kinds, default, valid, what: str):
-    """``body[name]`` (``default`` when missing or null), checked to be ``what``."""
-    value = body.get(name)
-    if value is None:
-        return default
-    is_bool = isinstance(value, bool)  # JSON true/false are not numbers here
-    if is_bool != (kinds is bool) or not isinstance(value, kinds) or not valid(value):
-        raise OpenAIError(f"'{name}' must be {what}, got {value!r}", name)
-    return value
+# ---------------------------------------------------------------------- writing answers
 
 
-def _options(body: dict, model: str, max_tokens: int) -> dict:
-    """The built-ins' generation options from the request's parameters."""
-    for name, off in UNSUPPORTED.items():
-        if body.get(name) not in off:
-            raise OpenAIError(f"'{name}' is not supported by this server", name)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise OpenAIError(f"'stop' must be a string or a list of strings, got {stop!r}", "stop")
-    number = (int, float)
-    return {
-        "model": model,
-        "max_tokens": max_tokens,
-        "temperature": _get(
-            body, "temperature", number, 1.0, lambda v: 0 <= v <= 2, "a number from 0 to 2"
-        ),
-        "top_p": _get(body, "top_p", number, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        "seed": _get(body, "seed", int, None, lambda v: -(2**63) <= v < 2**63, "a 64-bit integer"),
-        "stop": stop or [],
-        "n": _get(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"an integer from 1 to {MAX_N}"),
-        "stream": _get(body, "stream", bool, False, lambda v: True, "true or false"),
-    }
+class Writer:
+    """Token ids and log-probabilities written in the OpenAI shapes of one request."""
+
+    def __init__(self, tokenizer, job: Job) -> None:
+        self.tok = tokenizer
+        self.job = job
+        self._vocab: list[bytes] | None = None
+
+    @lru_cache(maxsize=65536)  # noqa: B019 -- one Writer per request
+    def text(self, token: int) -> str:
+        return self.tok.decode([token])
+
+    def raw(self, token: int) -> list[int]:
+        if self._vocab is None:
+            self._vocab = self.tok.get_vocabs()
+        return list(self._vocab[token]) if token < len(self._vocab) else []
+
+    def completion_logprobs(self, entries: list, offset: int = 0) -> dict:
+        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``: an entry is
+        ``[token, logprob, [[id, logprob], ...]]`` or None (a prompt's first token, which
+        needs the token id: given as ``[token, None, None]``)."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}  # fmt: skip
+        for token, lp, top in entries:
+            s = self.text(token)
+            out["tokens"].append(s)
+            out["text_offset"].append(offset)
+            offset += len(s)
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(_finite(lp))
+            tops = {self.text(t): _finite(v) for t, v in top}
+            tops.setdefault(s, _finite(lp))  # vLLM also lists the chosen token
+            out["top_logprobs"].append(tops)
+        return out
+
+    def chat_logprobs(self, entries: list) -> dict:
+        def one(token: int, lp: float) -> dict:
+            return {"token": self.text(token), "logprob": _finite(lp), "bytes": self.raw(token)}
+
+        content = [
+            {**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
+            for token, lp, top in entries
+        ]
+        return {"content": content, "refusal": None}
+
+    def logprobs(self, entries: list | None, offset: int = 0) -> dict | None:
+        if entries is None or self.job.logprobs is None:
+            return None
+        if self.job.chat:
+            return self.chat_logprobs(entries)
+        return self.completion_logprobs(entries, offset)
 
 
-def _include_usage(body: dict) -> bool:
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
-        raise OpenAIError("'stream_options' must be {\"include_usage\": bool}", "stream_options")
-    return opts.get("include_usage", False)
+def _finite(x: float) -> float:
+    return -9999.0 if x == -math.inf or math.isnan(x) else x
 
 
-def _prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
-    """The prompts of a completion: a string, strings, token ids, or lists of token ids."""
-
-    def is_tokens(p: Any) -> bool:
-        return isinstance(p, list) and bool(p) and all(type(t) is int for t in p)
-
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = prompt
-    elif is_tokens(prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_tokens(p) for p in prompt):
-        prompts = prompt
-    else:
-        raise OpenAIError(
-            "'prompt' must be a string, a list of strings, a list of token ids or a list of "
-            f"lists of token ids, got {prompt!r:.100}",
-            "prompt",
-        )
-    for p in prompts:
-        bad = [t for t in p if not 0 <= t < vocab_size] if isinstance(p, list) else []
-        if bad:
-            raise OpenAIError(
-                f"'prompt' has token id {bad[0]}, outside the vocabulary (0 to {vocab_size - 1})",
-                "prompt",
-            )
-    return prompts
-
-
-def _messages(messages: Any) -> list[dict]:
-    """``[{"role", "content"}]`` with string contents (text content parts are joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError(
-            '\'messages\' must be a non-empty list of {"role", "content"} objects', "messages"
-        )
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise OpenAIError(f"'{where}' must be an object with a string 'role'", where)
-        content = m.get("content")
-        if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise OpenAIError(
-                f"'{where}.content' must be a string or a list of text parts, got {content!r:.100}",
-                f"{where}.content",
-            )
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def _check_length(length: int, max_tokens: int, max_position: int, what: str, name: str) -> None:
-    if length == 0:
-        raise OpenAIError(f"'{what}' is empty: give at least one token to continue from", what)
-    if length + max(max_tokens, 1) > max_position:
-        raise OpenAIError(
-            f"this model's maximum context length is {max_position} tokens, but the {what} has "
-            f"{length} and '{name}' asks for {max_tokens} more: shorten the {what} or lower "
-            f"'{name}'",
-            name,
-        )
-
-
-# ---------------------------------------------------------------------- running and answering
+def _prompt_entries(prompt: dict) -> list:
+    lps = prompt.get("logprobs")
+    if lps is None:
+        return [[t, None, None] for t in prompt["tokens"]]
+    return [[t, None, None] if e is None else e for t, e in zip(prompt["tokens"], lps, strict=True)]
 
 
 class Run:
@@ -312,16 +274,20 @@ class Run:
         self.server = server
         self.job = job
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
         self.program = session or f"request:{self.id}"  # its entry in the process table
+        self.created = int(time.time())
+        self.writer = Writer(server.controller.models[job.model].tokenizer, job)
+        self.clock = metrics.RequestClock(job.endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         tasks: list[asyncio.Task] = []
+        answer = None
         try:
             for k, arg in enumerate(self.job.args):
                 instance = self.server.launch(self.job.program, [arg], owner=self)
                 self.server.controller.programs.join(instance.id, self.program)
+                self.clock.watch(instance.id)
                 tasks.append(asyncio.create_task(_pump(k, instance, events)))
             reply = self._stream(events, send) if self.job.stream else self._reply(events, send)
             answer = asyncio.create_task(reply)
@@ -332,8 +298,11 @@ class Run:
             for task in tasks:
                 task.cancel()
             self.server.disown(self)  # ends the instances still running
-        if answer.done() and not answer.cancelled():
+            self.clock.close()
+        if answer is not None and answer.done() and not answer.cancelled():
             answer.result()  # raises what the answer raised
+
+    # ------------------------------------------------------------------ plain answers
 
     async def _reply(self, events: asyncio.Queue, send: Send) -> None:
         results: dict[int, dict] = {}
@@ -344,14 +313,16 @@ class Run:
                     results[k] = json.loads(result)
                 case Failed() | Terminated():
                     error = _instance_error(ev)
+                    metrics.request_done(self.job.endpoint, error.status)
                     await _send_json(send, error.status, error.body())
                     return
         n = self.job.n
         choices = [
-            self._choice(k * n + c["index"], c)
+            self._choice(k * n + c["index"], c, results[k]["prompt"])
             for k in sorted(results)
             for c in results[k]["choices"]
         ]
+        usage = _total(r["usage"] for r in results.values())
         body = {
             "id": self.id,
             "object": "chat.completion" if self.job.chat else "text_completion",
@@ -359,16 +330,50 @@ class Run:
             "model": self.job.model,
             "system_fingerprint": None,
             "choices": choices,
-            "usage": _total(r["usage"] for r in results.values()),
+            "usage": usage,
         }
+        metrics.request_done(self.job.endpoint, 200, usage)
         await _send_json(send, 200, body)
 
-    def _choice(self, index: int, c: dict) -> dict:
+    def _choice(self, index: int, c: dict, prompt: dict) -> dict:
+        w, finish = self.writer, c["finish_reason"]
         if self.job.chat:
-            body = {"message": {"role": "assistant", "content": c["text"], "refusal": None}}
+            message, finish = self._message(c["text"], finish)
+            body = {"message": message, "logprobs": w.logprobs(c["logprobs"])}
+        elif self.job.echo:
+            prompt_text = w.tok.decode(prompt["tokens"])
+            entries = None
+            if c["logprobs"] is not None:
+                entries = _prompt_entries(prompt) + c["logprobs"]
+            body = {"text": prompt_text + c["text"], "logprobs": w.logprobs(entries)}
         else:
-            body = {"text": c["text"]}
-        return {"index": index, **body, "logprobs": None, "finish_reason": c["finish_reason"]}
+            body = {"text": c["text"], "logprobs": w.logprobs(c["logprobs"])}
+        return {"index": index, **body, "finish_reason": finish}
+
+    def _message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The assistant message of a chat choice, with its tool calls read from the text."""
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        tools = self.job.tools
+        calls: list[ToolCall] = []
+        if tools is None:
+            return message, finish
+        if tools.mode == "auto":
+            content, calls = tools.fmt.parse(text)
+        elif tools.mode == "named":
+            content, calls = None, [ToolCall(tools.name, text, new_call_id())]
+        else:
+            try:
+                content, calls = None, parse_required(text)
+            except ValueError:  # cut short by max_tokens: not a complete call
+                return message, finish
+        if calls:
+            message["content"] = content
+            message["tool_calls"] = [c.to_openai() for c in calls]
+            if tools.mode != "named" and finish == "stop":
+                finish = "tool_calls"
+        return message, finish
+
+    # ------------------------------------------------------------------ streams
 
     async def _stream(self, events: asyncio.Queue, send: Send) -> None:
         headers = [
@@ -383,37 +388,69 @@ class Run:
             await send({"type": "http.response.body", "body": body, "more_body": True})
 
         n = self.job.n
+        states: dict[int, _ChoiceStream] = {}
+
+        def state(i: int) -> _ChoiceStream:
+            if i not in states:
+                states[i] = _ChoiceStream(self.job, self.writer)
+            return states[i]
+
         if self.job.chat:  # one prompt
             for i in range(n):
                 await emit(self._chunk(i, {"role": "assistant", "content": ""}))
-        usages, left = [], len(self.job.args)
+        usages, left, failed = [], len(self.job.args), False
         while left:
             k, ev = await events.get()
             match ev:
                 case Message(text):
                     m = json.loads(text)
-                    await emit(self._chunk(k * n + m["index"], m["delta"]))
+                    if "prompt" in m:  # the echo of a completion, first
+                        prompt = m["prompt"]
+                        entries = _prompt_entries(prompt) if prompt["logprobs"] else None
+                        for i in range(n):
+                            st = state(k * n + i)
+                            lps = self.writer.logprobs(entries, st.offset)
+                            st.offset += len(self.writer.tok.decode(prompt["tokens"]))
+                            await emit(self._chunk(k * n + i, self.writer.tok.decode(prompt["tokens"]), logprobs=lps))  # fmt: skip
+                        continue
+                    i = k * n + m["index"]
+                    for delta, lps in state(i).feed(m["delta"], m["logprobs"]):
+                        await emit(self._chunk(i, delta, logprobs=lps))
                 case Finished(result):
                     done = json.loads(result)
                     usages.append(done["usage"])
                     for c in done["choices"]:
-                        await emit(self._chunk(k * n + c["index"], None, c["finish_reason"]))
+                        i = k * n + c["index"]
+                        for delta, lps, end in state(i).finish(c, c["finish_reason"]):
+                            await emit(self._chunk(i, delta, end, lps))
                     left -= 1
                 case Failed() | Terminated():
-                    await emit(_instance_error(ev).body())
+                    error = _instance_error(ev)
+                    metrics.request_done(self.job.endpoint, error.status)
+                    await emit(error.body())
+                    failed = True
                     break
-        if not left and self.job.include_usage:
-            await emit({**self._chunk(0, None), "choices": [], "usage": _total(usages)})
+        if not failed:
+            usage = _total(usages)
+            metrics.request_done(self.job.endpoint, 200, usage)
+            if self.job.include_usage:
+                await emit({**self._chunk(0, None), "choices": [], "usage": usage})
         await emit("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    def _chunk(self, index: int, delta: str | dict | None, finish: str | None = None) -> dict:
-        """One choice's piece of a stream: text (or, in chat, the role), or its finish."""
+    def _chunk(
+        self,
+        index: int,
+        delta: str | dict | None,
+        finish: str | None = None,
+        logprobs: dict | None = None,
+    ) -> dict:
+        """One choice's piece of a stream: text (or, in chat, a delta object), or its finish."""
         if self.job.chat:
             piece = {"delta": {"content": delta} if isinstance(delta, str) else delta or {}}
         else:
             piece = {"text": delta or ""}
-        choice = {"index": index, **piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, **piece, "logprobs": logprobs, "finish_reason": finish}
         chunk = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.job.chat else "text_completion",
@@ -425,6 +462,82 @@ class Run:
         if self.job.include_usage:
             chunk["usage"] = None
         return chunk
+
+
+class _ChoiceStream:
+    """The stream of one choice: text deltas (or tool call deltas) and their logprobs."""
+
+    def __init__(self, job: Job, writer: Writer) -> None:
+        self.job, self.writer = job, writer
+        self.sent_logprobs = 0  # log-probability entries streamed
+        self.offset = 0  # characters streamed (completions' text_offset)
+        self.text = ""
+        self.calls = 0
+        tools = job.tools
+        self.tool_stream = tools.fmt.stream() if tools and tools.mode == "auto" else None
+
+    def _lps(self, entries: list | None) -> dict | None:
+        if not entries:
+            return None
+        self.sent_logprobs += len(entries)
+        lps = self.writer.logprobs(entries, self.offset)
+        return lps
+
+    def feed(self, delta: str, entries: list | None) -> list[tuple[Any, dict | None]]:
+        """Chunks for a text delta of the inferlet."""
+        lps = self._lps(entries)
+        self.text += delta
+        tools = self.job.tools
+        if tools is None:
+            self.offset += len(delta)
+            return [(delta, lps)]
+        if tools.mode == "required":
+            return [({}, lps)] if lps else []
+        if tools.mode == "named":
+            first = self.calls == 0
+            self.calls = 1
+            fn: dict[str, Any] = {"arguments": delta}
+            call: dict[str, Any] = {"index": 0, "function": fn}
+            if first:
+                call.update(id=new_call_id(), type="function")
+                fn["name"] = tools.name
+            return [({"tool_calls": [call]}, lps)]
+        shown, calls = self.tool_stream.feed(delta)
+        out: list[tuple[Any, dict | None]] = []
+        if shown or lps:
+            out.append((shown, lps))
+        for c in calls:
+            out.append(({"tool_calls": [c.to_openai(self.calls)]}, None))
+            self.calls += 1
+        return out
+
+    def finish(self, c: dict, finish: str) -> list[tuple[Any, dict | None, str | None]]:
+        """The last chunks: what is left of the text and the logprobs, then the finish."""
+        rest = c["logprobs"][self.sent_logprobs :] if c["logprobs"] is not None else None
+        lps = self._lps(rest)
+        out: list[tuple[Any, dict | None, str | None]] = []
+        tools = self.job.tools
+        if tools is not None and tools.mode == "required":
+            try:
+                calls = parse_required(c["text"])
+            except ValueError:
+                calls = []
+            for i, call in enumerate(calls):
+                out.append(({"tool_calls": [call.to_openai(i)]}, None, None))
+            self.calls = len(calls)
+        elif tools is not None and tools.mode == "named" and self.calls == 0:
+            call = ToolCall(tools.name, c["text"], new_call_id())
+            out.append(({"tool_calls": [call.to_openai(0)]}, None, None))
+            self.calls = 1
+        elif self.tool_stream is not None:
+            rest_text = self.tool_stream.close()
+            if rest_text:
+                out.append((rest_text, None, None))
+        if self.calls and tools is not None and tools.mode != "named" and finish == "stop":
+            finish = "tool_calls"
+        empty: Any = {} if self.job.chat else ""
+        out.append((empty, lps, finish))
+        return out
 
 
 async def _pump(k: int, instance: Instance, events: asyncio.Queue) -> None:
@@ -458,4 +571,5 @@ def _total(usages) -> dict:
     for u in usages:
         for key in total:
             total[key] += u[key]
-    return total
+    # cached_tokens: 0 until the prefix cache (issue 11) reports what it reused
+    return {**total, "prompt_tokens_details": {"cached_tokens": 0}}

@@ -1,0 +1,493 @@
+"""Checking OpenAI requests: a request body in, a :class:`Job` out (or an
+:class:`OpenAIError` naming the bad parameter).
+
+Every parameter of the body is either implemented or rejected with a 400 that names it,
+never ignored: :data:`COMPLETION_FIELDS` and :data:`CHAT_FIELDS` are what is accepted
+(OpenAI's parameters plus vLLM's extensions, with vLLM's meaning); ``null`` is the same as
+leaving a parameter out. The generation options become the JSON argument of the built-in
+inferlets (``text-completion``, ``chat``), which run them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from pastry.server.openai_tools import (
+    HermesFormat,
+    ToolCallFormat,
+    inline_tools,
+    named_schema,
+    required_schema,
+    template_messages,
+)
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+_COMMON = {
+    "model", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
+    "logit_bias", "frequency_penalty", "presence_penalty", "user", "max_tokens",
+    "response_format",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+}  # fmt: skip
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"})
+CHAT_FIELDS = frozenset(
+    _COMMON
+    | {
+        "messages",
+        "logprobs",
+        "top_logprobs",
+        "max_completion_tokens",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    }
+)
+TOOL_FORMAT: ToolCallFormat = HermesFormat()
+
+
+class OpenAIError(Exception):
+    """A failed request, answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.param, self.status, self.code, self.kind = param, status, code, kind
+
+    def body(self) -> dict:
+        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """How the endpoint reads tool calls from the outputs of a chat request."""
+
+    mode: str  # "auto" (parse the model's format), "required" (a JSON array), "named"
+    name: str | None = None  # the function, when named
+    fmt: ToolCallFormat = field(default=TOOL_FORMAT)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A checked request: one instance of the built-in per argument, and how to answer."""
+
+    chat: bool
+    model: str
+    args: tuple[str, ...]  # the JSON argument of each instance (one per prompt)
+    n: int  # choices per instance
+    stream: bool
+    include_usage: bool
+    logprobs: int | None = None  # top log-probabilities per token; None: no logprobs
+    echo: bool = False
+    tools: Tools | None = None
+
+    @property
+    def program(self) -> str:
+        return "chat" if self.chat else "text-completion"
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+def parse_completion(model, body: dict) -> Job:
+    """``model``: the served model (``controller.models[name]``)."""
+    _known(body, COMPLETION_FIELDS)
+    prompts = _prompts(body.get("prompt"), model)
+    echo = _get(body, "echo", bool, False, lambda v: True, "true or false")
+    least = 0 if echo else 1
+    max_tokens = _get(body, "max_tokens", int, 16, lambda v: v >= least, f"an integer >= {least}")
+    for p in prompts:
+        _check_length(len(p), max_tokens, model.info.max_position, "prompt", "max_tokens")
+    if body.get("suffix") not in (None, ""):
+        raise OpenAIError(
+            "'suffix' is not supported by this server (no fill-in-the-middle)", "suffix"
+        )
+    logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")  # fmt: skip
+    opts = _options(body, model, max_tokens, logprobs)
+    opts["echo"] = echo
+    best_of = _get(body, "best_of", int, None, lambda v: opts["n"] <= v <= MAX_N, f"an integer from n ({opts['n']}) to {MAX_N}")  # fmt: skip
+    if best_of is not None and best_of > opts["n"] and opts["stream"]:
+        raise OpenAIError("'best_of' greater than 'n' cannot be streamed", "best_of")
+    opts["best_of"] = best_of
+    args = tuple(json.dumps({"prompt": p, **opts}) for p in prompts)
+    return Job(
+        False, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs, echo
+    )
+
+
+def parse_chat(model, body: dict) -> Job:
+    _known(body, CHAT_FIELDS)
+    messages = _messages(body.get("messages"))
+    tools, choice, tool_list = _tools(body)
+    render = template_messages(messages)
+    template = model.tokenizer.chat_template or ""
+    if tool_list and choice is not None and "tools" not in template:
+        render = inline_tools(render, tool_list, TOOL_FORMAT)
+    try:
+        text = model.tokenizer.apply_chat_template(
+            render, add_generation_prompt=True, tools=tool_list or None
+        )
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise OpenAIError(
+            f"'messages' cannot be rendered with the chat template: {e}", "messages"
+        ) from None
+    prompt = model.tokenizer.encode(text)
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    room = model.info.max_position - len(prompt)
+    max_tokens = _get(body, name, int, room, lambda v: v >= 1, "an integer >= 1")
+    _check_length(len(prompt), max_tokens, model.info.max_position, "messages", name)
+    want = _get(body, "logprobs", bool, False, lambda v: True, "true or false")
+    top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")  # fmt: skip
+    if top is not None and not want:
+        raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    logprobs = (top or 0) if want else None
+    opts = _options(body, model, max_tokens, logprobs)
+    if tools is not None and tools.mode != "auto":
+        if opts["grammar"] is not None:
+            raise OpenAIError(
+                "a forced tool call cannot be combined with 'response_format' or structured "
+                "outputs",
+                "tool_choice",
+            )
+        if tools.mode == "named":
+            [tool] = [t for t in tool_list if t["function"]["name"] == tools.name]
+            opts["grammar"] = {"json_schema": named_schema(tool)}
+        else:
+            parallel = _get(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")  # fmt: skip
+            opts["grammar"] = {"json_schema": required_schema(tool_list, parallel)}
+        _compile("tools", opts["grammar"])
+    args = (json.dumps({"prompt": prompt, **opts}),)
+    return Job(
+        True, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs,
+        tools=tools,
+    )  # fmt: skip
+
+
+def _known(body: dict, fields: frozenset[str]) -> None:
+    for name in body:
+        if name not in fields and body[name] is not None:
+            raise OpenAIError(f"'{name}' is not supported by this server", name)
+
+
+def _get(body: dict, name: str, kinds, default, valid, what: str):
+    """``body[name]`` (``default`` when missing or null), checked to be ``what``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    is_bool = isinstance(value, bool)  # JSON true/false are not numbers here
+    if is_bool != (kinds is bool) or not isinstance(value, kinds) or not valid(value):
+        raise OpenAIError(f"'{name}' must be {what}, got {value!r}", name)
+    return value
+
+
+def _options(body: dict, model, max_tokens: int, logprobs: int | None) -> dict:
+    """The built-ins' generation options from the request's parameters."""
+    vocab = model.info.vocab_size
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise OpenAIError(f"'stop' must be a string or a list of strings, got {stop!r}", "stop")
+    number = (int, float)
+    n = _get(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"an integer from 1 to {MAX_N}")
+    top_k = _get(body, "top_k", int, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)")
+    min_tokens = _get(body, "min_tokens", int, 0, lambda v: 0 <= v <= max_tokens, f"an integer from 0 to the maximum tokens ({max_tokens})")  # fmt: skip
+    return {
+        "model": model.name,
+        "max_tokens": max_tokens,
+        "temperature": _get(
+            body, "temperature", number, 1.0, lambda v: 0 <= v <= 2, "a number from 0 to 2"
+        ),
+        "top_p": _get(body, "top_p", number, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": max(top_k, 0),
+        "min_p": _get(body, "min_p", number, 0.0, lambda v: 0 <= v <= 1, "a number from 0 to 1"),
+        "seed": _get(body, "seed", int, None, lambda v: -(2**63) <= v < 2**63, "a 64-bit integer"),
+        "stop": stop or [],
+        "stop_token_ids": _token_list(body, "stop_token_ids", vocab),
+        "ignore_eos": _get(body, "ignore_eos", bool, False, lambda v: True, "true or false"),
+        "min_tokens": min_tokens,
+        "n": n,
+        "stream": _get(body, "stream", bool, False, lambda v: True, "true or false"),
+        "logprobs": logprobs,
+        "logit_bias": _logit_bias(body.get("logit_bias"), vocab),
+        "frequency_penalty": _get(
+            body, "frequency_penalty", number, 0.0, lambda v: -2 <= v <= 2, "a number from -2 to 2"
+        ),
+        "presence_penalty": _get(
+            body, "presence_penalty", number, 0.0, lambda v: -2 <= v <= 2, "a number from -2 to 2"
+        ),
+        "repetition_penalty": _get(
+            body, "repetition_penalty", number, 1.0, lambda v: 0 < v <= 10, "a number in (0, 10]"
+        ),
+        "grammar": _grammar(body),
+    }
+
+
+def _token_list(body: dict, name: str, vocab: int) -> list[int]:
+    value = body.get(name) or []
+    if not (isinstance(value, list) and all(type(t) is int and 0 <= t < vocab for t in value)):
+        raise OpenAIError(f"'{name}' must be a list of token ids below {vocab}", name)
+    return value
+
+
+def _logit_bias(value: Any, vocab: int) -> dict[str, float]:
+    if not value:
+        return {}
+    if not isinstance(value, dict):
+        raise OpenAIError("'logit_bias' must map token ids to numbers", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise OpenAIError(
+                f"'logit_bias' has key {key!r}, not a token id below {vocab}", "logit_bias"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise OpenAIError(
+                f"'logit_bias' values must be numbers from -100 to 100, got {bias!r}", "logit_bias"
+            )
+        out[str(token)] = float(bias)
+    return out
+
+
+def _grammar(body: dict) -> dict | None:
+    """The grammar of ``response_format``, vLLM's ``structured_outputs`` or ``guided_*``
+    (at most one of them)."""
+    found: list[tuple[str, dict]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", {"json_schema": {"type": "object"}}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise OpenAIError(
+                    '\'response_format.json_schema\' must be {"name", "schema": {...}, "strict"}',
+                    "response_format",
+                )
+            found.append(("response_format", {"json_schema": schema}))
+        elif kind != "text":
+            raise OpenAIError(
+                '\'response_format\' must be {"type": "text" | "json_object" | '
+                f'"json_schema"}}, got {fmt!r:.100}',
+                "response_format",
+            )
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise OpenAIError("'structured_outputs' must be an object", "structured_outputs")
+        for key, value in so.items():
+            if value is None or value is False:
+                continue
+            where = f"structured_outputs.{key}"
+            if key not in ("json", "regex", "choice", "grammar", "json_object"):
+                raise OpenAIError(f"'{where}' is not supported by this server", where)
+            found.append((where, _guided(key, value, where)))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = body.get(f"guided_{key}")
+        if value is not None:
+            found.append((f"guided_{key}", _guided(key, value, f"guided_{key}")))
+    if len(found) > 1:
+        names = ", ".join(f"'{w}'" for w, _ in found)
+        raise OpenAIError(f"give one output constraint, not {names}", found[1][0])
+    if not found:
+        return None
+    where, grammar = found[0]
+    _compile(where, grammar)
+    return grammar
+
+
+def _guided(kind: str, value: Any, where: str) -> dict:
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise OpenAIError(f"'{where}' is not valid JSON", where) from None
+        if not isinstance(value, dict):
+            raise OpenAIError(f"'{where}' must be a JSON schema object", where)
+        return {"json_schema": value}
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise OpenAIError(f"'{where}' must be a non-empty list of strings", where)
+        return {"regex": "(" + "|".join(re.escape(c) for c in value) + ")"}
+    if not isinstance(value, str):
+        raise OpenAIError(f"'{where}' must be a string", where)
+    return {"regex": value} if kind == "regex" else {"lark": value}
+
+
+def _compile(where: str, grammar: dict) -> None:
+    """Compile the grammar once here, so that a bad one is a 400, not a failed instance."""
+    from pastry.sdk.grammar import compile_grammar
+
+    try:
+        compile_grammar(grammar)
+    except ValueError as e:
+        raise OpenAIError(f"'{where}' is not a valid output constraint: {e}", where) from None
+
+
+def _tools(body: dict) -> tuple[Tools | None, str | None, list[dict]]:
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        and isinstance(t["function"].get("parameters", {}) or {}, dict)
+        for t in tools
+    ):
+        raise OpenAIError(
+            '\'tools\' must be a list of {"type": "function", "function": {"name", '
+            '"description", "parameters"}}',
+            "tools",
+        )
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    names = [t["function"]["name"] for t in tools]
+    if choice == "none":
+        return None, None, tools
+    if not tools:
+        raise OpenAIError("'tool_choice' needs 'tools'", "tool_choice")
+    if choice in ("auto", "required"):
+        return Tools(choice), choice, tools
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise OpenAIError(
+                f"'tool_choice' names function {name!r}, not one of the tools ({names})",
+                "tool_choice",
+            )
+        return Tools("named", name), "named", tools
+    raise OpenAIError(
+        '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", '
+        f'"function": {{"name": ...}}}}, got {choice!r:.100}',
+        "tool_choice",
+    )
+
+
+def _include_usage(body: dict) -> bool:
+    opts = body.get("stream_options") or {}
+    if (
+        not isinstance(opts, dict)
+        or set(opts) - {"include_usage"}
+        or not isinstance(opts.get("include_usage", False), bool)
+    ):
+        raise OpenAIError("'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    return opts.get("include_usage", False)
+
+
+def _prompts(prompt: Any, model) -> list[list[int]]:
+    """The prompts of a completion as token ids: a string, strings, token ids, or lists of
+    token ids."""
+    vocab = model.info.vocab_size
+
+    def is_tokens(p: Any) -> bool:
+        return isinstance(p, list) and bool(p) and all(type(t) is int for t in p)
+
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    elif is_tokens(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(is_tokens(p) for p in prompt):
+        prompts = prompt
+    else:
+        raise OpenAIError(
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of "
+            f"lists of token ids, got {prompt!r:.100}",
+            "prompt",
+        )
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            p = model.tokenizer.encode(p)
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(
+                f"'prompt' has token id {bad[0]}, outside the vocabulary (0 to {vocab - 1})",
+                "prompt",
+            )
+        out.append(p)
+    return out
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _messages(messages: Any) -> list[dict]:
+    """Messages with string contents (text parts joined); assistant ``tool_calls`` and
+    ``tool_call_id`` kept for the template; ``developer`` is ``system``."""
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError(
+            '\'messages\' must be a non-empty list of {"role", "content"} objects', "messages"
+        )
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise OpenAIError(f"'{where}' must be an object with a 'role' in {_ROLES}", where)
+        content = m.get("content")
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            content = "".join(p["text"] for p in content)
+        calls = m.get("tool_calls")
+        if content is None and m["role"] == "assistant" and calls:
+            content = ""
+        if not isinstance(content, str):
+            raise OpenAIError(
+                f"'{where}.content' must be a string or a list of text parts, got {content!r:.100}",
+                f"{where}.content",
+            )
+        msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
+        msg["content"] = content
+        if calls:
+            if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+            ):
+                raise OpenAIError(f"'{where}.tool_calls' must be a list of calls", where)
+            msg["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
+    return out
+
+
+def _check_length(length: int, max_tokens: int, max_position: int, what: str, name: str) -> None:
+    if length == 0:
+        raise OpenAIError(f"'{what}' is empty: give at least one token to continue from", what)
+    if length + max(max_tokens, 1) > max_position:
+        raise OpenAIError(
+            f"this model's maximum context length is {max_position} tokens, but the {what} has "
+            f"{length} and '{name}' asks for {max_tokens} more: shorten the {what} or lower "
+            f"'{name}'",
+            name,
+        )
