@@ -230,9 +230,10 @@ def inline_tools(messages: list[dict], tools: list[dict], fmt: ToolCallFormat) -
                 for c in calls
             )
             content = f"{content}\n{written}".strip()
-        if m["role"] == "tool":
-            content = f"<tool_response>\n{content}\n</tool_response>"
-        out.append({"role": m["role"], "content": content})
+        role = m["role"]
+        if role == "tool":  # as a user turn: templates without tools know no tool role
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": role, "content": content})
     text = fmt.instructions(tools)
     if out and out[0]["role"] == "system":
         out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{text}"}
