@@ -38,6 +38,7 @@ async def main(args):
     out["greedy"] = await px.sample(q, emb[n], logprobs=5)
     out["plain"] = await px.sample(q, emb[n])
     out["masked"] = await px.sample(q, emb[n], mask=mask, logprobs=2)
+    out["long_mask"] = await px.sample(q, emb[n], mask=mask + bytes(4))  # as llguidance may
     out["hot"] = [await px.sample(q, emb[n], 2.0, seed=s, mask=mask) for s in range(20)]
     out["biased"] = await px.sample(q, emb[n], logit_bias=[(allowed[3], 100.0)])
     top = out["greedy"][0]
@@ -62,6 +63,7 @@ def check(out: dict) -> None:
     assert lps == sorted(lps, reverse=True)
     assert out["masked"][0] in allowed and len(out["masked"][2]) == 2
     assert out["masked"][2] == ids[:2]  # raw log-probabilities, before the mask
+    assert out["long_mask"] == out["masked"][0]
     assert all(t in allowed for t in out["hot"]) and len(set(out["hot"])) > 1
     assert out["biased"] == out["allowed"][3]
     assert set(out["masked_dist"][0]) <= allowed

@@ -230,7 +230,8 @@ class InferletApi(Protocol):
         Logit processing on the device, before temperature and the top-k / top-p / min-p
         filters, in this order: ``mask``, the allowed tokens as a packed bitmask (bit
         ``t % 32`` of little-endian 32-bit word ``t // 32``: what llguidance's
-        ``compute_bitmask()`` returns; ``(vocab_size + 31) // 32`` words); ``logit_bias``,
+        ``compute_bitmask()`` returns; at least ``(vocab_size + 31) // 32`` words, bits past
+        the vocabulary ignored); ``logit_bias``,
         ``(token, bias)`` pairs added to the logits; penalties over a token history (vLLM's
         semantics): a token in ``penalty_tokens`` (the generated ones) or ``penalty_prompt``
         has its logit divided by ``repetition_penalty`` if positive, multiplied if

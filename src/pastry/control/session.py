@@ -469,12 +469,14 @@ class Session:
             if not isinstance(mask, bytes | bytearray | memoryview):
                 raise ApiError(f"mask must be bytes (a packed bitmask), got {type(mask).__name__}")
             want = mask_words(vocab) * 4
-            if len(mask) != want:
+            if len(mask) < want or len(mask) % 4:
                 raise ApiError(
-                    f"mask must be {want} bytes (one bit per token of the {vocab} output "
-                    f"rows, packed in 32-bit words), got {len(mask)}"
+                    f"mask must be at least {want} bytes of whole 32-bit words (one bit per "
+                    f"token of the {vocab} output rows), got {len(mask)}"
                 )
-            proc["mask"] = np.frombuffer(bytes(mask), dtype="<i4").astype(np.int32, copy=False)
+            # llguidance may hand over a word more than the rows need: bits past them are moot
+            words = np.frombuffer(bytes(mask[:want]), dtype="<i4")
+            proc["mask"] = words.astype(np.int32, copy=False)
         if logit_bias:
             try:
                 pairs = [(int(t), float(b)) for t, b in logit_bias]

@@ -33,20 +33,39 @@ class Processed(Protocol):
     presence_penalty: float
 
 
-_LUT: dict[torch.device, torch.Tensor] = {}
+_LUTS: dict[tuple[torch.device, bool], torch.Tensor] = {}
+
+
+def _lut(device: torch.device, additive: bool) -> torch.Tensor:
+    """Byte value -> its 8 bits, least significant first: as bool, or as logit addends
+    (0 for a set bit, -inf for a clear one)."""
+    lut = _LUTS.get((device, additive))
+    if lut is None:
+        byte = torch.arange(256, dtype=torch.int32, device=device)
+        bits = ((byte[:, None] >> torch.arange(8, device=device)) & 1).bool()
+        lut = torch.where(bits, 0.0, float("-inf")) if additive else bits.to(torch.uint8)
+        _LUTS[(device, additive)] = lut
+    return lut
+
+
+def _expand(words: torch.Tensor, vocab: int, additive: bool) -> torch.Tensor:
+    as_bytes = words.contiguous().view(torch.uint8).long()  # [R, 4 W], little-endian
+    # an embedding lookup is the fastest byte -> 8 values expansion on CPU (measured:
+    # ~10x a bool masked_fill over the same logits)
+    out = torch.nn.functional.embedding(as_bytes, _lut(words.device, additive))
+    return out.reshape(words.shape[0], -1)[:, :vocab]
 
 
 def unpack_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     """Bool ``[R, vocab]`` from packed int32 bitmask words ``[R, W]`` (bit ``t % 32`` of
     word ``t // 32`` is token ``t``; little-endian bytes, as llguidance writes them)."""
-    lut = _LUT.get(words.device)
-    if lut is None:  # byte value -> its 8 bits, least significant first
-        byte = torch.arange(256, dtype=torch.int32, device=words.device)
-        lut = _LUT[words.device] = (
-            (byte[:, None] >> torch.arange(8, device=words.device)) & 1
-        ).bool()
-    as_bytes = words.contiguous().view(torch.uint8)  # [R, 4 W], little-endian
-    return lut[as_bytes.long()].reshape(words.shape[0], -1)[:, :vocab]
+    return _expand(words, vocab, additive=False).bool()
+
+
+def mask_addend(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 ``[R, vocab]``: 0 for the allowed tokens of packed bitmask ``words``, -inf
+    for the others (add it to the logits)."""
+    return _expand(words, vocab, additive=True)
 
 
 def mask_allows_any(mask: np.ndarray, vocab: int) -> bool:
@@ -144,9 +163,11 @@ class LogitsProcessor:
         """Process float32 ``logits [R, V]`` in place (and return them)."""
         vocab = logits.shape[1]
         if self.mask_rows is not None:
-            allowed = unpack_mask(self.mask_words, vocab)
-            rows = logits.index_select(0, self.mask_rows)
-            logits.index_copy_(0, self.mask_rows, rows.masked_fill_(~allowed, float("-inf")))
+            addend = mask_addend(self.mask_words, vocab)
+            if len(self.mask_rows) == len(logits):
+                logits.add_(addend)
+            else:
+                logits.index_add_(0, self.mask_rows, addend)
         if self.bias_rows is not None:
             logits.index_put_((self.bias_rows, self.bias_ids), self.bias_values, accumulate=True)
         if self.pen_rows is not None:
