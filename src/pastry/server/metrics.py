@@ -76,9 +76,11 @@ class RequestClock:
         self.start = time.perf_counter()
         self.first: float | None = None
         self.last: dict[int, float] = {}  # queue id -> time of its last token
+        self.instances: list[int] = []
 
     def watch(self, instance: int) -> None:
         _clocks[instance] = self
+        self.instances.append(instance)
 
     def token(self, qid: int, now: float) -> None:
         if self.first is None:
@@ -90,8 +92,9 @@ class RequestClock:
         self.last[qid] = now
 
     def close(self) -> None:
-        for iid in [i for i, c in _clocks.items() if c is self]:
-            _clocks.pop(iid, None)
+        for iid in self.instances:
+            if _clocks.get(iid) is self:
+                del _clocks[iid]
 
 
 def request_done(endpoint: str, status: int, usage: dict | None = None) -> None:

@@ -20,7 +20,6 @@ import logging
 import math
 import time
 import uuid
-from functools import lru_cache
 from typing import Any
 
 from starlette.requests import Request
@@ -207,10 +206,15 @@ class Writer:
         self.tok = tokenizer
         self.job = job
         self._vocab: list[bytes] | None = None
+        self._text: dict[int, str] = {}
 
-    @lru_cache(maxsize=65536)  # noqa: B019 -- one Writer per request
     def text(self, token: int) -> str:
-        return self.tok.decode([token])
+        """A token's text as vLLM shows it (the decoding of that token alone)."""
+        s = self._text.get(token)
+        if s is None:
+            raw = bytes(self.raw(token))
+            s = self._text[token] = self.tok.decode([token]) if raw else ""
+        return s
 
     def raw(self, token: int) -> list[int]:
         if self._vocab is None:
