@@ -250,3 +250,42 @@ def test_bad_processing_fails_alone(eng, kw, message):
     bad, good = eng.execute([Sample(out, **kw), Sample(out)])
     assert isinstance(bad, CallError) and message in bad.message, bad
     assert isinstance(good, int)
+
+
+def test_logprobs_equal_transformers_on_real_weights(smollm2_gguf):
+    """SmolLM2-135M-Instruct: sampled and prompt log-probabilities against transformers
+    reading the same GGUF (dequantized to float32 on both sides)."""
+    pytest.importorskip("gguf", reason="transformers reads GGUF through the gguf package")
+    from transformers import AutoModelForCausalLM
+
+    from pastry.engine.config import CheckpointError
+    from pastry.engine.tokenizer import Tokenizer
+
+    try:
+        eng = Engine.load(smollm2_gguf, EngineConfig(dtype="float32", **POOLS))
+    except CheckpointError as e:
+        pytest.skip(f"this build cannot load a GGUF file yet ({e})")
+    hf = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+    tok = Tokenizer.from_json(eng.info.tokenizer_json, eng.info.chat_template)
+    toks = tok.encode("The capital of France is Paris, and the capital of Italy is")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([toks])).logits[0].float(), -1)
+    seq = Seq(Pages(eng))
+    (embed, fwd), out = seq.forward_calls(toks)
+    fwd = Forward(
+        in_embeds=fwd.in_embeds,
+        out_pages=fwd.out_pages,
+        out_embeds=fwd.out_embeds,
+        out_indices=fwd.out_indices,
+        positions=fwd.positions,
+        logprob_targets=ids([*toks[1:], -1]),
+        logprob_top=5,
+    )
+    _, lp, sampled = eng.execute([embed, fwd, Sample(out, logprobs=20)])
+    want = ref[torch.arange(len(toks) - 1), torch.tensor(toks[1:])].numpy()
+    np.testing.assert_allclose(lp.logprobs[:-1], want, atol=1e-3)
+    top_v, top_i = ref[-1].topk(20)
+    assert sampled.token == int(top_i[0])
+    np.testing.assert_allclose(sampled.top_logprobs, top_v.numpy(), atol=1e-3)
