@@ -338,7 +338,7 @@ def set_at(path, value):
         (set_at([2, 0, 2, 8, 1, 0], [0, [-2, -2]]), "bad array shape"),
         (set_at([2, 0, 2, 8, 1, 0], [0, 4]), "an array is"),
         (set_at([2, 0, 2, 1, 1, 0], 4), "do not fill"),  # float16: 1 int64 = 4 halves
-        (set_at([2, 0, 2, 8, 1, 0], None), "bad array frame"),  # mask None: its frame is misread
+        (set_at([2, 0, 2, 8, 1, 0], None), "left over"),  # mask may be None: frame unused
         (set_at([2, 0, 2, 1], [2, [None]]), "ctx_pages: None is not allowed"),
     ],
 )
@@ -416,3 +416,19 @@ def test_random_corruption_never_escapes_codec_error():
         except CodecError:
             outcomes["error"] += 1
     assert outcomes["error"] > 500
+
+
+def test_default_array_fields_cost_no_frames():
+    """A Sample without logit processing carries its empty array fields in the header."""
+    plain = [Sample(embed=i, temperature=0.5, seed=i) for i in range(64)]
+    frames = encode_batch(plain)
+    assert len(frames) == 1
+    out = decode_batch(wire(frames))
+    assert_all_same(plain, out)
+    assert out[0].bias_values.dtype == np.float32 and out[0].penalty_tokens.dtype == np.int64
+    processed = [*plain, Sample(embed=1, bias_ids=ids([3]), bias_values=np.ones(1, np.float32))]
+    assert_all_same(processed, decode_batch(wire(encode_batch(processed))))
+    header = msgpack.unpackb(frames[0])
+    header[2][0][2][7] = [3, 99]  # bias_ids: EMPTIES of an unknown dtype
+    with pytest.raises(CodecError, match="unknown dtype code"):
+        decode_batch([msgpack.packb(header)])

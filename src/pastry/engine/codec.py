@@ -13,7 +13,9 @@ dataclass field (in field order; plain ``None``/``int`` results form a one-colum
 - ``ARRAYS``: ``[dtype, lengths]`` — ``n`` 1-D arrays of one dtype, concatenated into the
   next frame (one frame per field per run, not one per array: tens of µs per 128 calls);
 - ``EACH``: ``n`` items, each ``None`` or ``[dtype, shape]`` taking the next frame (masks
-  and other N-D or mixed-dtype arrays).
+  and other N-D or mixed-dtype arrays);
+- ``EMPTIES``: ``dtype`` — ``n`` empty 1-D arrays, no frame (the optional array fields a
+  call leaves at their default, e.g. a ``Sample`` without logit processing).
 
 Frames are consumed in order; every one must be used. Decoding never executes anything
 (no pickle, no msgpack ext hooks) and checks every tag, field count, value type (against
@@ -68,7 +70,7 @@ class CodecError(ValueError):
 
 
 _KIND_BATCH, _KIND_RESULTS, _KIND_INFO = 1, 2, 3
-_VALUES, _ARRAYS, _EACH = 0, 1, 2
+_VALUES, _ARRAYS, _EACH, _EMPTIES = 0, 1, 2, 3
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _NDARRAY_ONLY = frozenset({np.ndarray})
 _NP_INTS = frozenset(t for t in set(np.sctypeDict.values()) if issubclass(t, np.integer))
@@ -234,6 +236,10 @@ def _encode_column(spec: _Spec, i: int, values: tuple, frames: Frames, checked: 
         )
     if np.ndarray not in types:
         return [_VALUES, values]
+    if types == _NDARRAY_ONLY and not any(v.size for v in values):  # all empty: no frame
+        dtypes = {v.dtype for v in values}
+        if len(dtypes) == 1 and all(v.ndim == 1 for v in values):
+            return [_EMPTIES, _dtype_code(values[0].dtype, spec, i)]
     if types == _NDARRAY_ONLY:  # fast path: all 1-D arrays of one dtype -> one frame
         try:
             data = np.concatenate(values, dtype=values[0].dtype, casting="no")
@@ -336,6 +342,8 @@ def _decode_column(spec: _Spec, i: int, column: Any, n: int, buffers) -> Sequenc
     if kind == _EACH:
         _check_len(payload, n, where)
         return [_decode_array(item, allowed, buffers, where) for item in payload]
+    if kind == _EMPTIES:
+        return [np.zeros(0, _dtype(payload, where))] * n
     raise CodecError(f"{where}: unknown column kind {kind!r:.20}")
 
 
