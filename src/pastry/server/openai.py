@@ -35,6 +35,7 @@ from pastry.server.openai_params import (
     MAX_N,
     Job,
     OpenAIError,
+    check_messages,
     parse_chat,
     parse_completion,
 )
@@ -147,8 +148,6 @@ def _tokenize(m, body: dict) -> list[int]:
     "add_generation_prompt"}``."""
     special = body.get("add_special_tokens")
     if "messages" in body:
-        from pastry.server.openai_params import _messages
-
         add = body.get("add_generation_prompt", True)
         if not isinstance(add, bool):
             raise OpenAIError(
@@ -156,7 +155,7 @@ def _tokenize(m, body: dict) -> list[int]:
             )
         try:
             text = m.tokenizer.apply_chat_template(
-                _messages(body["messages"]), add_generation_prompt=add
+                check_messages(body["messages"]), add_generation_prompt=add
             )
         except ValueError as e:
             raise OpenAIError(f"'messages' cannot be rendered: {e}", "messages") from None

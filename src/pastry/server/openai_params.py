@@ -132,7 +132,7 @@ def parse_completion(model, body: dict) -> Job:
 
 def parse_chat(model, body: dict) -> Job:
     _known(body, CHAT_FIELDS)
-    messages = _messages(body.get("messages"))
+    messages = check_messages(body.get("messages"))
     tools, choice, tool_list = _tools(body)
     render = template_messages(messages)
     template = model.tokenizer.chat_template or ""
@@ -440,7 +440,7 @@ def _prompts(prompt: Any, model) -> list[list[int]]:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _messages(messages: Any) -> list[dict]:
+def check_messages(messages: Any) -> list[dict]:
     """Messages with string contents (text parts joined); assistant ``tool_calls`` and
     ``tool_call_id`` kept for the template; ``developer`` is ``system``."""
     if not isinstance(messages, list) or not messages:
