@@ -15,7 +15,7 @@ attention layers in a scoped forward context, not through every ``forward`` sign
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -56,6 +56,9 @@ class AttnMetadata:
     groups: list[AttnGroup]
     store_rows: torch.Tensor | None  # rows whose K/V are written; None = all rows
     store_slots: torch.Tensor | None  # [Hkv, S] where they go (head_index); None = nothing
+    # Called with the layer index after each decoder layer (its K/V are stored): the seam
+    # for sending K/V to another engine while later layers compute (engine/transfer.py).
+    on_layer: Callable[[int], None] | None = None
 
 
 _context: AttnMetadata | None = None
@@ -90,6 +93,12 @@ def forward_context(meta: AttnMetadata) -> Iterator[None]:
         yield
     finally:
         _context = None
+
+
+def layer_done(layer: int) -> None:
+    """The model ran decoder layer ``layer``: run the forward context's per-layer hook."""
+    if _context is not None and _context.on_layer is not None:
+        _context.on_layer(layer)
 
 
 def current_metadata() -> AttnMetadata:

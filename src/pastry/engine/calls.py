@@ -205,7 +205,28 @@ class SwapIn:
     pages: np.ndarray
 
 
-Call = EmbedTxt | Forward | NextDist | Sample | CopyKv | MaskKv | SwapOut | SwapIn
+@dataclass(frozen=True, slots=True, eq=False)
+class SendKv:
+    """Write K/V into another engine's pages, one-sided (microserving's ``remote_send``).
+
+    ``length`` tokens from slot ``src_offset`` of the concatenated ``src_pages`` of this
+    engine go to slot ``dst_offset`` of the concatenated ``dst_pages`` of the engine
+    reachable at ``peer`` (one of its ``EngineInfo.kv_peers``: ``shm:PATH`` on this host,
+    ``tcp://HOST:PORT`` across hosts); the peer's engine takes no part. In a batch with
+    ``Forward`` calls, each layer's K/V are sent as soon as the forward has computed that
+    layer (so slots written by the batch's forwards can be sent, overlapping transfer with
+    compute); the call completes when every write has landed.
+    """
+
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    length: int
+    peer: str
+    src_offset: int = 0
+    dst_offset: int = 0
+
+
+Call = EmbedTxt | Forward | NextDist | Sample | CopyKv | MaskKv | SwapOut | SwapIn | SendKv
 CALL_TYPES: tuple[type, ...] = (
     EmbedTxt,
     Forward,
@@ -215,6 +236,7 @@ CALL_TYPES: tuple[type, ...] = (
     MaskKv,
     SwapOut,
     SwapIn,
+    SendKv,
 )
 
 
@@ -282,3 +304,5 @@ class EngineInfo:
     chat_template: str | None
     special_tokens: dict[str, str] = field(default_factory=dict)
     adapters: tuple[str, ...] = ()  # LoRA adapter names, by id (Forward.adapter)
+    kv_peers: tuple[str, ...] = ()  # where peers write this engine's KV (SendKv.peer)
+    host: str = ""  # identifies the machine: engines of one host transfer KV through shm

@@ -52,6 +52,7 @@ from pastry.engine.calls import (
     Result,
     Sample,
     Sampled,
+    SendKv,
     SwapIn,
     SwapOut,
 )
@@ -133,6 +134,7 @@ _CALL_TAGS = {
     MaskKv: 6,
     SwapOut: 7,
     SwapIn: 8,
+    SendKv: 9,
 }
 assert set(_CALL_TAGS) == set(CALL_TYPES), "every call type needs a wire tag"
 _CALL_SPECS = {t: _Spec.of(tag, t) for t, tag in _CALL_TAGS.items()}

@@ -192,6 +192,9 @@ class EngineConfig:
     max_kv_pages: int = 1 << 16  # cap on derived page counts (CPU memory is shared)
     max_batch_tokens: int = 8192
     seed: int = 0
+    # A path (under /dev/shm) for a KV pool in shared memory, which peer engines on this
+    # host write into directly (engine/transfer.py); empty: private memory.
+    kv_shm: str = ""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -35,6 +35,7 @@ from pastry.engine.calls import (
     Result,
     Sample,
     Sampled,
+    SendKv,
     SwapIn,
     SwapOut,
     mask_words,
@@ -52,6 +53,7 @@ from pastry.engine.lora import Adapter, plan_adapters, use_adapters
 from pastry.engine.model import LlamaModel
 from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
 from pastry.engine.sampling import SamplingParams, sample, top_k_dist
+from pastry.engine.transfer import KvSender
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,10 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         sizes = PoolSizes.resolve(self.cfg, config, self.dtype, self.device)
         self.page_size = config.page_size
-        self.kv = KvPool(self.cfg, sizes.num_pages, config.page_size, self.dtype, self.device)
+        self.kv = KvPool(
+            self.cfg, sizes.num_pages, config.page_size, self.dtype, self.device, config.kv_shm
+        )
+        self.transfer = KvSender(self.kv)
         self.host = HostPool(self.kv, sizes.num_host_pages)
         self.embeds = EmbedPool(sizes.num_embeds, self.cfg.hidden_size, self.dtype, self.device)
         for layer, k, v in zip(model.layers, self.kv.k, self.kv.v, strict=True):
@@ -138,6 +143,8 @@ class Engine:
             tokenizer_json=tokenizer_json,
             chat_template=chat_template,
             special_tokens=dict(special_tokens or {}),
+            kv_peers=(f"shm:{config.kv_shm}",) if config.kv_shm else (),
+            host=host_id(),
         )
         self._handlers: dict[type, Callable[[list[tuple[int, Call]], list[Result]], None]] = {
             EmbedTxt: self._embed_txt,
@@ -147,6 +154,7 @@ class Engine:
             MaskKv: self._mask_kv,
             SwapOut: self._swap_out,
             SwapIn: self._swap_in,
+            SendKv: self._send_kv,
         }
 
     @classmethod
@@ -222,6 +230,9 @@ class Engine:
     def execute(self, batch: Sequence[Call]) -> list[Result]:
         """Run a batch; one result per call, in order (see ``calls.py``)."""
         results: list[Result] = [None] * len(batch)
+        sends = [c for c in batch if type(c) is SendKv]
+        if sends:  # before the forward, whose per-layer hook starts sending
+            self.transfer.declare(sends)
         indexed = list(enumerate(batch))
         group = _HANDLER_GROUP.get
         for kind, run in itertools.groupby(indexed, key=lambda ic: group(type(ic[1]), type(ic[1]))):
@@ -377,18 +388,21 @@ class Engine:
     def _forward(self, run, results) -> None:
         ok = self._accept(run, results, self._check_forward)
         # Split into sub-batches that respect max_batch_tokens.
-        chunk, tokens = [], 0
+        chunks, chunk, tokens = [], [], 0
         for entry in ok:
             n = len(entry[2][0])
             if chunk and tokens + n > self.config.max_batch_tokens:
-                self._forward_chunk(chunk, results)
+                chunks.append(chunk)
                 chunk, tokens = [], 0
             chunk.append(entry)
             tokens += n
         if chunk:
-            self._forward_chunk(chunk, results)
+            chunks.append(chunk)
+        for i, chunk in enumerate(chunks):  # the last one's layers are final: send them
+            on_layer = self.transfer.on_layer if i == len(chunks) - 1 else None
+            self._forward_chunk(chunk, results, on_layer)
 
-    def _forward_chunk(self, ok, results) -> None:
+    def _forward_chunk(self, ok, results, on_layer=None) -> None:
         dev = self.device
         in_slots = self._cat([plan[0] for _, _, plan in ok])
         in_slots_t = torch.from_numpy(in_slots).to(dev)
@@ -438,6 +452,7 @@ class Engine:
             self.cfg.sliding_window,
             self.cfg.num_kv_heads,
         )
+        meta.on_layer = on_layer
         x = take(self.embeds.hidden, in_slots_t)
         lora = plan_adapters(lora_spans, self._adapters, dev)
         with forward_context(meta), use_adapters(lora):
@@ -682,6 +697,19 @@ class Engine:
             have = self._swap_staging = (d, h)
         return tuple(t[:need].view(rows, n, width) for t in have)  # type: ignore[return-value]
 
+    # ------------------------------------------------------------------ KV transfer
+
+    def _send_kv(self, run, results) -> None:
+        for i, call in run:
+            error = self.transfer.complete(call)
+            if error is not None:
+                results[i] = CallError(f"SendKv: {error}")
+
+    def close(self) -> None:
+        """Stop the transfer thread and remove a shared-memory KV pool file."""
+        self.transfer.close()
+        self.kv.close()
+
     def _tensor(self, arrays: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(self._cat(arrays)).to(self.device)
 
@@ -692,6 +720,19 @@ class Engine:
         if not arrays:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate(arrays).astype(np.int64, copy=False)
+
+
+def host_id() -> str:
+    """This machine's identity (hostname and boot id): engines with the same one can map
+    each other's shared-memory KV pools."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def build_model(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pastry.engine.attention import paged_attention
+from pastry.engine.attention import layer_done, paged_attention
 from pastry.engine.config import CheckpointError, ModelConfig
 from pastry.engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from pastry.engine.lora import DOWN, GATE_UP, OUT, QKV, add_lora
@@ -103,8 +103,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin)
+            layer_done(i)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
