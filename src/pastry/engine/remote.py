@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pastry.engine.auth import secure_client
 from pastry.engine.calls import Call, EngineInfo, Result
 from pastry.engine.codec import CodecError, Frames, decode_info, decode_results, encode_batch
 from pastry.engine.handle import EngineDied, EngineError, EngineHandle, EngineTimeout
@@ -34,7 +35,13 @@ class RemoteEngine(EngineHandle):
     later requests with :class:`EngineDied`.
     """
 
-    def __init__(self, endpoint: str, loop: asyncio.AbstractEventLoop, heartbeat_s: float) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        loop: asyncio.AbstractEventLoop,
+        heartbeat_s: float,
+        token: str | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self._info: EngineInfo | None = None
         self._loop = loop
@@ -45,6 +52,7 @@ class RemoteEngine(EngineHandle):
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 5000))
+        secure_client(self._sock, token)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
@@ -55,15 +63,28 @@ class RemoteEngine(EngineHandle):
 
     @classmethod
     async def connect(
-        cls, endpoint: str, timeout: float = 30.0, *, heartbeat_s: float = 2.0
+        cls,
+        endpoint: str,
+        timeout: float = 30.0,
+        *,
+        heartbeat_s: float = 2.0,
+        token: str | None = None,
     ) -> RemoteEngine:
         """Connect to the engine at ``endpoint`` (``ipc://PATH`` or ``tcp://HOST:PORT``) and
-        fetch its :class:`EngineInfo`; :class:`EngineTimeout` if it does not answer."""
+        fetch its :class:`EngineInfo`; :class:`EngineTimeout` if it does not answer. An
+        engine started with a token answers only clients holding the same ``token``."""
         if not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
             raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
-        self = cls(endpoint, asyncio.get_running_loop(), heartbeat_s)
+        self = cls(endpoint, asyncio.get_running_loop(), heartbeat_s, token)
         try:
             self._info = await self._request(Op.INFO, [], decode_info, timeout)
+        except EngineTimeout:
+            await self.aclose()
+            hint = " with the engine's token" if token else " (does the engine need a token?)"
+            raise EngineTimeout(
+                f"engine at {endpoint} did not answer within {timeout:g} s: is it running, is "
+                f"the endpoint right, and is this control layer connecting{hint}?"
+            ) from None
         except BaseException:
             await self.aclose()
             raise

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from pastry.engine.auth import secure_server, start_authenticator
 from pastry.engine.calls import Call, CallError
 from pastry.engine.codec import CodecError, Frames, decode_batch, encode_info, encode_results
 from pastry.engine.config import CheckpointError, EngineConfig
@@ -37,10 +38,13 @@ log = logging.getLogger(__name__)
 DEFAULT_ENGINE_FACTORY = "pastry.engine.engine:Engine.load"
 
 
-def serve(engine: EngineLike, endpoint: str) -> None:
-    """Serve ``engine`` on ``endpoint`` (binds a ROUTER) until a SHUTDOWN request."""
+def serve(engine: EngineLike, endpoint: str, token: str | None = None) -> None:
+    """Serve ``engine`` on ``endpoint`` (binds a ROUTER) until a SHUTDOWN request. With a
+    ``token``, only clients holding it can connect (:mod:`pastry.engine.auth`)."""
     ctx = zmq.Context()
+    auth = start_authenticator(ctx, token)
     sock = ctx.socket(zmq.ROUTER)
+    secure_server(sock, token)
     try:
         sock.bind(endpoint)
         log.info("serving %s on %s", engine.info.model_name, endpoint)
@@ -53,6 +57,8 @@ def serve(engine: EngineLike, endpoint: str) -> None:
                 return
     finally:
         sock.close(linger=1000)
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 
@@ -121,6 +127,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="INFO")
     p.add_argument(
+        "--token-env", default="", metavar="VAR",
+        help="read the engine token from this environment variable: only clients holding "
+        "it can connect (CURVE); also used to write KV into peer engines",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, default=0,
+        help="torch threads for this engine (0: torch's default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cpus", default="", metavar="LIST",
+        help="pin the process to these CPUs, e.g. 0 or 0,1 or 2-3 (several engines on one host)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-recv", default="", metavar="tcp://HOST:PORT",
+        help="also accept KV writes from peer engines on other hosts here (port 0: any)",
+    )  # fmt: skip
+    p.add_argument(
         "--adapter", action="append", default=[], metavar="NAME=DIR",
         help="load a PEFT LoRA adapter at start (repeatable)",
     )  # fmt: skip
@@ -141,6 +164,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as e:
         parser.error(str(e))
+    token = None
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            parser.error(f"--token-env {args.token_env}: the variable is not set or empty")
+    place(args.threads, args.cpus, parser)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     if args.exit_with_parent:
         threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
@@ -161,12 +190,60 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"cannot load adapter '{name}': {e}") from e
     # Objects alive now (model, tokenizer) live forever: keep them out of every future
     # garbage collection, which otherwise rescans them on each full pass.
+    receiver = None
+    transfer = getattr(engine, "transfer", None)
+    if transfer is not None:
+        transfer.token = token
+    if args.kv_recv:
+        from pastry.engine.transfer import KvReceiver
+
+        receiver = KvReceiver(engine.kv, args.kv_recv, token)
+        engine.info = dataclasses.replace(
+            engine.info, kv_peers=(*engine.info.kv_peers, receiver.endpoint)
+        )
+        log.info("accepting KV writes from peers on %s", receiver.endpoint)
     gc.collect()
     gc.freeze()
     try:
-        serve(engine, args.endpoint)
+        serve(engine, args.endpoint, token)
     except zmq.ZMQError as e:
         raise SystemExit(f"engine server on {args.endpoint} failed: {e}") from e
+    finally:
+        if receiver is not None:
+            receiver.close()
+        if hasattr(engine, "close"):
+            engine.close()
+
+
+def place(threads: int, cpus: str, parser: argparse.ArgumentParser | None = None) -> None:
+    """Pin this process to ``cpus`` ("0", "0,2", "2-3") and give torch ``threads`` threads
+    (0: as many as CPUs pinned, else torch's default), so that engines sharing a host do
+    not fight over cores."""
+    import torch
+
+    if cpus:
+        try:
+            chosen = parse_cpus(cpus)
+            os.sched_setaffinity(0, chosen)
+        except (ValueError, OSError) as e:
+            msg = f"--cpus {cpus}: {e} (this host has CPUs {sorted(os.sched_getaffinity(0))})"
+            if parser is None:
+                raise ValueError(msg) from e
+            parser.error(msg)
+        threads = threads or len(chosen)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """``"0,2-3"`` -> {0, 2, 3}."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    if not out:
+        raise ValueError("no CPU given")
+    return out
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:

@@ -8,6 +8,7 @@ and returns an :class:`EngineProcess`; connect to its ``endpoint`` with
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import zmq
 
+from pastry.engine.auth import secure_client
 from pastry.engine.config import EngineConfig
 from pastry.engine.handle import EngineStartError
 from pastry.engine.wire import Op, Status, parse_header, request
@@ -29,6 +31,7 @@ from pastry.engine.wire import Op, Status, parse_header, request
 log = logging.getLogger(__name__)
 
 _SRC_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `pastry`
+TOKEN_ENV = "PASTRY_ENGINE_TOKEN"
 
 
 class EngineProcess:
@@ -42,12 +45,14 @@ class EngineProcess:
         tmpdir: str | None,
         stderr: collections.deque[str],
         reader: threading.Thread,
+        kv_shm: str = "",
     ) -> None:
         self.process = process
         self.endpoint = endpoint
         self._tmpdir = tmpdir
         self._stderr = stderr
         self._reader = reader
+        self._kv_shm = kv_shm  # removed here too: a killed engine cannot remove it
 
     @property
     def pid(self) -> int:
@@ -72,6 +77,9 @@ class EngineProcess:
         self._reader.join(timeout=5)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+        if self._kv_shm:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._kv_shm)
         return self.process.returncode
 
     def __enter__(self) -> EngineProcess:
@@ -91,10 +99,18 @@ def spawn_engine(
     env: dict[str, str] | None = None,
     echo_stderr: bool = True,
     adapters: Sequence[tuple[str, str | Path]] = (),
+    token: str | None = None,
+    threads: int = 0,
+    cpus: str = "",
+    kv_recv: str = "",
 ) -> EngineProcess:
     """Start ``python -m pastry.engine.serve`` and wait until it answers a ping.
 
     ``adapters``: (name, PEFT directory) pairs loaded at start (listed in its info).
+    ``token``: only clients holding it may connect (passed in the environment, not argv).
+    ``threads`` / ``cpus``: torch threads and CPU affinity of the engine process.
+    ``kv_recv``: a ``tcp://HOST:PORT`` where peer engines on other hosts may write KV.
+    ``config.kv_shm`` (a shared-memory KV pool) is removed when the process is terminated.
 
     ``endpoint`` defaults to a fresh ``ipc://`` path in a new temporary directory.
     ``engine_factory`` (``"module:callable"``, called as ``f(model_dir, config)``) replaces
@@ -113,7 +129,16 @@ def spawn_engine(
         cmd += ["--adapter", f"{name}={path}"]
     if engine_factory is not None:
         cmd += ["--engine-factory", engine_factory]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if cpus:
+        cmd += ["--cpus", cpus]
+    if kv_recv:
+        cmd += ["--kv-recv", kv_recv]
     child_env = {**os.environ, **(env or {})}
+    if token:
+        child_env[TOKEN_ENV] = token
+        cmd += ["--token-env", TOKEN_ENV]
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (_SRC_ROOT, child_env.get("PYTHONPATH")) if p
     )
@@ -126,9 +151,9 @@ def spawn_engine(
     )
     reader.daemon = True
     reader.start()
-    child = EngineProcess(proc, endpoint, tmpdir, tail, reader)
+    child = EngineProcess(proc, endpoint, tmpdir, tail, reader, config.kv_shm)
     try:
-        _wait_until_serving(child, startup_timeout)
+        _wait_until_serving(child, startup_timeout, token)
     except BaseException:
         child.terminate(timeout=5)
         raise
@@ -144,10 +169,11 @@ def _pump_stderr(proc: subprocess.Popen, tail: collections.deque[str], echo: boo
             sys.stderr.write(line)
 
 
-def _wait_until_serving(child: EngineProcess, timeout: float) -> None:
+def _wait_until_serving(child: EngineProcess, timeout: float, token: str | None) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, token)
     try:
         sock.connect(child.endpoint)
         sock.send_multipart(request(Op.PING, 0))
