@@ -50,6 +50,17 @@ TRAITS: dict[str, tuple[str, ...]] = {
         "apply_chat_template",
     ),
     "output_text": ("get_next_dist", "sample"),
+    "multi_engine": (
+        "available_engines",
+        "get_queue_engine",
+        "get_engine_load",
+        "route",
+        "prep_recv",
+        "remote_send",
+        "start_generate",
+        "next_request",
+        "reject_request",
+    ),
 }
 
 
@@ -73,8 +84,10 @@ class InferletApi(Protocol):
 
     def available_traits(self, model: str) -> list[str]: ...
 
-    def create_queue(self, model: str) -> int:
-        """A new command queue on ``model``; calls on different queues are independent."""
+    def create_queue(self, model: str, engine: int = -1) -> int:
+        """A new command queue on ``model``; calls on different queues are independent.
+        ``engine``: the rank of the engine it runs on (-1: the first, or where ``route``
+        places it)."""
 
     def synchronize(self, q: int) -> Awaitable[None]:
         """Queued: resolves when every call queued on ``q`` before it has completed."""
@@ -268,6 +281,55 @@ class InferletApi(Protocol):
         """GET an allowlisted URL: (status, body text)."""
 
     async def http_post(self, url: str, body: str) -> tuple[int, str]: ...
+
+    # ------------------------------------------------------------------ several engines
+    # A model may be served by several engines (ranks 0..n-1). A queue runs on one engine
+    # (``create_queue(model, engine)``; -1: placed by the router at the first ``route``);
+    # pages and embeddings allocated through it live there. Microserving's calls move K/V
+    # between engines (docs/multi-engine.md).
+
+    def available_engines(self, model: str) -> int:
+        """How many engines serve ``model``."""
+
+    def get_queue_engine(self, q: int) -> int:
+        """The rank of the engine queue ``q`` runs on."""
+
+    def get_engine_load(self, model: str) -> list[tuple[int, int, int]]:
+        """Per engine of ``model``: (alive 1/0, routed contexts running there, forward
+        tokens queued)."""
+
+    def route(self, q: int, prompt: list[int]) -> Awaitable[tuple[int, list[int]]]:
+        """Queued: place the context of queue ``q`` (no call issued on it yet), which is about
+        to prefill ``prompt``, through the active router. Resolves to ``(begin, pages)``
+        once ``q`` runs on the chosen engine: ``pages`` (handles there, now this
+        inferlet's) hold the K/V of ``prompt[:begin]``. A queue created on a named engine,
+        or on a model with one engine, resolves to ``(0, [])`` at once."""
+
+    def prep_recv(self, q: int, prompt: list[int], end: int) -> Awaitable[tuple[int, int]]:
+        """Queued, on the receiving engine: match ``prompt[:end]`` (Python slice index,
+        ``-1``: all but the last token) in its context cache, allocate pages for the rest,
+        and resolve to ``(kv_addr_info, matched_len)``. No compute."""
+
+    def remote_send(
+        self, q: int, prompt: list[int], kv_addr_info: int, recv_rank: int, begin: int, end: int
+    ) -> Awaitable[None]:
+        """Queued, on the sending engine: compute the K/V of ``prompt[:end]`` there and write
+        ``prompt[begin:end]`` into the pages ``kv_addr_info`` names on engine
+        ``recv_rank``, layer by layer as they are computed; resolves when every write has
+        landed."""
+
+    def start_generate(self, q: int, prompt: list[int], begin: int, request: int) -> None:
+        """Router only: hand ``request`` (from ``next_request``) to ``q``'s engine, where the
+        K/V of ``prompt[:begin]`` is (received with prep_recv/remote_send; ``begin=0``:
+        nothing needed). The request's program then prefills ``prompt[begin:]`` there and
+        generates."""
+
+    def next_request(self) -> Awaitable[tuple[int, str, list[int], int]]:
+        """Router only: the next context to place: ``(request, model, prompt, program)``,
+        ``program`` being the requesting instance."""
+
+    def reject_request(self, request: int, reason: str) -> None:
+        """Router only: fail ``request`` with ``reason``."""
 
 
 API_FUNCTIONS: tuple[str, ...] = tuple(

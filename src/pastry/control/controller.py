@@ -18,6 +18,7 @@ from pastry.control.messaging import MessageBus
 from pastry.control.policies import BatchPolicy, Fcfs, SchedulePolicy
 from pastry.control.programs import ProcessTable
 from pastry.control.resources import ResourceManager
+from pastry.control.routing import Routing
 from pastry.control.scheduler import BatchScheduler
 from pastry.control.session import Session
 from pastry.control.swap import KvSwapper
@@ -41,6 +42,7 @@ class Model:
 
     adapters: dict[str, int] = field(default_factory=dict)  # LoRA adapter name -> engine id
     swapper: KvSwapper | None = None  # when the engine has swap space
+    rank: int = 0  # which of the model's engines (several: data parallel, P/D, migration)
 
     @property
     def traits(self) -> list[str]:
@@ -67,7 +69,8 @@ class Controller:
         schedule: Callable[[], SchedulePolicy] = Fcfs,
         max_batch: int | None = None,
     ) -> None:
-        self.models: dict[str, Model] = {}
+        self.models: dict[str, Model] = {}  # each model's first engine
+        self.engines: dict[str, list[Model]] = {}  # every engine of each model, by rank
         self.sessions: dict[int, Session] = {}
         self.programs = ProcessTable()
         self.bus = MessageBus()
@@ -77,22 +80,38 @@ class Controller:
         self.on_terminate: Callable[[int, str], None] = lambda instance, reason: None
         for eng in engines:
             info = eng.info
+            replicas = self.engines.setdefault(info.model_name, [])
+            rank = len(replicas)
+            if replicas:
+                check_replica(replicas[0].info, info)
             sched = BatchScheduler(
                 eng.execute, info.max_batch_tokens, info.page_size, batching, schedule(),
-                programs=self.programs, engine=info.model_name, max_batch=max_batch,
+                programs=self.programs, engine=info.model_name if not rank else
+                f"{info.model_name}/{rank}", max_batch=max_batch,
             )  # fmt: skip
+            # Handles of different engines never collide (a page handle names its engine).
             res = ResourceManager(
                 info.num_pages, info.num_embeds, on_terminate=self._evict,
                 num_host_pages=info.num_host_pages if "kv_swap" in info.traits else 0,
+                first_handle=rank << 24,
             )  # fmt: skip
             swapper = KvSwapper(res, sched) if res.host_usage()[2] else None
-            tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
+            tok = (
+                replicas[0].tokenizer
+                if replicas
+                else Tokenizer.from_json(
+                    info.tokenizer_json, info.chat_template, info.special_tokens
+                )
+            )
             # Adapters are loaded on the engine before serving and listed in its info.
             adapters = {name: i for i, name in enumerate(info.adapters)}
-            self.models[info.model_name] = Model(
-                info.model_name, eng, info, tok, sched, res, adapters, swapper
+            model = Model(
+                info.model_name, eng, info, tok, sched, res, adapters, swapper=swapper, rank=rank
             )
+            replicas.append(model)
+            self.models.setdefault(info.model_name, model)
             sched.start()
+        self.routing = Routing(self)
 
     @property
     def default_model(self) -> str:
@@ -102,7 +121,7 @@ class Controller:
         s = Session(self, instance, list(args))
         self.sessions[instance] = s
         self.programs.start(instance)
-        for m in self.models.values():
+        for m in self.all_engines():
             m.resources.add_instance(instance)
         return s
 
@@ -111,7 +130,8 @@ class Controller:
         s = self.sessions.pop(instance, None)
         if s is not None:
             s.close()
-        for m in self.models.values():
+        self.routing.end_instance(instance)
+        for m in self.all_engines():
             m.resources.remove_instance(instance)
         self.programs.end(instance)
         self.bus.unsubscribe_all(str(instance))
@@ -129,8 +149,24 @@ class Controller:
             self._http = HttpClient(self.http_allow)
         return self._http
 
+    def all_engines(self) -> list[Model]:
+        """Every engine of every model."""
+        return [m for replicas in self.engines.values() for m in replicas]
+
     async def close(self) -> None:
         for instance in list(self.sessions):
             self.end_session(instance)
-        for m in self.models.values():
+        for m in self.all_engines():
             await m.scheduler.stop()
+
+
+def check_replica(first: EngineInfo, other: EngineInfo) -> None:
+    """Engines of one model must agree on what inferlets see (tokens, pages, layers)."""
+    keys = ("arch", "vocab_size", "hidden_size", "num_layers", "dtype", "page_size",
+            "tokenizer_json", "eos_token_ids", "adapters")  # fmt: skip
+    differ = [k for k in keys if getattr(first, k) != getattr(other, k)]
+    if differ:
+        raise ValueError(
+            f"two engines serve '{first.model_name}' differently ({', '.join(differ)}): the "
+            "engines of one model must load the same checkpoint with the same options"
+        )

@@ -254,7 +254,9 @@ class ResourceManager:
         policy: EvictionPolicy | None = None,
         on_terminate: Callable[[int, str], None] | None = None,
         num_host_pages: int = 0,
+        first_handle: int = 0,
     ) -> None:
+        self.first_handle = first_handle  # handles start here (distinct per engine)
         self._pools: dict[Kind, PhysicalPool] = {
             "kv": PhysicalPool(num_pages),
             "embed": PhysicalPool(num_embeds),
@@ -288,7 +290,7 @@ class ResourceManager:
         self._instances[instance_id] = set()
         for kind in KINDS:
             self._handles[kind][instance_id] = {}
-            self._next[kind][instance_id] = 0
+            self._next[kind][instance_id] = self.first_handle
 
     def remove_instance(self, instance_id: int) -> None:
         """Release everything the instance holds: its handles' references and its
@@ -509,8 +511,8 @@ class ResourceManager:
             refs: Counter[int] = Counter()
             for inst, table in self._handles[kind].items():
                 nxt = self._next[kind][inst]
-                bad = [h for h in table if not 0 <= h < nxt]
-                assert not bad, f"inferlet {inst} has {kind} handles {bad} outside [0, {nxt})"
+                bad = [h for h in table if not self.first_handle <= h < nxt]
+                assert not bad, f"inferlet {inst} has {kind} handles {bad} outside [.., {nxt})"
                 refs.update(pid for pid in table.values() if pid >= 0)
             for exp in self._exports.values():
                 if exp.kind == kind:
@@ -783,7 +785,7 @@ class ResourceManager:
                 seen.add(h)
             elif not is_int:
                 problems[f"{what} is not an integer handle"] = None
-            elif 0 <= h < nxt:
+            elif self.first_handle <= h < nxt:
                 problems[f"{what} was freed"] = None
             else:
                 hint = ""

@@ -64,6 +64,7 @@ from pastry.engine.calls import (
     NextDist,
     Result,
     Sample,
+    SendKv,
     SwapIn,
     SwapOut,
 )
@@ -93,6 +94,7 @@ _STAGE = {
     Forward: Stage.FORWARD,
     NextDist: Stage.OUTPUT,
     Sample: Stage.OUTPUT,
+    SendKv: Stage.OUTPUT,  # after the forward that computes what it sends
 }
 # Within a batch, same-type calls must be adjacent for the engine to run them together.
 _TYPE_ORDER = {t: i for i, t in enumerate(_STAGE)}

@@ -82,8 +82,9 @@ def _consume(fut: asyncio.Future) -> None:
 
 @dataclass
 class _QueueRef:
-    model: Model
+    model: Model  # the engine the queue runs on (one of the model's engines)
     queue: Queue
+    placed: bool = True  # False: the router may still move it (control/routing.py)
 
 
 @dataclass(eq=False)
@@ -129,10 +130,12 @@ class Session:
     def available_traits(self, model: str) -> list[str]:
         return self._model(model).traits
 
-    def create_queue(self, model: str) -> int:
+    def create_queue(self, model: str, engine: int = -1) -> int:
         m = self._model(model)
+        if engine != -1:
+            m = self.controller.routing.engine(model, engine)
         qid = next(self._ids)
-        self._queues[qid] = _QueueRef(m, m.scheduler.create_queue(self.instance))
+        self._queues[qid] = _QueueRef(m, m.scheduler.create_queue(self.instance), engine != -1)
         return qid
 
     def synchronize(self, q: int) -> asyncio.Future:
@@ -146,6 +149,7 @@ class Session:
         ref = self._queue(q)
         ref.model.scheduler.close_queue(ref.queue, f"queue {q} was closed")
         del self._queues[q]
+        self.controller.routing.queue_closed(self.instance, q)
 
     # ------------------------------------------------------------------ allocate
 
@@ -539,13 +543,47 @@ class Session:
         r = await self.controller.http.post(url, body)
         return r.status, r.text
 
+    # ------------------------------------------------------------------ several engines
+    # (control/routing.py)
+
+    def available_engines(self, model: str) -> int:
+        return len(self.controller.routing.engines(model))
+
+    def get_queue_engine(self, q: int) -> int:
+        return self._queue(q).model.rank
+
+    def get_engine_load(self, model: str) -> list[tuple[int, int, int]]:
+        return self.controller.routing.load(model)
+
+    def route(self, q: int, prompt: list[int]) -> asyncio.Future:
+        return self.controller.routing.route(self, q, prompt)
+
+    def prep_recv(self, q: int, prompt: list[int], end: int) -> asyncio.Future:
+        return self.controller.routing.prep_recv(self, q, prompt, end)
+
+    def remote_send(
+        self, q: int, prompt: list[int], kv_addr_info: int, recv_rank: int, begin: int, end: int
+    ) -> asyncio.Future:
+        return self.controller.routing.remote_send(
+            self, q, prompt, kv_addr_info, recv_rank, begin, end
+        )
+
+    def start_generate(self, q: int, prompt: list[int], begin: int, request: int) -> None:
+        self.controller.routing.start_generate(self, q, prompt, begin, request)
+
+    def next_request(self) -> asyncio.Future:
+        return self.controller.routing.next_request(self)
+
+    def reject_request(self, request: int, reason: str) -> None:
+        self.controller.routing.reject_request(self, request, reason)
+
     # ------------------------------------------------------------------ host side only
 
     def set_limit(self, kind: Kind, max_held: int | None, source: str) -> None:
         """Cap the ``kind`` handles this instance may hold at once, on every model (see
         :meth:`~pastry.control.resources.ResourceManager.set_limit`); going over raises
         :class:`QuotaError` in the inferlet. Not part of the inferlet API: runners call it."""
-        for m in self.controller.models.values():
+        for m in self.controller.all_engines():
             m.resources.set_limit(self.instance, kind, max_held, source)
 
     # ------------------------------------------------------------------ helpers

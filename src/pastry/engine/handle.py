@@ -75,6 +75,11 @@ class EngineHandle(abc.ABC):
     @abc.abstractmethod
     async def execute(self, batch: Sequence[Call]) -> list[Result]: ...
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine is known to be gone (its process died, its host is lost)."""
+        return True
+
     @abc.abstractmethod
     def execute_sync(self, batch: Sequence[Call]) -> list[Result]: ...
 

@@ -114,6 +114,10 @@ class RemoteEngine(EngineHandle):
             raise EngineError(f"not connected to {self.endpoint} yet")
         return self._info
 
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
     async def execute(self, batch: Sequence[Call], timeout: float | None = None) -> list[Result]:
         frames = encode_batch(batch)
         return await self._on_loop(self._request(Op.EXECUTE, frames, decode_results, timeout))

@@ -32,13 +32,23 @@ def _refs(a: InferletApi) -> dict[int, int]:
 
 
 class Context:
-    def __init__(self, model: str | None = None, *, queue: int | None = None) -> None:
+    def __init__(
+        self, model: str | None = None, *, queue: int | None = None, engine: int | None = None
+    ) -> None:
         from pastry.sdk import api
 
         self.api = a = api()
         self.model = model or a.available_models()[0]
-        self.queue = a.create_queue(self.model) if queue is None else queue
-        self._own_queue = queue is None
+        own_queue = queue is None
+        if own_queue:
+            queue = (
+                a.create_queue(self.model) if engine is None else a.create_queue(self.model, engine)
+            )
+        self.queue = queue
+        # A context on a model with several engines is placed by the router before its
+        # first forward, unless its queue or engine was given (see _place).
+        self._placed = not own_queue or engine is not None
+        self._own_queue = own_queue
         self.page_size = a.get_kv_page_size(self.queue)
         self.pages: list[int] = []
         self.kv_len = 0  # tokens whose K/V are in the pages
@@ -67,6 +77,7 @@ class Context:
         (e.g. before exporting the pages of a finished prompt).
         """
         self._check_live()
+        await self._place()
         todo = self.pending[:-1] if keep_last else self.pending
         if todo:
             futs, _ = self._forward(todo, want_output=False)
@@ -87,6 +98,7 @@ class Context:
         stop = stop or (MaxTokens(256) | EosTokens(self.eos_ids))
         if not self.pending:
             raise ApiError("nothing to generate from: fill the context first")
+        await self._place()
         a, q = self.api, self.queue
         out: list[int] = []
         while True:
@@ -138,7 +150,7 @@ class Context:
         the last one stays pending in both.
         """
         await self.flush()
-        child = Context(self.model)
+        child = Context(self.model, engine=self.api.get_queue_engine(self.queue))
         refs = _refs(self.api)
         full = self.kv_len // self.page_size
         for p in self.pages[:full]:
@@ -184,6 +196,21 @@ class Context:
         await self.release()
 
     # ------------------------------------------------------------------ internals
+
+    async def _place(self) -> None:
+        """Before the first forward of a fresh context on a model with several engines: ask
+        the router where it runs (``route``); the K/V of the prompt's first ``begin``
+        tokens may already be there (transferred by the router)."""
+        if self._placed:
+            return
+        self._placed = True
+        if self.kv_len or self.pages or self.api.available_engines(self.model) == 1:
+            return
+        begin, pages = await self.api.route(self.queue, list(self.pending))
+        if begin:
+            self.pages = list(pages)
+            self.kv_len = begin
+            self.pending = self.pending[begin:]
 
     def _check_live(self) -> None:
         if self.released:
