@@ -15,6 +15,7 @@ attention layers in a scoped forward context, not through every ``forward`` sign
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,7 +62,13 @@ class AttnMetadata:
     on_layer: Callable[[int], None] | None = None
 
 
-_context: AttnMetadata | None = None
+class _Local(threading.local):
+    # Per thread: engines running in one process (tests, in-process servers) each forward
+    # on their own worker thread.
+    meta: AttnMetadata | None = None
+
+
+_local = _Local()
 
 
 def head_index(slots: torch.Tensor, num_heads: int, num_slots: int) -> torch.Tensor:
@@ -87,23 +94,24 @@ def take(t: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 @contextmanager
 def forward_context(meta: AttnMetadata) -> Iterator[None]:
-    global _context
-    _context = meta
+    _local.meta = meta
     try:
         yield
     finally:
-        _context = None
+        _local.meta = None
 
 
 def layer_done(layer: int) -> None:
     """The model ran decoder layer ``layer``: run the forward context's per-layer hook."""
-    if _context is not None and _context.on_layer is not None:
-        _context.on_layer(layer)
+    meta = _local.meta
+    if meta is not None and meta.on_layer is not None:
+        meta.on_layer(layer)
 
 
 def current_metadata() -> AttnMetadata:
-    assert _context is not None, "attention called outside forward_context()"
-    return _context
+    meta = _local.meta
+    assert meta is not None, "attention called outside forward_context()"
+    return meta
 
 
 def build_metadata(

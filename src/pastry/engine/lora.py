@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -317,7 +318,11 @@ class AdapterBatch:
     groups: list[tuple[Adapter, slice | torch.Tensor]]
 
 
-_context: AdapterBatch | None = None
+class _Local(threading.local):
+    batch: AdapterBatch | None = None  # per thread: in-process engines each have their own
+
+
+_local = _Local()
 
 
 def plan_adapters(
@@ -343,18 +348,17 @@ def plan_adapters(
 @contextmanager
 def use_adapters(batch: AdapterBatch | None) -> Iterator[None]:
     """Apply ``batch``'s adapters in the forwards run inside (None: no adapter)."""
-    global _context
-    _context = batch
+    _local.batch = batch
     try:
         yield
     finally:
-        _context = None
+        _local.batch = None
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, layer: int, site: int) -> torch.Tensor:
     """Add the deltas of the current batch's adapters to the output ``y`` of projection
     ``site`` of ``layer`` (input ``x``), in place; returns ``y``."""
-    batch = _context
+    batch = _local.batch
     if batch is None:
         return y
     for adapter, rows in batch.groups:

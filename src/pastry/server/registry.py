@@ -53,18 +53,20 @@ class ProgramRegistry:
                     self._names[info.name] = info.hash
 
     def add_builtins(self) -> None:
-        """Register every ``pastry/inferlets/*.py`` by its name (underscores as dashes).
+        """Register every ``pastry/inferlets/*.py`` by its name (underscores as dashes), and
+        the routers of ``pastry/inferlets/routers/`` as ``router-NAME``.
 
         A built-in that fails to load is logged and left out rather than stopping the
         server (``tests/test_builtins.py`` checks that all of them load).
         """
-        for entry in resources.files("pastry.inferlets").iterdir():
-            if entry.name.endswith(".py") and not entry.name.startswith("_"):
-                name = entry.name[:-3].replace("_", "-")
-                try:
-                    self._add(entry.read_text(), name, builtin=True)
-                except ProgramError as e:
-                    log.error("built-in inferlet %s does not load: %s", name, e)
+        for package, prefix in (("pastry.inferlets", ""), ("pastry.inferlets.routers", "router-")):
+            for entry in resources.files(package).iterdir():
+                if entry.name.endswith(".py") and not entry.name.startswith("_"):
+                    name = prefix + entry.name[:-3].replace("_", "-")
+                    try:
+                        self._add(entry.read_text(), name, builtin=True)
+                    except ProgramError as e:
+                        log.error("built-in inferlet %s does not load: %s", name, e)
 
     def upload(self, source: str | bytes, name: str | None = None) -> ProgramInfo:
         """Validate and store a program; returns its info (idempotent for the same bytes)."""

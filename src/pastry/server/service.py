@@ -23,6 +23,7 @@ from pastry.engine.config import EngineConfig
 from pastry.engine.handle import EngineHandle
 from pastry.paths import programs_dir
 from pastry.runtime.trusted import Instance, TrustedRuntime
+from pastry.server.engines import start_engines, swap_router
 from pastry.server.registry import ProgramRegistry
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,13 @@ class ServerConfig:
     engine_kwargs: dict = field(default_factory=dict)
     schedule: str = DEFAULT_SCHEDULE  # fcfs | mlfq | plas | atlas (docs/scheduling.md)
     max_batch: int | None = None  # forward calls per batch (None: no cap)
+    # Several engines (docs/multi-engine.md): engine processes per device on this host,
+    # engines started elsewhere (`pastry engine --listen`), Ray placement, the router.
+    engines: int = 1
+    remote_engines: tuple[str, ...] = ()  # tcp:// endpoints of `pastry engine` processes
+    engine_token: str | None = None  # the token remote engines were started with
+    ray_address: str | None = None  # place the engines as Ray actors of this cluster
+    router: str = ""  # NAME[:ARG] of inferlets/routers/, or a program; "" = round-robin
 
     def __post_init__(self) -> None:
         if not self.auth_token and not is_loopback(self.host):
@@ -66,6 +74,13 @@ class ServerConfig:
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(
                 f"max_batch must be >= 1 (forward calls per batch), got {self.max_batch}"
+            )
+        if self.engines < 1:
+            raise ConfigError(f"--engines must be at least 1, got {self.engines}")
+        if self.remote_engines and not self.engine_token:
+            raise ConfigError(
+                "--engine needs the engines' token (--engine-token or PASTRY_ENGINE_TOKEN): "
+                "`pastry engine --listen` prints it, and refuses clients without it"
             )
 
 
@@ -91,6 +106,7 @@ class PastryServer:
         self.registry.add_builtins()
         self._procs: list = []
         self._handles: list[EngineHandle] = []
+        self._in_process: list = []  # engines run in this process (closed at stop)
         self.owners: dict[int, object] = {}  # instance id -> owning connection (None: detached)
         self.loop = None  # the event loop the server runs on, set by start()
 
@@ -104,21 +120,7 @@ class PastryServer:
             from pastry.engine.tiny import ensure_default_model
 
             model = ensure_default_model()
-        for device in cfg.engine_devices:
-            econf = EngineConfig(
-                device=device,
-                dtype=cfg.dtype,
-                page_size=cfg.page_size,
-                num_pages=cfg.num_pages,
-                num_embeds=cfg.num_embeds,
-                **cfg.engine_kwargs,
-            )
-            self._handles.append(await self._start_engine(model, econf))
-        if len({h.info.model_name for h in self._handles}) != len(self._handles):
-            raise ConfigError(
-                "several engines of one model are not served yet (data parallel is future "
-                "work): give one device"
-            )
+        self._handles = await start_engines(self, model)
         self.controller = Controller(
             self._handles, batch_policy(cfg.policy), http_allow=cfg.http_allow,
             schedule=lambda: schedule_policy(cfg.schedule), max_batch=cfg.max_batch,
@@ -129,6 +131,11 @@ class PastryServer:
         # half of the control layer's per-step time at 128 inferlets).
         gc.collect()
         gc.freeze()
+        if len(self._handles) > 1:
+            try:
+                await self.set_router(cfg.router or "round-robin")
+            except ValueError as e:
+                raise ConfigError(f"--router: {e}") from None
         for h in self._handles:
             i = h.info
             log.info(
@@ -137,7 +144,13 @@ class PastryServer:
                 i.num_embeds, i.max_batch_tokens,
             )  # fmt: skip
 
-    async def _start_engine(self, model: Path, econf: EngineConfig) -> EngineHandle:
+    async def set_router(self, spec: str) -> Instance:
+        """Make ``spec`` (``NAME[:ARG]`` of ``inferlets/routers/``, or a program's name or
+        hash with ``:ARGS``) the active router, without restarting engines: the new router
+        runs detached; the old one ends, and what it had not placed is placed anew."""
+        return await swap_router(self, spec)
+
+    async def _start_engine(self, model: Path, econf: EngineConfig, **spawn_kw) -> EngineHandle:
         if self.config.in_process:
             from pastry.engine.engine import Engine
             from pastry.engine.handle import InProcessEngine
@@ -145,13 +158,14 @@ class PastryServer:
             engine = Engine.load(model, econf)
             for name, path in self.config.adapters:
                 engine.load_adapter(path, name)
+            self._in_process.append(engine)
             return InProcessEngine(engine)
         from pastry.engine.remote import RemoteEngine
         from pastry.engine.spawn import spawn_engine
 
-        proc = spawn_engine(model, econf, adapters=self.config.adapters)
+        proc = spawn_engine(model, econf, adapters=self.config.adapters, **spawn_kw)
         self._procs.append(proc)
-        return await RemoteEngine.connect(proc.endpoint)
+        return await RemoteEngine.connect(proc.endpoint, token=spawn_kw.get("token"))
 
     async def stop(self) -> None:
         if self.controller is not None:
@@ -162,7 +176,9 @@ class PastryServer:
             await h.aclose()
         for p in self._procs:
             p.terminate()
-        self._handles, self._procs = [], []
+        for e in self._in_process:
+            e.close()
+        self._handles, self._procs, self._in_process = [], [], []
 
     # ------------------------------------------------------------------ instances
 

@@ -1,0 +1,1 @@
+"""Router programs, launchable as ``router-NAME`` (``pastry serve --router NAME[:ARG]``)."""
