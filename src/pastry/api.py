@@ -311,18 +311,29 @@ class InferletApi(Protocol):
         and resolve to ``(kv_addr_info, matched_len)``. No compute."""
 
     def remote_send(
-        self, q: int, prompt: list[int], kv_addr_info: int, recv_rank: int, begin: int, end: int
+        self,
+        q: int,
+        prompt: list[int],
+        kv_addr_info: int,
+        recv_rank: int,
+        begin: int,
+        end: int,
+        src_pages: list[int] | None = None,
+        src_len: int = 0,
     ) -> Awaitable[None]:
-        """Queued, on the sending engine: compute the K/V of ``prompt[:end]`` there and write
-        ``prompt[begin:end]`` into the pages ``kv_addr_info`` names on engine
-        ``recv_rank``, layer by layer as they are computed; resolves when every write has
-        landed."""
+        """Queued, on the sending engine: write the K/V of ``prompt[begin:end]`` into the
+        pages ``kv_addr_info`` names on engine ``recv_rank``, one-sided. What the sender
+        holds is sent as it is (``src_pages``: this inferlet's pages there with the K/V of
+        ``prompt[:src_len]``); the rest of ``prompt[:end]`` is computed there and sent
+        layer by layer as the forward computes it. Resolves when every write has landed."""
 
-    def start_generate(self, q: int, prompt: list[int], begin: int, request: int) -> None:
-        """Router only: hand ``request`` (from ``next_request``) to ``q``'s engine, where the
-        K/V of ``prompt[:begin]`` is (received with prep_recv/remote_send; ``begin=0``:
-        nothing needed). The request's program then prefills ``prompt[begin:]`` there and
-        generates."""
+    def start_generate(self, q: int, prompt: list[int], begin: int, request: int = -1) -> list[int]:
+        """Start generating on ``q``'s engine, where the K/V of ``prompt[:begin]`` is
+        (received with prep_recv/remote_send; ``begin=0``: nothing needed), leaving at
+        least the last token to prefill. A router hands ``request`` (from
+        ``next_request``) over: its program prefills ``prompt[begin:]`` there and
+        generates (returns ``[]``); with ``request=-1`` the caller starts there itself:
+        returns the pages holding the K/V, now plain pages of its own."""
 
     def next_request(self) -> Awaitable[tuple[int, str, list[int], int]]:
         """Router only: the next context to place: ``(request, model, prompt, program)``,

@@ -9,6 +9,7 @@ import what they need inside, so ``pastry --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -238,7 +239,98 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="run uploaded programs in the server process instead of the WebAssembly "
         "sandbox (only for programs you trust)",
     )
+    m = p.add_argument_group("several engines (docs/multi-engine.md)")
+    m.add_argument(
+        "--engines", type=int, default=None, metavar="N",
+        help="start N engine processes of the model on this host, each pinned to its share "
+        "of the CPUs (default 1, or 0 with --engine)",
+    )  # fmt: skip
+    m.add_argument(
+        "--engine", action="append", default=[], metavar="tcp://HOST:PORT",
+        help="attach an engine started with `pastry engine --listen` (repeatable)",
+    )  # fmt: skip
+    m.add_argument(
+        "--engine-token", default=os.environ.get("PASTRY_ENGINE_TOKEN") or None,
+        help="the token of the --engine engines (default: $PASTRY_ENGINE_TOKEN)",
+    )  # fmt: skip
+    m.add_argument(
+        "--ray", metavar="ADDRESS", default=None,
+        help="place the --engines as Ray actors of the cluster at ADDRESS ('auto': the "
+        "local one); needs the `ray` extra",
+    )  # fmt: skip
+    m.add_argument(
+        "--router", default="",
+        help="routing program: round-robin (default), least-loaded, pd, pd-balance:RATIO, "
+        "locality[:THRESHOLD], migrate, or an uploaded program's name[:ARGS]",
+    )  # fmt: skip
     p.set_defaults(func=_serve)
+
+
+def add_engine(subparsers: argparse._SubParsersAction) -> None:
+    """``pastry engine``: one engine process for a server elsewhere to attach."""
+    p = subparsers.add_parser(
+        "engine",
+        help="run one engine for a server on another host (`pastry serve --engine URL`)",
+        description="Load the model and serve it as an engine on --listen until stopped. Only "
+        "a control layer holding the token may connect (CURVE, keys derived from the token: "
+        "the token never crosses the network). The KV pool is in shared memory, so engines "
+        "on this host can write K/V into it; --kv-recv also takes K/V from other hosts.",
+    )
+    p.add_argument("--listen", required=True, metavar="tcp://HOST:PORT", help="address to bind")
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded model)")
+    p.add_argument(
+        "--token", default=os.environ.get("PASTRY_ENGINE_TOKEN") or None,
+        help="the token clients must hold (default: $PASTRY_ENGINE_TOKEN; printed when new)",
+    )  # fmt: skip
+    p.add_argument("--kv-recv", default="", metavar="tcp://HOST:PORT",
+                   help="accept K/V writes from engines on other hosts here (port 0: any)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    p.add_argument("--cpus", default="", help="pin to these CPUs, e.g. 0 or 2-3")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    p.add_argument("--num-pages", type=int, default=0, help="KV pages (0: from free memory)")
+    p.add_argument("--num-embeds", type=int, default=0, help="embedding slots (0: derived)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_engine)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    import secrets
+
+    from pastry.engine import serve
+    from pastry.engine.auth import new_token
+
+    host = args.listen.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if not args.listen.startswith("tcp://") or not host:
+        print(f"pastry engine: error: --listen takes tcp://HOST:PORT, got {args.listen}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    token = args.token
+    if not token:  # an engine always wants a token: anyone reaching it could read its KV
+        token = new_token()
+        print(f"engine token (give it to `pastry serve --engine-token`): {token}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if args.model is None:
+        from pastry.engine.tiny import ensure_default_model
+
+        args.model = ensure_default_model()
+    shm = f"/dev/shm/pastry-kv-{os.getpid()}-{secrets.token_hex(3)}"
+    argv = ["--model", str(args.model), "--endpoint", args.listen, "--dtype", args.dtype,
+            "--num-pages", str(args.num_pages), "--num-embeds", str(args.num_embeds),
+            "--kv-shm", shm, "--log-level", args.log_level.upper()]  # fmt: skip
+    os.environ["PASTRY_ENGINE_TOKEN"] = token
+    argv += ["--token-env", "PASTRY_ENGINE_TOKEN"]
+    for flag, value in (("--threads", args.threads), ("--cpus", args.cpus),
+                        ("--kv-recv", args.kv_recv)):  # fmt: skip
+        if value:
+            argv += [flag, str(value)]
+    try:
+        serve.main(argv)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(shm)
+    return 0
 
 
 def _adapter_spec(spec: str) -> tuple[str, str]:
@@ -274,6 +366,11 @@ def _serve(args: argparse.Namespace) -> int:
             adapters=tuple(_adapter_spec(a) for a in args.adapter),
             schedule=args.schedule,
             max_batch=args.max_batch,
+            engines=args.engines if args.engines is not None else (0 if args.engine else 1),
+            remote_engines=tuple(args.engine),
+            engine_token=args.engine_token,
+            ray_address=args.ray,
+            router=args.router,
         )
     except ConfigError as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)
@@ -559,6 +656,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_model,
     add_generate,
     add_serve,
+    add_engine,
     add_run,
     add_attach,
     add_ls,

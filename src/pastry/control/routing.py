@@ -37,7 +37,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -127,6 +127,7 @@ class Routing:
         self._ids = itertools.count(1)
         self._buffers: dict[int, dict[int, RecvBuffer]] = defaultdict(dict)
         self._placed: dict[tuple[int, int], tuple[str, int]] = {}  # (instance, q) -> engine
+        self._expected: dict[int, Callable[[RouteRequest], None]] = {}
         self.inflight: dict[tuple[str, int], int] = defaultdict(int)
         self.routed = 0  # requests placed by a router
         self.fallback = 0  # requests placed here, without a router
@@ -179,6 +180,7 @@ class Routing:
     def end_instance(self, instance: int) -> None:
         """An instance ended: forget its buffers and placements; orphan its requests."""
         self._buffers.pop(instance, None)
+        self._expected.pop(instance, None)
         for key in [k for k in self._placed if k[0] == instance]:
             self.inflight[self._placed.pop(key)] -= 1
         for req in list(self._pending.values()):
@@ -229,7 +231,15 @@ class Routing:
         ref.placed = True  # one placement per queue
         req = RouteRequest(next(self._ids), ref.model.name, tokens, session.instance,
                            loop.create_future())  # fmt: skip
-        if self.router is None:
+        place = self._expected.pop(session.instance, None)
+        if place is not None:
+            self._pending[req.id] = req
+            try:
+                place(req)
+            except ApiError as e:
+                self._pending.pop(req.id, None)
+                req.future.set_exception(e)
+        elif self.router is None:
             self._place_here(req)
         else:
             self._pending[req.id] = req
@@ -294,13 +304,33 @@ class Routing:
 
     def start_generate(
         self, session: Session, q: int, prompt: Sequence[int], begin: int, request: int
-    ) -> None:
-        """Hand ``request`` to ``q``'s engine, where the K/V of ``prompt[:begin]`` is."""
+    ) -> list[int]:
+        """Hand ``request`` to ``q``'s engine, where the K/V of ``prompt[:begin]`` is; with
+        ``request=-1`` the caller itself starts there: returns the pages holding it."""
+        if request == -1:
+            req = RouteRequest(-1, session._queue(q).model.name, _tokens(prompt),
+                               session.instance, asyncio.get_running_loop().create_future())  # fmt: skip
+            self.hand_over(session, q, req, begin, count=False)
+            return list(req.future.result().pages)
         req = self._taken(session, request)
-        tokens = _tokens(prompt)
-        if tokens != req.prompt:
+        if _tokens(prompt) != req.prompt:
             raise ApiError(f"prompt differs from request {request}'s prompt")
+        self.hand_over(session, q, req, begin)
+        return []
+
+    def hand_over(
+        self, session: Session, q: int, req: RouteRequest, begin: int, count: bool = True
+    ) -> None:
+        """Place ``req`` on ``q``'s engine with the K/V of ``prompt[:begin]`` that
+        ``session`` received there (its prep_recv buffers), moving those pages to the
+        requester."""
+        tokens = req.prompt
         begin, _ = slice_bounds(len(tokens), begin, None)
+        if tokens and begin >= len(tokens):
+            raise ApiError(
+                f"begin {begin} leaves nothing to prefill: start_generate needs at least the "
+                "last prompt token, whose output starts generation"
+            )
         ref = session._queue(q)
         target = ref.model
         if target.name != req.model:
@@ -312,16 +342,26 @@ class Routing:
             buf = self._buffer_for(session, target.rank, tokens, begin)
             ps = target.info.page_size
             res = target.resources
-            name = f"\0handoff/{request}"
-            res.export(session.instance, "kv", buf.pages[: -(-begin // ps)], name, True)
-            try:
-                pages = res.import_(req.program, "kv", name)
-            finally:
-                res.unexport(None, name)
+            name = f"\0handoff/{req.id}"
+            keep = buf.pages[: -(-begin // ps)]
+            if req.program == session.instance:  # the caller keeps its own pages
+                pages, buf.pages = keep, buf.pages[len(keep) :]
+            else:
+                res.export(session.instance, "kv", keep, name, True)
+                try:
+                    pages = res.import_(req.program, "kv", name)
+                finally:
+                    res.unexport(None, name)
             self._drop_buffer(session, q, buf)
-        self._pending.pop(request, None)
-        self.routed += 1
+        self._pending.pop(req.id, None)
+        self.routed += count
         req.future.set_result(Placement(target.rank, begin, tuple(pages)))
+
+    def expect(self, program: int, place: Callable[[RouteRequest], None]) -> None:
+        """The next request of instance ``program`` is placed by ``place`` (which must
+        answer it with :meth:`hand_over`), not by the router: the microserving HTTP
+        ``start_generate`` launches a program whose context is already placed."""
+        self._expected[program] = place
 
     def _taken(self, session: Session, request: int) -> RouteRequest:
         self._check_router(session)
@@ -369,6 +409,8 @@ class Routing:
         recv_rank: int,
         begin: int,
         end: int,
+        src_pages: Sequence[int] = (),
+        src_len: int = 0,
     ) -> asyncio.Future:
         ref = session._queue(q)
         sender = ref.model
@@ -395,30 +437,46 @@ class Routing:
             return out
         peer = self.peer(sender, receiver)
         ps = sender.info.page_size
-        # The sender's context cache supplies nothing yet: compute prompt[:end] from 0
-        # (Fig. 8, case 2: compute what is missing, send only prompt[begin:end]).
-        work = session.alloc_kvpages(q, -(-end // ps))
-        chunk = min(PREFILL_CHUNK, sender.info.max_batch_tokens)
-        embeds = session.alloc_embeds(q, min(end, chunk))
+        # What the sender holds already (Fig. 8): pages of the caller's with the K/V of
+        # prompt[:src_len] (the engines keep no context cache yet). Case 1: it holds more
+        # than the receiver, and sends that part without compute; case 2: the rest,
+        # prompt[held:end], is computed on top, and only prompt[begin:end] is sent.
+        src_pages = list(src_pages)
+        held = min(int(src_len), end) if src_pages else 0
+        if src_pages and not 0 <= src_len <= len(src_pages) * ps:
+            raise ApiError(f"src_len {src_len} does not fit {len(src_pages)} pages of {ps}")
+        session._phys(ref, "kv", src_pages)  # fail now on a bad handle
+        work = session.alloc_kvpages(q, -(-end // ps) - held // ps) if held < end else []
+        # The page of every page index of prompt[:end] (a partial last held page is
+        # copied into work[0], where its page index continues).
+        view = src_pages[: held // ps] + work if work else src_pages[: -(-held // ps)]
         guard = f"\0recv/{session.instance}/{kv_addr_info}/{id(out)}"
         # Hold the receiver's pages until the writes have landed, whatever happens to
         # the buffer meanwhile.
         receiver.resources.export(session.instance, "kv", buf.pages, guard, True)
         futs = []
-        for start in range(0, end, chunk):
-            stop = min(end, start + chunk)
-            m = stop - start
-            ctx = work[: -(-start // ps)]
-            last = start - (len(ctx) - 1) * ps if ctx else 0
-            futs.append(session.embed_txt(q, list(tokens[start:stop]), list(range(start, stop)),
-                                          embeds[:m]))  # fmt: skip
-            futs.append(session.forward(q, ctx, last, embeds[:m], work[start // ps : -(-stop // ps)],
-                                        start % ps, []))  # fmt: skip
-            lo = max(begin, start)
-            if lo < stop:
-                futs.append(self._send(session, q, receiver, work, buf, lo, stop, peer))
-        futs.append(session.dealloc_kvpages(q, work))
-        futs.append(session.dealloc_embeds(q, embeds))
+        if held % ps and held < end:  # the partial last held page continues in work[0]
+            futs.append(session.copy_kvpage(q, src_pages[held // ps], work[0], 0, 0, held % ps))
+        if held < end:
+            chunk = min(PREFILL_CHUNK, sender.info.max_batch_tokens)
+            embeds = session.alloc_embeds(q, min(end - held, chunk))
+            for start in range(held, end, chunk):
+                stop = min(end, start + chunk)
+                m = stop - start
+                ctx = view[: -(-start // ps)]
+                last = start - (len(ctx) - 1) * ps if ctx else 0
+                futs.append(session.embed_txt(q, list(tokens[start:stop]), list(range(start, stop)),
+                                              embeds[:m]))  # fmt: skip
+                futs.append(session.forward(q, ctx, last, embeds[:m],
+                                            view[start // ps : -(-stop // ps)], start % ps, []))  # fmt: skip
+                lo = max(begin, start)
+                if lo < stop:
+                    futs.append(self._send(session, q, receiver, view, buf, lo, stop, peer))
+            futs.append(session.dealloc_embeds(q, embeds))
+        if begin < held:  # sent from what the sender holds, without compute
+            futs.append(self._send(session, q, receiver, view, buf, begin, held, peer))
+        if work:
+            futs.append(session.dealloc_kvpages(q, work))
 
         def done(f: asyncio.Future) -> None:
             receiver.resources.unexport(None, guard)

@@ -562,14 +562,22 @@ class Session:
         return self.controller.routing.prep_recv(self, q, prompt, end)
 
     def remote_send(
-        self, q: int, prompt: list[int], kv_addr_info: int, recv_rank: int, begin: int, end: int
+        self,
+        q: int,
+        prompt: list[int],
+        kv_addr_info: int,
+        recv_rank: int,
+        begin: int,
+        end: int,
+        src_pages: list[int] | None = None,
+        src_len: int = 0,
     ) -> asyncio.Future:
         return self.controller.routing.remote_send(
-            self, q, prompt, kv_addr_info, recv_rank, begin, end
+            self, q, prompt, kv_addr_info, recv_rank, begin, end, src_pages or (), src_len
         )
 
-    def start_generate(self, q: int, prompt: list[int], begin: int, request: int) -> None:
-        self.controller.routing.start_generate(self, q, prompt, begin, request)
+    def start_generate(self, q: int, prompt: list[int], begin: int, request: int = -1) -> list[int]:
+        return self.controller.routing.start_generate(self, q, prompt, begin, request)
 
     def next_request(self) -> asyncio.Future:
         return self.controller.routing.next_request(self)

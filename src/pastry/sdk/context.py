@@ -197,6 +197,42 @@ class Context:
 
     # ------------------------------------------------------------------ internals
 
+    async def migrate(self, engine: int) -> None:
+        """Move this context to engine ``engine`` of its model (microserving's context
+        migration): its K/V are written into pages there, one-sided, and it goes on there
+        exactly as if it had never moved. Its forks stay where they are."""
+        self._check_live()
+        await self.flush()
+        self._placed = True
+        a = self.api
+        if engine == a.get_queue_engine(self.queue):
+            return
+        q = a.create_queue(self.model, engine)
+        n, prompt = self.kv_len, list(self.tokens)
+        pages: list[int] = []
+        if n:
+            kv, matched = await a.prep_recv(q, prompt, n)
+            await a.remote_send(self.queue, prompt, kv, engine, matched, n, self.pages, n)
+            pages = a.start_generate(q, prompt, n)
+        old_q, old_pages, old_embeds = self.queue, self.pages, self._embeds
+        self.queue, self.pages, self._embeds = q, pages, []
+        refs = _refs(self.api)
+        free = []
+        for p in old_pages:
+            left = refs.get(p, 1) - 1
+            if left <= 0:
+                refs.pop(p, None)
+                free.append(p)
+            else:
+                refs[p] = left
+        futs = [a.dealloc_kvpages(old_q, free)] if free else []
+        if old_embeds:
+            futs.append(a.dealloc_embeds(old_q, old_embeds))
+        await asyncio.gather(*futs)
+        if self._own_queue:
+            a.close_queue(old_q)
+        self._own_queue = True
+
     async def _place(self) -> None:
         """Before the first forward of a fresh context on a model with several engines: ask
         the router where it runs (``route``); the K/V of the prompt's first ``begin``

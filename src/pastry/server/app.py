@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pastry.server import metrics, openai, sglang_api, ws
+from pastry.server import metrics, microserving, openai, sglang_api, ws
 from pastry.server.service import PastryServer, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ def create_app(server: PastryServer) -> Starlette:
     routes = [Route("/health", health), *ws.routes(server), *openai.routes(server)]
     routes += sglang_api.routes(server)  # SGLang's native API (/generate, ...)
     routes += metrics.routes()
+    routes += microserving.routes(server)  # microserving's engine calls, the router
     return Starlette(
         routes=routes, lifespan=lifespan, middleware=[Middleware(BearerAuth, server=server)]
     )

@@ -1,0 +1,191 @@
+"""LLM microserving's engine calls as HTTP endpoints, like the paper's REST API.
+
+- ``POST /microserving/prep_recv`` ``{"engine", "prompt", "end"}`` ->
+  ``{"kv_addr_info", "matched_len"}``
+- ``POST /microserving/remote_send`` ``{"engine", "prompt", "kv_addr_info", "recv_rank",
+  "begin", "end"}`` -> ``{"status": "ok"}`` once every K/V write has landed
+- ``POST /microserving/start_generate`` ``{"engine", "prompt", "begin", ...}``: the
+  ``text-completion`` program (same options: ``max_tokens``, ``temperature``, ``stop``,
+  ``seed``, ``stream``...) on that engine, with the K/V of ``prompt[:begin]`` received
+  there: its result, or with ``"stream": true`` server-sent events of its text.
+- ``GET /microserving/engines``: every model's engines (alive, load, KV peers) and the
+  active router; ``POST /microserving/router`` ``{"router": "NAME[:ARG]"}`` swaps it.
+
+``engine`` is a rank (``"model"`` names the model, default the first); ``prompt`` is token
+ids or text (tokenized as ``text-completion`` would). The calls run in one server-held
+instance (``microserving-http``), so a ``kv_addr_info`` from ``prep_recv`` stays valid for
+the ``remote_send`` and ``start_generate`` that follow, as the paper's router uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pastry.api import ApiError
+from pastry.control.events import Failed, Finished, Message, Terminated
+from pastry.runtime.trusted import Program
+from pastry.server.service import PastryServer
+
+log = logging.getLogger(__name__)
+
+_HOLDER = """
+import pastry.sdk as px
+
+
+async def main(args):
+    while True:  # holds the microserving endpoints' K/V buffers while the server runs
+        await px.receive()
+"""
+GENERATE_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream")
+
+
+class _Error(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self)}}, self.status)
+
+
+class Microserving:
+    """The server-held instance that the endpoints act through, and its queues."""
+
+    def __init__(self, server: PastryServer) -> None:
+        self.server = server
+        self._inst = None
+        self._queues: dict[tuple[str, int], int] = {}
+
+    @property
+    def session(self):
+        if self._inst is None or self._inst.done.is_set():
+            prog = Program.from_source("microserving-http", _HOLDER)
+            self._inst = self.server.runtime.launch(prog, [])
+            self.server.owners[self._inst.id] = None
+            self._queues.clear()
+        return self._inst.session
+
+    def queue(self, model: str, rank: int) -> int:
+        q = self._queues.get((model, rank))
+        if q is None:
+            q = self._queues[(model, rank)] = self.session.create_queue(model, rank)
+        return q
+
+    def model(self, body: dict) -> str:
+        model = body.get("model") or self.server.models[0]
+        if model not in self.server.models:
+            raise _Error(f"no model '{model}' (served: {', '.join(self.server.models)})", 404)
+        return model
+
+    def prompt(self, body: dict, model: str) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return self.server.controller.models[model].tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise _Error("'prompt' must be text or a list of token ids")
+
+
+def routes(server: PastryServer) -> list[Route]:
+    ms = Microserving(server)
+
+    def endpoint(fn):
+        async def run(request: Request) -> Response:
+            try:
+                body = await request.json() if request.method == "POST" else {}
+                if not isinstance(body, dict):
+                    raise _Error("the body must be a JSON object")
+                return await fn(body)
+            except _Error as e:
+                return e.response()
+            except (ApiError, ValueError) as e:
+                return _Error(str(e)).response()
+
+        return run
+
+    def arg(body: dict, name: str, default: Any = ...) -> Any:
+        value = body.get(name, default)
+        if value is ...:
+            raise _Error(f"'{name}' is required")
+        return value
+
+    async def prep_recv(body: dict) -> Response:
+        model = ms.model(body)
+        q = ms.queue(model, arg(body, "engine"))
+        kv, matched = await ms.session.prep_recv(q, ms.prompt(body, model), arg(body, "end"))
+        return JSONResponse({"kv_addr_info": kv, "matched_len": matched})
+
+    async def remote_send(body: dict) -> Response:
+        model = ms.model(body)
+        q = ms.queue(model, arg(body, "engine"))
+        await ms.session.remote_send(
+            q, ms.prompt(body, model), arg(body, "kv_addr_info"), arg(body, "recv_rank"),
+            arg(body, "begin"), arg(body, "end"),
+        )  # fmt: skip
+        return JSONResponse({"status": "ok"})
+
+    async def start_generate(body: dict) -> Response:
+        model = ms.model(body)
+        rank = arg(body, "engine")
+        q = ms.queue(model, rank)
+        prompt = ms.prompt(body, model)
+        begin = arg(body, "begin", 0)
+        unknown = sorted(set(body) - {"model", "engine", "prompt", "begin", *GENERATE_OPTIONS})
+        if unknown:
+            raise _Error(f"unknown fields {unknown}; options: {', '.join(GENERATE_OPTIONS)}")
+        opts = {k: body[k] for k in GENERATE_OPTIONS if k in body}
+        opts |= {"model": model, "prompt": prompt}
+        inst = server.launch("text-completion", [json.dumps(opts)])
+        routing = server.controller.routing
+        routing.expect(inst.id, lambda req: routing.hand_over(ms.session, q, req, begin))
+        if not opts.get("stream"):
+            end = await inst.wait()
+            if isinstance(end, Finished):
+                return Response(end.result or "null", media_type="application/json")
+            raise _Error(getattr(end, "error", None) or getattr(end, "reason", str(end)), 500)
+
+        async def events():
+            async for ev in inst.events():
+                if isinstance(ev, Message):
+                    yield f"data: {ev.text}\n\n"
+                elif isinstance(ev, Finished):
+                    yield "data: [DONE]\n\n"
+                elif isinstance(ev, Failed | Terminated):
+                    err = getattr(ev, "error", None) or getattr(ev, "reason", "")
+                    yield f"data: {json.dumps({'error': {'message': err}})}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def engines(body: dict) -> Response:
+        routing = server.controller.routing
+        out = {}
+        for model, replicas in server.controller.engines.items():
+            load = routing.load(model)
+            out[model] = [
+                {"rank": m.rank, "alive": bool(load[m.rank][0]), "routed": load[m.rank][1],
+                 "queued_tokens": load[m.rank][2], "kv_peers": list(m.info.kv_peers),
+                 "device": m.info.device}
+                for m in replicas
+            ]  # fmt: skip
+        return JSONResponse({"engines": out, "router": routing.router_name or None})
+
+    async def router(body: dict) -> Response:
+        spec = arg(body, "router")
+        if not isinstance(spec, str) or not spec:
+            raise _Error("'router' must be NAME[:ARG], e.g. pd-balance:0.2")
+        inst = await server.set_router(spec)
+        return JSONResponse({"router": spec, "instance": inst.id})
+
+    return [
+        Route("/microserving/prep_recv", endpoint(prep_recv), methods=["POST"]),
+        Route("/microserving/remote_send", endpoint(remote_send), methods=["POST"]),
+        Route("/microserving/start_generate", endpoint(start_generate), methods=["POST"]),
+        Route("/microserving/engines", endpoint(engines), methods=["GET"]),
+        Route("/microserving/router", endpoint(router), methods=["POST"]),
+    ]
