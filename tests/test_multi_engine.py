@@ -1,0 +1,511 @@
+"""Several engines per model: one-sided KV transfer, routers as programs, microserving's
+calls (from inferlets and over HTTP), migration, engine failure. docs/multi-engine.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pastry.control.events import Failed, Finished
+from pastry.engine.calls import CallError, EmbedTxt, Forward, Sample, SendKv, ids
+from pastry.engine.config import EngineConfig
+from pastry.engine.engine import Engine
+from pastry.engine.pool import KvLayout
+from pastry.engine.serve import parse_cpus
+from pastry.engine.transfer import KvReceiver
+from pastry.runtime.trusted import Program
+from pastry.server.engines import cpu_shares
+from pastry.server.service import PastryServer, ServerConfig
+
+SMALL = dict(num_pages=256, num_embeds=1024, dtype="float32", page_size=16)
+ROUTERS = ("round-robin", "least-loaded", "pd", "pd-balance:0.3", "locality:24", "migrate:1")
+PROMPTS = ["Once upon a time " * k for k in (1, 3, 7, 12)] + ["x"]
+
+
+# ----------------------------------------------------------------------------- engine level
+
+
+def _shm() -> str:
+    return f"/dev/shm/pastry-kv-test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def engines(make_tiny):
+    made = [
+        Engine.load(
+            make_tiny(), EngineConfig(dtype="float32", num_pages=64, num_embeds=256, kv_shm=_shm())
+        )
+        for _ in range(3)
+    ]
+    yield made
+    for e in made:
+        e.close()
+        assert not os.path.exists(e.kv.shm_path)
+
+
+def _greedy(engine: Engine, pages: list[int], kv_len: int, pending: list[int], steps: int = 8):
+    ps, out = engine.page_size, []
+    for _ in range(steps):
+        m = len(pending)
+        ctx = pages[: -(-kv_len // ps)] if kv_len else []
+        calls = [
+            EmbedTxt(ids(pending), ids(range(kv_len, kv_len + m)), ids(range(m))),
+            Forward(ids(range(m)), ctx_pages=ids(ctx),
+                    ctx_last_len=kv_len - (len(ctx) - 1) * ps if ctx else 0,
+                    out_pages=ids(pages[kv_len // ps : -(-(kv_len + m) // ps)]),
+                    out_offset=kv_len % ps, out_embeds=ids([200]), out_indices=ids([m - 1])),
+            Sample(200),
+        ]  # fmt: skip
+        results = engine.execute(calls)
+        assert results[:2] == [None, None], results
+        out.append(results[2])
+        kv_len, pending = kv_len + m, [results[2]]
+    return out
+
+
+def _prefill_and_send(engine: Engine, prompt: list[int], pages: list[int], sends: list[SendKv]):
+    m = len(prompt)
+    calls = [
+        EmbedTxt(ids(prompt), ids(range(m)), ids(range(m))),
+        Forward(ids(range(m)), out_pages=ids(pages[: -(-m // engine.page_size)])),
+        *sends,
+    ]
+    return engine.execute(calls)[2:]
+
+
+def test_kv_pool_file_layout(engines):
+    a = engines[0]
+    layout, (k, v, positions, attendable) = KvLayout.open(a.kv.shm_path)
+    assert layout == a.kv.layout
+    assert len(k) == len(v) == a.cfg.num_layers
+    a.kv.k[1][0, 5, 3] = 7.5  # the owner's views and a peer's mapping are one memory
+    assert k[1][0, 5, 3].item() == 7.5
+    a.kv.k[1][0, 5, 3] = 0.0
+    assert positions.shape == attendable.shape == (layout.slots,)
+
+
+def test_send_kv_through_shared_memory_continues_exactly(engines):
+    a, b, ref = engines
+    prompt = list(range(5, 42))
+    n, ps = len(prompt), a.page_size
+    want = _greedy(ref, list(range(10)), 0, prompt)
+    src, dst = list(range(10)), list(range(20, 30))
+    send = SendKv(ids(src[: -(-(n - 1) // ps)]), ids(dst[: -(-(n - 1) // ps)]), n - 1,
+                  b.info.kv_peers[0])  # fmt: skip
+    assert _prefill_and_send(a, prompt[:-1], src, [send]) == [None]
+    assert _greedy(b, dst, n - 1, prompt[-1:]) == want
+    # a part from an offset (balanced P/D: the receiver computes the rest itself)
+    dst2 = list(range(30, 40))
+    part = SendKv(ids(src[:2]), ids(dst2[:2]), 20, b.info.kv_peers[0])
+    assert b.execute([]) == [] and a.execute([part]) == [None]
+    assert _greedy(b, dst2, 20, prompt[20:]) == want
+
+
+def test_send_kv_runs_layer_by_layer_during_the_forward(engines, monkeypatch):
+    a, b, _ = engines
+    seen: list[tuple[str, int]] = []
+    real = a.transfer.on_layer
+
+    def on_layer(layer: int) -> None:
+        seen.append(("layer", layer))
+        real(layer)
+        seen.append(("queued", a.transfer._active[0].sent_layers))
+
+    monkeypatch.setattr(a.transfer, "on_layer", on_layer)
+    prompt = list(range(100, 140))
+    send = SendKv(ids(range(3)), ids(range(40, 43)), len(prompt), b.info.kv_peers[0])
+    assert _prefill_and_send(a, prompt, list(range(3)), [send]) == [None]
+    layers = a.cfg.num_layers
+    assert seen == [x for i in range(layers) for x in (("layer", i), ("queued", i + 1))]
+
+
+def test_send_kv_across_hosts_needs_the_token(engines):
+    a, _, c = engines
+    receiver = KvReceiver(c.kv, "tcp://127.0.0.1:0", token="s3cret")
+    try:
+        prompt = list(range(7, 40))
+        want = _greedy(engines[2], list(range(50, 53)), 0, prompt)
+        a.transfer.token = "s3cret"
+        send = SendKv(ids(range(3)), ids(range(10, 13)), len(prompt) - 1, receiver.endpoint)
+        assert _prefill_and_send(a, prompt[:-1], list(range(3)), [send]) == [None]
+        assert _greedy(c, list(range(10, 13)), len(prompt) - 1, prompt[-1:]) == want
+        # out of range pages: refused by the receiver, reported by the sender
+        bad = SendKv(ids([0]), ids([10_000]), 4, receiver.endpoint)
+        (err,) = a.execute([bad])
+        assert isinstance(err, CallError) and "outside this engine" in err.message
+    finally:
+        a.transfer.token = None
+        a.transfer._comm.submit(lambda: [p.close() for p in a.transfer._peers.values()]).result()
+        a.transfer._peers.clear()
+        receiver.close()
+
+
+def test_send_kv_refuses_bad_calls(engines):
+    a, b, _ = engines
+    calls = [
+        SendKv(ids([0]), ids([1]), 17, b.info.kv_peers[0]),  # 17 tokens do not fit a page
+        SendKv(ids([0]), ids([1]), 4, "shm:/dev/shm/no-such-pastry-pool"),
+        SendKv(ids([0]), ids([1]), 4, "udp://nowhere"),
+    ]
+    errors = a.execute(calls)
+    assert [type(e) for e in errors] == [CallError] * 3
+    assert "do not hold 17 tokens" in errors[0].message
+    assert "cannot map" in errors[1].message and "unknown peer" in errors[2].message
+
+
+def test_cpu_placement_helpers():
+    assert cpu_shares(2, [0, 1]) == ["0", "1"]
+    assert cpu_shares(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
+    assert cpu_shares(3, [0, 1]) == ["0", "1", "0"]
+    assert parse_cpus("0,2-3") == {0, 2, 3}
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+async def _server(model: Path, tmp_path: Path, **kw) -> PastryServer:
+    server = PastryServer(
+        ServerConfig(model=model, in_process=True, programs_dir=tmp_path / "p", **SMALL, **kw)
+    )
+    await server.start()
+    return server
+
+
+async def _complete(server: PastryServer, prompts, max_tokens: int = 12) -> list[str]:
+    insts = [
+        server.launch(
+            "text-completion",
+            [json.dumps({"prompt": p, "max_tokens": max_tokens, "temperature": 0})],
+        )
+        for p in prompts
+    ]
+    out = []
+    for inst in insts:
+        end = await inst.wait()
+        assert isinstance(end, Finished), end
+        out.append(json.loads(end.result)["choices"][0]["text"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_engine_texts(make_tiny, tmp_path_factory):
+    async def run():
+        server = await _server(make_tiny(), tmp_path_factory.mktemp("one"))
+        try:
+            return await _complete(server, PROMPTS)
+        finally:
+            await server.stop()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_greedy_through_every_router_equals_one_engine(
+    router, make_tiny, tmp_path, single_engine_texts
+):
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2, router=router)
+        try:
+            texts = await _complete(server, PROMPTS)
+            routing = server.controller.routing
+            assert routing.routed == len(PROMPTS) and routing.fallback == 0
+            for m in server.controller.all_engines():
+                m.resources.check_integrity()
+            return texts
+        finally:
+            await server.stop()
+
+    assert asyncio.run(run()) == single_engine_texts
+
+
+def test_pd_moves_the_prompt_kv_and_decodes_elsewhere(make_tiny, tmp_path):
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2, router="pd")
+        try:
+            sent = []
+            for m in server.controller.all_engines():
+                real = m.engine.engine.execute
+
+                def spy(batch, real=real, rank=m.rank):
+                    sent.extend((rank, type(c).__name__) for c in batch)
+                    return real(batch)
+
+                m.engine.engine.execute = spy
+            await _complete(server, ["Once upon a time " * 5], max_tokens=4)
+            return sent
+        finally:
+            await server.stop()
+
+    sent = asyncio.run(run())
+    assert (0, "SendKv") in sent and (1, "SendKv") not in sent
+    assert (0, "Sample") not in sent and (1, "Sample") in sent  # decode on engine 1
+
+
+MIGRATE = """
+import pastry.sdk as px
+from pastry.sdk import Context
+
+async def main(args):
+    ctx = Context(engine=0)
+    ctx.fill("Once upon a time there was a little program that " * 3)
+    a = await ctx.generate_until(max_tokens=9)
+    if args:
+        await ctx.migrate(int(args[0]))
+    b = await ctx.generate_until(max_tokens=9)
+    return a + "|" + b + "|" + str(px.get_queue_engine(ctx.queue))
+"""
+
+
+def test_migrated_context_continues_as_if_it_never_moved(make_tiny, tmp_path):
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2)
+        try:
+            prog = Program.from_source("migrate-test", MIGRATE)
+            out = []
+            for args in ([], ["1"]):
+                end = await server.runtime.launch(prog, args).wait()
+                assert isinstance(end, Finished), end
+                out.append(end.result.rsplit("|", 1))
+            for m in server.controller.all_engines():
+                m.resources.check_integrity()
+                assert m.resources.usage("kv")[1] == 0
+            return out
+        finally:
+            await server.stop()
+
+    (stay, at0), (moved, at1) = asyncio.run(run())
+    assert stay == moved and (at0, at1) == ("0", "1")
+
+
+API_MISUSE = """
+import pastry.sdk as px
+
+async def main(args):
+    model = px.available_models()[0]
+    q0, q1 = px.create_queue(model, 0), px.create_queue(model, 1)
+    out = []
+    def check(fn):
+        try:
+            fn()
+            out.append("no error")
+        except px.ApiError as e:
+            out.append(str(e))
+    prompt = list(range(10, 40))
+    kv, matched = await px.prep_recv(q1, prompt, -1)
+    out.append([px.available_engines(model), px.get_queue_engine(q1), matched])
+    check(lambda: px.remote_send(q0, prompt, kv, 0, 0, -1))
+    check(lambda: px.remote_send(q1, prompt, kv, 1, 0, -1))
+    check(lambda: px.remote_send(q0, prompt[:5] + [1] * 25, kv, 1, 0, -1))
+    check(lambda: px.start_generate(q1, prompt, 10))
+    await px.remote_send(q0, prompt, kv, 1, 0, -1)
+    check(lambda: px.start_generate(q1, prompt, 30))
+    pages = px.start_generate(q1, prompt, -1)
+    try:
+        await px.mask_kvpage(q0, pages[0], [False] * 16)
+        out.append("no error")
+    except px.ApiError as e:
+        out.append(str(e))
+    check(lambda: px.next_request())
+    check(lambda: px.create_queue(model, 5))
+    return repr(out)
+"""
+
+
+def test_microserving_calls_refuse_misuse_with_clear_errors(make_tiny, tmp_path):
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2)
+        try:
+            end = await server.runtime.launch(Program.from_source("m", API_MISUSE), []).wait()
+            assert isinstance(end, Finished), end
+            return eval(end.result)
+        finally:
+            await server.stop()
+
+    info, *errors = asyncio.run(run())
+    assert info == [2, 1, 0]
+    assert "is on engine 1, not 0" in errors[0]
+    assert "to itself" in errors[1]
+    assert "is not the prompt prep_recv prepared" in errors[2]
+    assert "K/V of prompt[:10] is not on engine 1" in errors[3]
+    assert "leaves nothing to prefill" in errors[4]
+    assert "not owned by this inferlet" in errors[5]  # a page of engine 1 on engine 0
+    assert "only the active router" in errors[6]
+    assert "engine 5 does not exist" in errors[7]
+
+
+def test_router_swap_without_restarting_engines(make_tiny, tmp_path, single_engine_texts):
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2, router="round-robin")
+        try:
+            first = server.controller.routing.router
+            handles = list(server._handles)
+            await server.set_router("pd-balance:0.5")
+            assert server.controller.routing.router != first
+            assert first not in server.runtime.instances  # the old router ended
+            texts = await _complete(server, PROMPTS)
+            with pytest.raises(ValueError, match="no router 'nope'"):
+                await server.set_router("nope")
+            with pytest.raises(ValueError, match="failed at start"):
+                await server.set_router("pd-balance:7")
+            assert server._handles == handles
+            return texts
+        finally:
+            await server.stop()
+
+    assert asyncio.run(run()) == single_engine_texts
+
+
+def _http(url: str, path: str, body: dict | None = None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_openai_and_microserving_http_go_through_the_router(
+    make_tiny, tmp_path, single_engine_texts
+):
+    from server_util import running_server
+
+    with running_server(make_tiny(), tmp_path, engines=2, router="pd", num_pages=256) as (url, _):
+        model = json.loads(_http(url, "/v1/models")[1])["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
+        status, text = _http(url, "/v1/completions", body)
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["text"] == single_engine_texts[2]
+        info = json.loads(_http(url, "/microserving/engines")[1])
+        assert info["router"] == "pd" and len(next(iter(info["engines"].values()))) == 2
+        # The paper's 1P1D flow over HTTP: decode on engine 1, prefill on engine 0.
+        prompt = PROMPTS[3]
+        status, text = _http(
+            url, "/microserving/prep_recv", {"engine": 1, "prompt": prompt, "end": -1}
+        )
+        assert status == 200, text
+        kv = json.loads(text)
+        assert kv["matched_len"] == 0
+        send = {"engine": 0, "prompt": prompt, "kv_addr_info": kv["kv_addr_info"],
+                "recv_rank": 1, "begin": kv["matched_len"], "end": -1}  # fmt: skip
+        status, text = _http(url, "/microserving/remote_send", send)
+        assert status == 200, text
+        gen = {"engine": 1, "prompt": prompt, "begin": -1, "max_tokens": 12, "temperature": 0}
+        status, text = _http(url, "/microserving/start_generate", gen)
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["text"] == single_engine_texts[3]
+        gen = {"engine": 1, "prompt": prompt, "begin": 5, "max_tokens": 2}
+        status, text = _http(url, "/microserving/start_generate", gen)
+        assert status == 500 and "is not on engine 1" in text
+        assert _http(url, "/microserving/router", {"router": "round-robin"})[0] == 200
+        assert json.loads(_http(url, "/microserving/engines")[1])["router"] == "round-robin"
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+LONG = ["The history of the world " * k for k in (2, 3, 4, 5)]
+
+
+@pytest.mark.slow
+def test_killing_one_engine_fails_only_its_requests(make_tiny, tmp_path):
+    async def run():
+        cfg = ServerConfig(model=make_tiny(), programs_dir=tmp_path / "p", engines=2,
+                           router="round-robin", **SMALL)  # fmt: skip
+        server = PastryServer(cfg)
+        await server.start()
+        try:
+            insts = [
+                server.launch(
+                    "text-completion",
+                    [json.dumps({"prompt": p, "max_tokens": 400, "temperature": 0})],
+                )
+                for p in LONG
+            ]
+            routing = server.controller.routing
+            while routing.routed < len(LONG):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            os.kill(server._procs[1].pid, signal.SIGKILL)
+            ends = [await i.wait() for i in insts]
+            after = await _complete(server, PROMPTS[:2], max_tokens=4)  # engine 0 serves all
+            load = routing.load(server.models[0])
+            return ends, after, load
+        finally:
+            await server.stop()
+
+    ends, after, load = asyncio.run(run())
+    failed = [e for e in ends if isinstance(e, Failed)]
+    assert len(failed) == 2 and sum(isinstance(e, Finished) for e in ends) == 2
+    assert all("lost the connection to the engine" in e.error for e in failed)
+    assert len(after) == 2 and [a for a, *_ in load] == [1, 0]
+
+
+@pytest.mark.slow
+def test_engine_listen_accepts_only_its_token(make_tiny, tmp_path):
+    import subprocess
+    import sys
+
+    from pastry.engine.handle import EngineTimeout
+    from pastry.engine.remote import RemoteEngine
+    from server_util import free_port
+
+    port = free_port()
+    env = {**os.environ, "PASTRY_ENGINE_TOKEN": "tok-123"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pastry.cli", "engine", "--listen", f"tcp://127.0.0.1:{port}",
+         "--model", str(make_tiny()), "--num-pages", "64", "--dtype", "float32"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+
+        async def run():
+            deadline = time.time() + 120
+            while True:
+                try:
+                    eng = await RemoteEngine.connect(f"tcp://127.0.0.1:{port}", 2, token="tok-123")
+                    break
+                except EngineTimeout:
+                    assert proc.poll() is None and time.time() < deadline
+            info = eng.info
+            await eng.aclose()
+            with pytest.raises(EngineTimeout, match="with the engine's token"):
+                await RemoteEngine.connect(f"tcp://127.0.0.1:{port}", 2, token="wrong")
+            with pytest.raises(EngineTimeout, match="need a token"):
+                await RemoteEngine.connect(f"tcp://127.0.0.1:{port}", 2)
+            return info
+
+        info = asyncio.run(run())
+        assert any(p.startswith("shm:") for p in info.kv_peers)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert not any(Path("/dev/shm").glob(f"pastry-kv-{proc.pid}-*"))
+
+
+def test_engine_handles_of_engines_do_not_collide(make_tiny, tmp_path):
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2)
+        try:
+            first, second = server.controller.engines[server.models[0]]
+            server.controller.session(999)
+            a = first.resources.alloc(999, "kv", 2)
+            b = second.resources.alloc(999, "kv", 2)
+            server.controller.end_session(999)
+            return a, b
+        finally:
+            await server.stop()
+
+    a, b = asyncio.run(run())
+    assert not set(a) & set(b) and np.all(np.array(b) >= 1 << 24)
