@@ -24,6 +24,16 @@ from pastry.engine.wire import Op, Status, no_payload, parse_header, request
 
 log = logging.getLogger(__name__)
 
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+class EngineAuthError(EngineError):
+    """The engine refused the connection: the token is wrong, or missing on one side."""
+
 
 class RemoteEngine(EngineHandle):
     """A client of an engine server. Make one with ``await RemoteEngine.connect(endpoint)``
@@ -53,7 +63,7 @@ class RemoteEngine(EngineHandle):
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_s * 5000))
         secure_client(self._sock, token)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self._sock.connect(endpoint)
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future, Callable[[Frames], Any]]] = {}
@@ -214,6 +224,14 @@ class RemoteEngine(EngineHandle):
         try:
             while True:
                 event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] & _HANDSHAKE_FAILED:
+                    self._fail(
+                        EngineAuthError(
+                            f"the engine at {self.endpoint} refused this control layer: its "
+                            "token differs (or one side has a token and the other none)"
+                        )
+                    )
+                    return
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._fail(
                         EngineDied(
