@@ -17,6 +17,9 @@ python -m pip install --quiet -e ".[test,eval]"
 # from the sglang-frontend extra).
 python -m pip install --quiet -e ".[sglang-frontend]"
 python -m pip install --quiet --no-deps "sglang==0.4.10.post2"
+# Ray, to place engines on a cluster (`pastry serve --ray`; its tests are marked slow). It
+# does not depend on torch, so the pinned one stays.
+python -m pip install --quiet -e ".[ray]"
 # The sandbox's CPython-on-WASI runtime: built once (about a minute) and cached compiled
 # under $PASTRY_HOME; rebuilt only when its inputs change.
 python -m pastry.runtime.build_pyrt

@@ -185,9 +185,11 @@ def test_every_builtin_loads(tmp_path):
     reg = ProgramRegistry(tmp_path)
     reg.add_builtins()
     files = [
-        e.name for e in resources.files("pastry.inferlets").iterdir()
+        e.name
+        for package in ("pastry.inferlets", "pastry.inferlets.routers")
+        for e in resources.files(package).iterdir()
         if e.name.endswith(".py") and not e.name.startswith("_")
-    ]  # fmt: skip
+    ]
     assert len([p for p in reg.list() if p.builtin]) == len(files)
     with pytest.raises(Exception, match="built-in"):
         reg.upload("async def main(args): return 'x'\n", name="text-completion")

@@ -510,3 +510,66 @@ def test_engine_handles_of_engines_do_not_collide(make_tiny, tmp_path):
 
     a, b = asyncio.run(run())
     assert not set(a) & set(b) and np.all(np.array(b) >= 1 << 24)
+
+
+# ----------------------------------------------------------------------------- sandboxed
+
+
+@pytest.fixture(scope="module")
+def pyrt():
+    from pastry.runtime import build_pyrt
+
+    try:
+        build_pyrt.build()
+    except build_pyrt.BuildError as e:
+        pytest.skip(f"the sandbox runtime cannot be built here: {e}")
+
+
+def test_sandboxed_router_and_migration(make_tiny, tmp_path, single_engine_texts, pyrt):
+    from importlib import resources
+
+    source = resources.files("pastry.inferlets.routers").joinpath("pd_balance.py").read_text()
+
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2)
+        try:
+            server.registry.upload(source, name="my-router")
+            server.registry.upload(MIGRATE, name="migrate-sandboxed")
+            await server.set_router("my-router:0.4")
+            texts = await _complete(server, PROMPTS)
+            assert server.controller.routing.routed == len(PROMPTS)
+            ends = [await server.launch("migrate-sandboxed", a).wait() for a in ([], ["1"])]
+            return texts, ends
+        finally:
+            await server.stop()
+
+    texts, ends = asyncio.run(run())
+    assert texts == single_engine_texts
+    assert all(isinstance(e, Finished) for e in ends), ends
+    (stay, at0), (moved, at1) = (e.result.rsplit("|", 1) for e in ends)
+    assert stay == moved and (at0, at1) == ("0", "1")
+
+
+@pytest.mark.slow
+def test_engines_as_ray_actors(make_tiny, tmp_path, single_engine_texts):
+    pytest.importorskip("ray", reason="the `ray` extra is not installed")
+
+    async def run():
+        cfg = ServerConfig(model=make_tiny(), programs_dir=tmp_path / "p", engines=2,
+                           ray_address="local", router="pd", **SMALL)  # fmt: skip
+        server = PastryServer(cfg)
+        await server.start()
+        try:
+            peers = [m.info.kv_peers for m in server.controller.all_engines()]
+            return await _complete(server, PROMPTS), peers
+        finally:
+            await server.stop()
+
+    import ray
+
+    try:
+        texts, peers = asyncio.run(run())
+    finally:
+        ray.shutdown()
+    assert texts == single_engine_texts
+    assert all(any(p.startswith("tcp://") for p in ps) for ps in peers)

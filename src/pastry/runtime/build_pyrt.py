@@ -34,6 +34,7 @@ GUEST_SOURCES = (
     "sdk/__init__.py",
     "sdk/args.py",
     "sdk/context.py",
+    "sdk/router.py",
     "sdk/sampling.py",
     "sdk/steps.py",
     "sdk/stop.py",

@@ -96,6 +96,8 @@ def _queued(fn: Callable) -> Callable:
 
 
 def _value(v) -> ctypes_.Variant:
+    if isinstance(v, ctypes_.Variant):  # built by the handler (several engines)
+        return v
     if v is None:
         return ctypes_.Variant("none")
     if isinstance(v, int):
@@ -209,7 +211,33 @@ HOST: dict[str, Callable] = {
     "forward-with-logprobs": _queued(_forward_with_logprobs),
     "get-next-dist-with": _queued(_get_next_dist_with),
     "sample-with": _queued(_sample_with),
+    "available-engines": lambda g, m: _s(g).available_engines(m),
+    "create-queue-on": lambda g, m, e: _s(g).create_queue(m, e),
+    "get-queue-engine": lambda g, q: _s(g).get_queue_engine(q),
+    "get-engine-load": lambda g, m: [tuple(x) for x in _s(g).get_engine_load(m)],
+    "route": lambda g, q, p: _variant(g, "placed", _s(g).route(q, p)),
+    "prep-recv": lambda g, q, p, e: _variant(g, "received", _s(g).prep_recv(q, p, e)),
+    "remote-send": _queued(lambda g, *a: _s(g).remote_send(*a)),
+    "start-generate": lambda g, q, p, b, r: _s(g).start_generate(q, p, b, r),
+    "next-request": lambda g: _variant(g, "request", _s(g).next_request()),
+    "reject-request": lambda g, r, why: _s(g).reject_request(r, why),
 }
+
+
+def _variant(g: Guest, case: str, fut: asyncio.Future) -> int:
+    """Track ``fut`` for the guest, its result taken as the ``value`` case ``case``."""
+    out = asyncio.get_running_loop().create_future()
+
+    def done(f: asyncio.Future) -> None:
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(ctypes_.Variant(case, tuple(f.result())))
+
+    fut.add_done_callback(done)
+    return g.track(out)
 
 
 # ---------------------------------------------------------------------------- ctypes glue

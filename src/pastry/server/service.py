@@ -75,8 +75,10 @@ class ServerConfig:
             raise ConfigError(
                 f"max_batch must be >= 1 (forward calls per batch), got {self.max_batch}"
             )
-        if self.engines < 1:
-            raise ConfigError(f"--engines must be at least 1, got {self.engines}")
+        if self.engines < 0 or (self.engines == 0 and not self.remote_engines):
+            raise ConfigError(
+                f"--engines must be at least 1 (0 only with --engine), got {self.engines}"
+            )
         if self.remote_engines and not self.engine_token:
             raise ConfigError(
                 "--engine needs the engines' token (--engine-token or PASTRY_ENGINE_TOKEN): "

@@ -92,6 +92,20 @@ class _HostSelector:
         return []
 
 
+def _mapped(fut: asyncio.Future, fn) -> asyncio.Future:
+    """A future of ``fn(result)`` of ``fut``."""
+    out = fut.get_loop().create_future()
+
+    def done(f):
+        if f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(fn(f.result()))
+
+    fut.add_done_callback(done)
+    return out
+
+
 def _unwrap(v):
     if isinstance(v, wit_world.imports.api.Value_Dist):
         ids, probs = v.value
@@ -160,8 +174,10 @@ class GuestApi:
     def available_traits(self, model):
         return list(_call(host.available_traits, model))
 
-    def create_queue(self, model):
-        return _call(host.create_queue, model)
+    def create_queue(self, model, engine=-1):
+        if engine == -1:
+            return _call(host.create_queue, model)
+        return _call(host.create_queue_on, model, engine)
 
     def synchronize(self, q):
         return self._queued(host.synchronize, q)
@@ -327,6 +343,41 @@ class GuestApi:
 
     def http_post(self, url, body):
         return self.loop.track(host.http_post(url, body))
+
+    # several engines
+    def available_engines(self, model):
+        return _call(host.available_engines, model)
+
+    def get_queue_engine(self, q):
+        return _call(host.get_queue_engine, q)
+
+    def get_engine_load(self, model):
+        return [tuple(x) for x in _call(host.get_engine_load, model)]
+
+    def route(self, q, prompt):
+        fut = self._queued(host.route, q, [int(t) for t in prompt])
+        return _mapped(fut, lambda v: (v[0], list(v[1])))
+
+    def prep_recv(self, q, prompt, end):
+        fut = self._queued(host.prep_recv, q, [int(t) for t in prompt], end)
+        return _mapped(fut, tuple)
+
+    def remote_send(self, q, prompt, kv_addr_info, recv_rank, begin, end, src_pages=None,
+                    src_len=0):  # fmt: skip
+        return self._queued(
+            host.remote_send, q, [int(t) for t in prompt], kv_addr_info, recv_rank, begin, end,
+            list(src_pages or []), src_len,
+        )  # fmt: skip
+
+    def start_generate(self, q, prompt, begin, request=-1):
+        return list(_call(host.start_generate, q, [int(t) for t in prompt], begin, request))
+
+    def next_request(self):
+        fut = self._queued(host.next_request)
+        return _mapped(fut, lambda v: (v[0], v[1], list(v[2]), v[3]))
+
+    def reject_request(self, request, reason):
+        _call(host.reject_request, request, reason)
 
 
 def _processing(mask, bias, penalty_tokens, penalty_prompt, rep, freq, pres):
