@@ -353,6 +353,7 @@ def main() -> None:
     p.add_argument("--rates-long", type=float, nargs="+", default=[0.1, 0.25])
     p.add_argument("--program-rate", type=float, default=0.5)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--details", metavar="FILE", help="write every measurement here (JSON)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.model is None:
@@ -400,8 +401,9 @@ def main() -> None:
         "locality_lb_throughput_over_round_robin": loc["locality"] / loc["round-robin"],
         "locality_lb_throughput_over_least_loaded": loc["locality"] / loc["least-loaded"],
         "table3_transfer_ratio": [round(r["ratio"], 4) for r in out["table3"]],
-        "details": out,
     }
+    if args.details:
+        Path(args.details).write_text(json.dumps(out, indent=1))
     print(json.dumps(summary))
 
 

@@ -90,10 +90,10 @@ class RemoteEngine(EngineHandle):
             self._info = await self._request(Op.INFO, [], decode_info, timeout)
         except EngineTimeout:
             await self.aclose()
-            hint = " with the engine's token" if token else " (does the engine need a token?)"
+            hint = "" if token else ", and does it want a token?"
             raise EngineTimeout(
-                f"engine at {endpoint} did not answer within {timeout:g} s: is it running, is "
-                f"the endpoint right, and is this control layer connecting{hint}?"
+                f"engine at {endpoint} did not answer INFO within {timeout:g} s (is it "
+                f"running, is the endpoint right{hint})"
             ) from None
         except BaseException:
             await self.aclose()
