@@ -161,6 +161,25 @@ def test_send_kv_refuses_bad_calls(engines):
     assert "cannot map" in errors[1].message and "unknown peer" in errors[2].message
 
 
+def test_slice_bounds_and_receive_buffers():
+    from pastry.api import ApiError
+    from pastry.control.routing import RecvBuffer, slice_bounds
+
+    assert slice_bounds(10, None, -1) == (0, 9)
+    assert slice_bounds(10, -1, None) == (9, 10)
+    assert slice_bounds(10, 3, 99) == (3, 10)
+    assert slice_bounds(10, 8, 2) == (8, 8)
+    assert slice_bounds(0, None, -1) == (0, 0)
+    with pytest.raises(ApiError, match="slice index"):
+        slice_bounds(10, 1.5, None)
+    buf = RecvBuffer(1, tuple(range(20)), 4, [], [(0, 4)])
+    assert buf.holds(4) and not buf.holds(5)
+    buf.present.append((10, 20))
+    assert not buf.holds(12)
+    buf.present.append((4, 10))
+    assert buf.holds(20)
+
+
 def test_cpu_placement_helpers():
     assert cpu_shares(2, [0, 1]) == ["0", "1"]
     assert cpu_shares(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
@@ -433,6 +452,10 @@ def test_killing_one_engine_fails_only_its_requests(make_tiny, tmp_path):
                 )
                 for p in LONG
             ]
+            pids = [p.pid for p in server._procs]
+            cpus = [os.sched_getaffinity(pid) for pid in pids]
+            if len(os.sched_getaffinity(0)) >= 2:  # each engine on its own cores
+                assert not cpus[0] & cpus[1], cpus
             routing = server.controller.routing
             while routing.routed < len(LONG):
                 await asyncio.sleep(0.01)
