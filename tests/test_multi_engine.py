@@ -437,7 +437,6 @@ def test_openai_and_microserving_http_go_through_the_router(
 LONG = ["The history of the world " * k for k in (2, 3, 4, 5)]
 
 
-@pytest.mark.slow
 def test_killing_one_engine_fails_only_its_requests(make_tiny, tmp_path):
     async def run():
         cfg = ServerConfig(model=make_tiny(), programs_dir=tmp_path / "p", engines=2,
@@ -475,7 +474,6 @@ def test_killing_one_engine_fails_only_its_requests(make_tiny, tmp_path):
     assert len(after) == 2 and [a for a, *_ in load] == [1, 0]
 
 
-@pytest.mark.slow
 def test_engine_listen_accepts_only_its_token(make_tiny, tmp_path):
     import subprocess
     import sys

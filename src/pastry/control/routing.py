@@ -312,6 +312,9 @@ class Routing:
                                session.instance, asyncio.get_running_loop().create_future())  # fmt: skip
             self.hand_over(session, q, req, begin, count=False)
             return list(req.future.result().pages)
+        req = self._pending.get(request)
+        if req is None or req.router != session.instance:
+            self._discard(session, q, _tokens(prompt))  # what was prepared for it
         req = self._taken(session, request)
         if _tokens(prompt) != req.prompt:
             raise ApiError(f"prompt differs from request {request}'s prompt")
@@ -454,7 +457,7 @@ class Routing:
         # Hold the receiver's pages until the writes have landed, whatever happens to
         # the buffer meanwhile.
         receiver.resources.export(session.instance, "kv", buf.pages, guard, True)
-        futs = []
+        futs, sends = [], []
         if held % ps and held < end:  # the partial last held page continues in work[0]
             futs.append(session.copy_kvpage(q, src_pages[held // ps], work[0], 0, 0, held % ps))
         if held < end:
@@ -471,15 +474,19 @@ class Routing:
                                             view[start // ps : -(-stop // ps)], start % ps, []))  # fmt: skip
                 lo = max(begin, start)
                 if lo < stop:
-                    futs.append(self._send(session, q, receiver, view, buf, lo, stop, peer))
+                    sends.append(self._send(session, q, receiver, view, buf, lo, stop, peer))
             futs.append(session.dealloc_embeds(q, embeds))
         if begin < held:  # sent from what the sender holds, without compute
-            futs.append(self._send(session, q, receiver, view, buf, begin, held, peer))
+            sends.append(self._send(session, q, receiver, view, buf, begin, held, peer))
         if work:
             futs.append(session.dealloc_kvpages(q, work))
+        # The receiver's pages are held until every send has ended (landed, failed, or
+        # dropped before it ran), even if the caller gives up earlier.
+        asyncio.gather(*sends, return_exceptions=True).add_done_callback(
+            lambda _: receiver.resources.unexport(None, guard)
+        )
 
         def done(f: asyncio.Future) -> None:
-            receiver.resources.unexport(None, guard)
             if f.cancelled():
                 out.cancel()
             elif f.exception() is not None:
@@ -488,7 +495,7 @@ class Routing:
                 buf.present.append((begin, end))
                 out.set_result(None)
 
-        asyncio.gather(*futs).add_done_callback(done)
+        asyncio.gather(*futs, *sends).add_done_callback(done)
         return out
 
     def _send(self, session, q, receiver, work, buf, lo, hi, peer) -> asyncio.Future:
@@ -535,6 +542,13 @@ class Routing:
             f"the K/V of prompt[:{begin}] is not on engine {rank}: prepare it with prep_recv "
             "there and remote_send from another engine first (or start at begin=0)"
         )
+
+    def _discard(self, session: Session, q: int, tokens: tuple[int, ...]) -> None:
+        """Free the buffers this session prepared on ``q``'s engine for ``tokens``."""
+        rank = session._queue(q).model.rank
+        for buf in list(self._buffers[session.instance].values()):
+            if buf.rank == rank and tokens[: len(buf.tokens)] == buf.tokens:
+                self._drop_buffer(session, q, buf)
 
     def _drop_buffer(self, session: Session, q: int, buf: RecvBuffer) -> None:
         buffers = self._buffers[session.instance]

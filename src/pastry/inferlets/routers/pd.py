@@ -9,8 +9,8 @@ from pastry.sdk.router import disaggregate, engines, serve
 async def main(args: list[str]) -> None:
     async def handle(req):
         e = engines(req.model)
-        decoders = e.alive(list(range(1, e.count)))
-        prefill = e.alive([0])[0]
-        await disaggregate(req, prefill, e.least_loaded(decoders), split=-1)
+        live = e.alive()
+        decode = e.least_loaded([r for r in live if r != 0] or live)
+        await disaggregate(req, 0 if 0 in live else decode, decode, split=-1)
 
     await serve(handle)

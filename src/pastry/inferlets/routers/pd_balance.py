@@ -14,7 +14,8 @@ async def main(args: list[str]) -> None:
         e = engines(req.model)
         n = len(req.prompt)
         split = min(int(n * (1 - ratio)), n - 1)
-        decoders = e.alive(list(range(1, e.count)))
-        await disaggregate(req, e.alive([0])[0], e.least_loaded(decoders), split)
+        live = e.alive()
+        decode = e.least_loaded([r for r in live if r != 0] or live)
+        await disaggregate(req, 0 if 0 in live else decode, decode, split)
 
     await serve(handle)
