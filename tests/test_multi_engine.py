@@ -400,12 +400,20 @@ def test_openai_and_microserving_http_go_through_the_router(
 ):
     from server_util import running_server
 
-    with running_server(make_tiny(), tmp_path, engines=2, router="pd", num_pages=256) as (url, _):
+    with running_server(make_tiny(), tmp_path, engines=2, router="pd", num_pages=256) as (
+        url,
+        server,
+    ):
         model = json.loads(_http(url, "/v1/models")[1])["data"][0]["id"]
         body = {"model": model, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
         status, text = _http(url, "/v1/completions", body)
         assert status == 200, text
         assert json.loads(text)["choices"][0]["text"] == single_engine_texts[2]
+        routed = server.controller.routing.routed
+        native = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        status, text = _http(url, "/generate", native)  # SGLang's native API
+        assert status == 200, text
+        assert server.controller.routing.routed == routed + 1
         info = json.loads(_http(url, "/microserving/engines")[1])
         assert info["router"] == "pd" and len(next(iter(info["engines"].values()))) == 2
         # The paper's 1P1D flow over HTTP: decode on engine 1, prefill on engine 0.
