@@ -351,8 +351,8 @@ class Routing:
                 pages, buf.pages = keep, buf.pages[len(keep) :]
             else:
                 res.export(session.instance, "kv", keep, name, True)
-                try:
-                    pages = res.import_(req.program, "kv", name)
+                try:  # a quota of the requester's refuses it here, as ApiError
+                    pages = session._resource_call(lambda: res.import_(req.program, "kv", name))
                 finally:
                     res.unexport(None, name)
             self._drop_buffer(session, q, buf)
