@@ -7,8 +7,9 @@ Engines are separate processes, each pinned to its own core (``pastry serve --en
 the control layer and the request driver run in this process. Parts:
 
 1. **KV transfer bandwidth**: ``SendKv`` of N pages (every layer) into another engine's
-   shared-memory pool, against a plain in-process copy of the same bytes (``index_copy_``
-   between two pools); and over TCP (the cross-host path) on loopback.
+   shared-memory pool, against the same page copies in one process (``index_select`` +
+   ``index_copy_`` between two pools) and one contiguous memcpy of as many bytes; and over
+   TCP (the cross-host path) on loopback.
 2. **Per-layer compute vs transfer (paper Table 3)**: a prefill of ``u`` new tokens on top
    of a context of ``c``, per layer, against sending the ``c + u`` tokens' K/V of one layer.
 3. **KV migration (paper Fig. 12)**: a context of ``c`` tokens already on engine 0, a new
@@ -77,13 +78,14 @@ def bandwidth(a, b, n_pages: int, reps: int) -> dict:
     src, dst = ids(range(n_pages)), ids(range(n_pages, 2 * n_pages))
     ps = a.page_size
     nbytes = 2 * a.cfg.num_layers * n_pages * ps * a.cfg.kv_size * a.kv.k[0].element_size()
-    slots_s = a.kv.slots_of(torch.from_numpy(src))
-    slots_d = b.kv.slots_of(torch.from_numpy(dst))
+    pages_s, pages_d = torch.from_numpy(src), torch.from_numpy(dst)
 
-    def plain() -> None:  # the same gathers and scatters, one process, no transfer machinery
+    def plain() -> None:  # the same page copies in one process, no transfer machinery
         for sk, dk in ((a.kv.k, b.kv.k), (a.kv.v, b.kv.v)):
             for s, d in zip(sk, dk, strict=True):
-                d.index_copy_(1, slots_d, s.index_select(1, slots_s))
+                h, slots, dim = s.shape
+                block = s.view(h, slots // ps, ps * dim).index_select(1, pages_s)
+                d.view(h, -1, ps * dim).index_copy_(1, pages_d, block)
 
     def timed(fn) -> float:
         best = float("inf")

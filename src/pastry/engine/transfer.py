@@ -77,11 +77,8 @@ class _ShmPeer:
         n = self.layout.num_layers
         self.k, self.v = data[:n], data[n:]
 
-    def write(self, layer: int, dst_slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
-        lay = self.layout
-        rows = head_rows(dst_slots, lay.kv_heads, lay.slots)
-        self.k[layer].view(-1, lay.head_dim).index_copy_(0, rows, k)
-        self.v[layer].view(-1, lay.head_dim).index_copy_(0, rows, v)
+    def write(self, layer: int, part: _Part, data: _LayerData) -> None:
+        _apply(self.layout, self.k[layer], self.v[layer], part.dst_pages, part.dst_edge, data)
 
     def commit(self, dst_slots: np.ndarray, positions: torch.Tensor) -> None:
         s = torch.from_numpy(dst_slots)
@@ -107,9 +104,9 @@ class _TcpPeer:
         secure_client(self.sock, token)
         self.sock.connect(endpoint)
 
-    def write(self, layer: int, dst_slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
-        header = msgpack.packb([_WRITE, layer, _WIRE_DTYPES[k.dtype]])
-        frames = [header, dst_slots, _raw(k), _raw(v)]
+    def write(self, layer: int, part: _Part, data: _LayerData) -> None:
+        header = msgpack.packb([_WRITE, layer, _WIRE_DTYPES[data.kp.dtype], part.page_size])
+        frames = [header, part.dst_pages.numpy(), part.dst_edge, *map(_raw, data)]
         self.sock.send_multipart(frames, copy=False)
 
     def commit(self, dst_slots: np.ndarray, positions: torch.Tensor) -> None:
@@ -133,6 +130,69 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(_INT_VIEW[t.dtype]).numpy()
 
 
+@dataclass(frozen=True)
+class _Part:
+    """Where one send's rows go: whole pages (page-granular copies: a page of one head is
+    ``page_size * head_dim`` contiguous values) when source and destination are aligned,
+    and single slots for the rest (the partial pages at the ends)."""
+
+    page_size: int
+    src_pages: torch.Tensor  # whole pages, source side
+    dst_pages: torch.Tensor
+    src_edge: torch.Tensor  # head rows (see head_rows) of the remaining source slots
+    dst_edge: np.ndarray  # the remaining destination slots
+
+    @classmethod
+    def of(cls, src: np.ndarray, dst: np.ndarray, src_off: int, dst_off: int, n: int,
+           ps: int, kv_heads: int, src_slots: int) -> _Part:  # fmt: skip
+        idx = np.arange(n)
+        full = np.zeros(n, dtype=bool)
+        if src_off == dst_off:  # token i sits at the same offset of its page on both sides
+            pos = idx + src_off
+            first = -(-src_off // ps) * ps  # the first page boundary inside the range
+            full = (pos >= first) & (pos < (src_off + n) // ps * ps)
+        whole = np.unique((idx[full] + src_off) // ps)
+        s_slots = src[(idx + src_off) // ps] * ps + (idx + src_off) % ps
+        d_slots = dst[(idx + dst_off) // ps] * ps + (idx + dst_off) % ps
+        return cls(
+            ps,
+            torch.from_numpy(np.ascontiguousarray(src[whole], dtype=np.int64)),
+            torch.from_numpy(np.ascontiguousarray(dst[whole], dtype=np.int64)),
+            head_rows(s_slots[~full], kv_heads, src_slots),
+            np.ascontiguousarray(d_slots[~full], dtype=np.int64),
+        )
+
+
+class _LayerData(tuple):
+    """One layer's K and V: whole pages ``[H, F, ps * D]`` and edge rows ``[H * E, D]``."""
+
+    kp = property(lambda self: self[0])
+
+
+def _gather(k: torch.Tensor, v: torch.Tensor, part: _Part, ps: int) -> _LayerData:
+    h, slots, d = k.shape
+    pages = [t.view(h, slots // ps, ps * d).index_select(1, part.src_pages) for t in (k, v)]
+    edges = [t.view(-1, d).index_select(0, part.src_edge) for t in (k, v)]
+    return _LayerData((pages[0], pages[1], edges[0], edges[1]))
+
+
+def _apply(
+    lay: KvLayout, k: torch.Tensor, v: torch.Tensor, dst_pages: torch.Tensor,
+    dst_edge: np.ndarray, data: tuple,
+) -> None:  # fmt: skip
+    """Write one layer's K/V (pages, then edge slots) into ``k`` and ``v``."""
+    kp, vp, ks, vs = data
+    h, d = lay.kv_heads, lay.head_dim
+    if len(dst_pages):
+        ps_d = kp.numel() // (h * len(dst_pages))  # page_size * head_dim
+        for cache, block in ((k, kp), (v, vp)):
+            cache.view(h, -1, ps_d).index_copy_(1, dst_pages, block.view(h, -1, ps_d))
+    if len(dst_edge):
+        rows = head_rows(dst_edge, h, lay.slots)
+        for cache, block in ((k, ks), (v, vs)):
+            cache.view(-1, d).index_copy_(0, rows, block.view(-1, d))
+
+
 def _check_layout(peer: KvLayout, mine: KvLayout) -> None:
     if (peer.num_layers, peer.kv_heads, peer.head_dim, peer.dtype) != (
         mine.num_layers, mine.kv_heads, mine.head_dim, mine.dtype,
@@ -154,7 +214,7 @@ class _Plan:
 
     call: SendKv
     peer: _ShmPeer | _TcpPeer
-    src_rows: torch.Tensor
+    part: _Part
     src_slots: np.ndarray
     dst_slots: np.ndarray
     sent_layers: int = 0
@@ -239,8 +299,9 @@ class KvSender:
         dst_slots = page_slots(dst_pages, call.dst_offset, n, ps)
         peer = self._comm.submit(self._peer, call.peer).result()
         peer.check(dst_slots, lay)
-        rows = head_rows(src_slots, lay.kv_heads, lay.slots)
-        return _Plan(call, peer, rows, src_slots, dst_slots)
+        part = _Part.of(src_pages, dst_pages, int(call.src_offset), int(call.dst_offset), n, ps,
+                        lay.kv_heads, lay.slots)  # fmt: skip
+        return _Plan(call, peer, part, src_slots, dst_slots)
 
     def _peer(self, address: str) -> _ShmPeer | _TcpPeer:
         peer = self._peers.get(address)
@@ -267,10 +328,8 @@ class KvSender:
             plan.sent_layers += 1
 
     def _send_layer(self, plan: _Plan, layer: int) -> None:
-        d = self.kv.layout.head_dim
-        k = self.kv.k[layer].view(-1, d).index_select(0, plan.src_rows)
-        v = self.kv.v[layer].view(-1, d).index_select(0, plan.src_rows)
-        plan.peer.write(layer, plan.dst_slots, k, v)
+        data = _gather(self.kv.k[layer], self.kv.v[layer], plan.part, self.kv.page_size)
+        plan.peer.write(layer, plan.part, data)
 
     def _commit(self, plan: _Plan) -> None:
         positions = self.kv.positions.index_select(0, torch.from_numpy(plan.src_slots))
@@ -342,15 +401,19 @@ class KvReceiver:
         return torch.from_numpy(slots.copy())
 
     def _write(self, rest: list, frames: list[bytes]) -> None:
-        layer, dtype = rest
+        layer, dtype, ps = rest
         lay = self.kv.layout
         if not 0 <= layer < lay.num_layers or _FROM_WIRE.get(dtype) != lay.dtype:
             raise ValueError(f"layer {layer} / dtype {dtype} does not match this engine's pool")
-        slots = self._slots(frames[0])
-        rows = head_rows(slots.numpy(), lay.kv_heads, lay.slots)
-        for cache, raw in ((self.kv.k[layer], frames[1]), (self.kv.v[layer], frames[2])):
-            data = torch.frombuffer(bytearray(raw), dtype=_INT_VIEW[lay.dtype]).view(lay.dtype)
-            cache.view(-1, lay.head_dim).index_copy_(0, rows, data.view(-1, lay.head_dim))
+        if ps != self.kv.page_size:
+            raise ValueError(f"page size {ps} is not this engine's ({self.kv.page_size})")
+        pages = torch.from_numpy(np.frombuffer(frames[0], dtype=np.int64).copy())
+        if len(pages) and (pages.min() < 0 or pages.max() >= self.kv.num_pages):
+            raise ValueError(f"destination pages outside this engine's {self.kv.num_pages}")
+        edge = self._slots(frames[1]).numpy()
+        data = [torch.frombuffer(bytearray(raw), dtype=_INT_VIEW[lay.dtype]).view(lay.dtype)
+                if len(raw) else torch.empty(0, dtype=lay.dtype) for raw in frames[2:6]]  # fmt: skip
+        _apply(lay, self.kv.k[layer], self.kv.v[layer], pages, edge, data)
 
     def _commit(self, frames: list[bytes]) -> None:
         slots = self._slots(frames[0])
