@@ -180,6 +180,22 @@ def test_slice_bounds_and_receive_buffers():
     assert buf.holds(20)
 
 
+def test_transfer_copies_whole_pages_and_edge_slots_exactly():
+    from pastry.engine.transfer import _Part
+
+    src, dst = np.array([10, 11, 12]), np.array([20, 21, 22])
+    part = _Part.of(src, dst, 2, 2, 8, 4, kv_heads=2, src_slots=100)  # positions 2..9
+    assert part.src_pages.tolist() == [11] and part.dst_pages.tolist() == [21]
+    assert part.dst_edge.tolist() == [82, 83, 88, 89]
+    # head-major rows of the source edge slots 42, 43, 48, 49 over 100 slots per head
+    assert part.src_edge.tolist() == [42, 43, 48, 49, 142, 143, 148, 149]
+    shifted = _Part.of(src, dst, 2, 1, 8, 4, kv_heads=1, src_slots=100)  # not aligned
+    assert shifted.src_pages.tolist() == [] and len(shifted.dst_edge) == 8
+    assert shifted.dst_edge.tolist() == [81, 82, 83, 84, 85, 86, 87, 88]
+    whole = _Part.of(src, dst, 0, 0, 12, 4, kv_heads=1, src_slots=100)
+    assert whole.dst_pages.tolist() == [20, 21, 22] and len(whole.dst_edge) == 0
+
+
 def test_cpu_placement_helpers():
     assert cpu_shares(2, [0, 1]) == ["0", "1"]
     assert cpu_shares(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
