@@ -540,6 +540,36 @@ def test_engine_listen_accepts_only_its_token(make_tiny, tmp_path):
     assert not any(Path("/dev/shm").glob(f"pastry-kv-{proc.pid}-*"))
 
 
+def test_engines_on_two_hosts_send_kv_over_tcp(make_tiny, tmp_path, single_engine_texts):
+    from pastry.engine.spawn import spawn_engine
+    from server_util import free_port
+
+    procs = []
+    try:
+        for host in ("host-a", "host-b"):
+            econf = EngineConfig(dtype="float32", num_pages=256, num_embeds=1024, kv_shm=_shm())
+            procs.append(spawn_engine(
+                make_tiny(), econf, f"tcp://127.0.0.1:{free_port()}", token="t0k",
+                kv_recv="tcp://127.0.0.1:0", env={"PASTRY_HOST_ID": host}, echo_stderr=False,
+            ))  # fmt: skip
+
+        async def run():
+            server = await _server(make_tiny(), tmp_path, engines=0, router="pd",
+                                   remote_engines=tuple(p.endpoint for p in procs),
+                                   engine_token="t0k")  # fmt: skip
+            try:
+                first, second = server.controller.engines[server.models[0]]
+                assert server.controller.routing.peer(first, second).startswith("tcp://")
+                return await _complete(server, PROMPTS)
+            finally:
+                await server.stop()
+
+        assert asyncio.run(run()) == single_engine_texts
+    finally:
+        for p in procs:
+            p.terminate()
+
+
 def test_engine_handles_of_engines_do_not_collide(make_tiny, tmp_path):
     async def run():
         server = await _server(make_tiny(), tmp_path, engines=2)

@@ -724,9 +724,12 @@ class Engine:
 
 def host_id() -> str:
     """This machine's identity (hostname and boot id): engines with the same one can map
-    each other's shared-memory KV pools."""
+    each other's shared-memory KV pools. ``$PASTRY_HOST_ID`` overrides it (containers that
+    share a hostname but not ``/dev/shm``)."""
     import socket
 
+    if os.environ.get("PASTRY_HOST_ID"):
+        return os.environ["PASTRY_HOST_ID"]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
