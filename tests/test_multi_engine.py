@@ -648,3 +648,37 @@ def test_engines_as_ray_actors(make_tiny, tmp_path, single_engine_texts):
         ray.shutdown()
     assert texts == single_engine_texts
     assert all(any(p.startswith("tcp://") for p in ps) for ps in peers)
+
+
+SPLIT = """
+from pastry.sdk import Context, MaxTokens, Sampler
+
+async def main(args):
+    ctx = Context()
+    ctx.fill(args[0])
+    if args[1:]:
+        await ctx.flush()  # the prompt but its last token first, then generation
+    return await ctx.generate(Sampler(temperature=0), MaxTokens(12))
+"""
+
+
+def test_pd_in_bfloat16_equals_one_engine_with_the_same_split(make_tiny, tmp_path):
+    # In bfloat16 the last prompt token computed alone (the decode engine's prefill) rounds
+    # differently from the same token inside a whole-prompt prefill; with the same split on
+    # one engine, P/D gives exactly the same tokens.
+    async def run(engines: int, router: str, split: bool) -> list[str]:
+        kw = {**SMALL, "dtype": "bfloat16"}
+        server = PastryServer(ServerConfig(model=make_tiny(), in_process=True, engines=engines,
+                                           router=router, programs_dir=tmp_path / "p", **kw))  # fmt: skip
+        await server.start()
+        try:
+            prog = Program.from_source("split", SPLIT)
+            ends = [await server.runtime.launch(prog, [p, *(["split"] if split else [])]).wait()
+                    for p in PROMPTS[:4]]  # fmt: skip
+            assert all(isinstance(e, Finished) for e in ends), ends
+            return [e.result for e in ends]
+        finally:
+            await server.stop()
+
+    one = asyncio.run(run(1, "", True))
+    assert asyncio.run(run(2, "pd", False)) == one
