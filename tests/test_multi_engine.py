@@ -83,12 +83,13 @@ def _prefill_and_send(engine: Engine, prompt: list[int], pages: list[int], sends
 
 def test_kv_pool_file_layout(engines):
     a = engines[0]
-    layout, (k, v, positions, attendable) = KvLayout.open(a.kv.shm_path)
-    assert layout == a.kv.layout
-    assert len(k) == len(v) == a.cfg.num_layers
+    layout, (data, positions, attendable) = KvLayout.open(a.kv.shm_path)
+    assert layout == a.kv.layout and data.shape == a.kv.data.shape == layout.shape
+    n = a.cfg.num_layers
     a.kv.k[1][0, 5, 3] = 7.5  # the owner's views and a peer's mapping are one memory
-    assert k[1][0, 5, 3].item() == 7.5
-    a.kv.k[1][0, 5, 3] = 0.0
+    a.kv.v[1][0, 5, 3] = 2.5  # K of every layer, then V of every layer
+    assert data[1, 0, 5, 3].item() == 7.5 and data[n + 1, 0, 5, 3].item() == 2.5
+    a.kv.k[1][0, 5, 3] = a.kv.v[1][0, 5, 3] = 0.0
     assert positions.shape == attendable.shape == (layout.slots,)
 
 

@@ -337,7 +337,8 @@ class InferletApi(Protocol):
 
     def next_request(self) -> Awaitable[tuple[int, str, list[int], int]]:
         """Router only: the next context to place: ``(request, model, prompt, program)``,
-        ``program`` being the requesting instance."""
+        ``program`` being the process-table program of the requesting instance (the
+        requests of one OpenAI session share one)."""
 
     def reject_request(self, request: int, reason: str) -> None:
         """Router only: fail ``request`` with ``reason``."""

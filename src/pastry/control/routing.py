@@ -55,15 +55,18 @@ PREFILL_CHUNK = 2048  # tokens per forward of a remote_send's prefill
 
 @dataclass(eq=False)
 class RouteRequest:
-    """A context waiting to be placed: its model and prompt, the program asking."""
+    """A context waiting to be placed: its model and prompt, the instance asking and the
+    program it belongs to (its process-table entry: an OpenAI session's requests are one
+    program, control/programs.py)."""
 
     id: int
     model: str
     prompt: tuple[int, ...]
-    program: int  # the requesting instance
+    instance: int  # the requesting instance
     future: asyncio.Future
     arrived: float = field(default_factory=time.perf_counter)
     router: int | None = None  # the router instance that took it
+    program: int = -1  # the process-table program id (-1: none)
 
 
 @dataclass(frozen=True)
@@ -184,7 +187,7 @@ class Routing:
         for key in [k for k in self._placed if k[0] == instance]:
             self.inflight[self._placed.pop(key)] -= 1
         for req in list(self._pending.values()):
-            if req.program == instance:
+            if req.instance == instance:
                 self._pending.pop(req.id, None)
                 if not req.future.done():
                     req.future.cancel()
@@ -230,7 +233,7 @@ class Routing:
             raise ApiError(f"route queue {q} before issuing calls on it")
         ref.placed = True  # one placement per queue
         req = RouteRequest(next(self._ids), ref.model.name, tokens, session.instance,
-                           loop.create_future())  # fmt: skip
+                           loop.create_future(), program=self._program(session.instance))  # fmt: skip
         place = self._expected.pop(session.instance, None)
         if place is not None:
             self._pending[req.id] = req
@@ -260,6 +263,11 @@ class Routing:
 
         req.future.add_done_callback(placed)
         return out
+
+    def _program(self, instance: int) -> int:
+        table = getattr(self.controller, "programs", None)
+        p = table.program_of(instance) if table is not None else None
+        return p.pid if p is not None else instance
 
     def _move(self, session: Session, q: int, where: Placement) -> tuple[int, list[int]]:
         ref = session._queue(q)
@@ -347,12 +355,12 @@ class Routing:
             res = target.resources
             name = f"\0handoff/{req.id}"
             keep = buf.pages[: -(-begin // ps)]
-            if req.program == session.instance:  # the caller keeps its own pages
+            if req.instance == session.instance:  # the caller keeps its own pages
                 pages, buf.pages = keep, buf.pages[len(keep) :]
             else:
                 res.export(session.instance, "kv", keep, name, True)
                 try:  # a quota of the requester's refuses it here, as ApiError
-                    pages = session._resource_call(lambda: res.import_(req.program, "kv", name))
+                    pages = session._resource_call(lambda: res.import_(req.instance, "kv", name))
                 finally:
                     res.unexport(None, name)
             self._drop_buffer(session, q, buf)

@@ -35,7 +35,8 @@ def _api():
 
 @dataclass(frozen=True)
 class Request:
-    """A context waiting to be placed: ``prompt`` on ``model``, for instance ``program``."""
+    """A context waiting to be placed: ``prompt`` on ``model``, for ``program`` (the
+    requesting instance's process-table program: an OpenAI session's requests share one)."""
 
     id: int
     model: str
