@@ -683,3 +683,45 @@ def test_pd_in_bfloat16_equals_one_engine_with_the_same_split(make_tiny, tmp_pat
 
     one = asyncio.run(run(1, "", True))
     assert asyncio.run(run(2, "pd", False)) == one
+
+
+CALLS = """
+import pastry.sdk as px
+from pastry.sdk import Context
+
+async def main(args):
+    where = []
+    for prompt in args:
+        ctx = Context()
+        ctx.fill(prompt)
+        await ctx.generate_until(max_tokens=2)
+        where.append(px.get_queue_engine(ctx.queue))
+        if prompt.startswith("hold"):
+            continue  # keeps the context (and its engine busy) until the program ends
+        await ctx.release()
+    return ",".join(map(str, where))
+"""
+
+
+def test_locality_pins_a_programs_long_calls(make_tiny, tmp_path):
+    long_ = "a long prompt that goes well past the threshold of the router " * 2
+
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2, router="locality:16")
+        try:
+            prog = Program.from_source("calls", CALLS)
+            # short calls go to the least used engine: the held one makes them alternate;
+            # long calls follow the program's pin whatever the load
+            end = await server.runtime.launch(
+                prog, ["hold short", "hold short", long_, "hold " + long_, long_, long_]
+            ).wait()
+            assert isinstance(end, Finished), end
+            return [int(x) for x in end.result.split(",")]
+        finally:
+            await server.stop()
+
+    where = asyncio.run(run())
+    assert where[:2] == [0, 1]
+    # the first long call pins to engine 0 (a tie); the later ones stay there although
+    # engine 1 then carries fewer contexts (least loaded would move them)
+    assert where[2:] == [0, 0, 0, 0]
