@@ -725,3 +725,23 @@ def test_locality_pins_a_programs_long_calls(make_tiny, tmp_path):
     # the first long call pins to engine 0 (a tie); the later ones stay there although
     # engine 1 then carries fewer contexts (least loaded would move them)
     assert where[2:] == [0, 0, 0, 0]
+
+
+def test_prompt_logprobs_through_pd_compute_the_whole_prompt(make_tiny, tmp_path):
+    opts = {"prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+
+    async def run(**kw) -> dict:
+        server = await _server(make_tiny(), tmp_path, **kw)
+        try:
+            end = await server.launch("text-completion", [json.dumps(opts)]).wait()
+            assert isinstance(end, Finished), end
+            return json.loads(end.result)
+        finally:
+            await server.stop()
+
+    one, pd = asyncio.run(run()), asyncio.run(run(engines=2, router="pd"))
+    assert pd["choices"][0]["tokens"] == one["choices"][0]["tokens"]
+    assert pd["prompt"]["tokens"] == one["prompt"]["tokens"]
+    got, want = pd["prompt"]["logprobs"], one["prompt"]["logprobs"]
+    assert got[0] is None and want[0] is None and len(got) == len(want) > 10
+    np.testing.assert_allclose([g[1] for g in got[1:]], [w[1] for w in want[1:]], rtol=1e-5)

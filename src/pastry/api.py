@@ -298,12 +298,16 @@ class InferletApi(Protocol):
         """Per engine of ``model``: (alive 1/0, routed contexts running there, forward
         tokens queued)."""
 
-    def route(self, q: int, prompt: list[int]) -> Awaitable[tuple[int, list[int]]]:
+    def route(
+        self, q: int, prompt: list[int], whole: bool = False
+    ) -> Awaitable[tuple[int, list[int]]]:
         """Queued: place the context of queue ``q`` (no call issued on it yet), which is about
         to prefill ``prompt``, through the active router. Resolves to ``(begin, pages)``
         once ``q`` runs on the chosen engine: ``pages`` (handles there, now this
-        inferlet's) hold the K/V of ``prompt[:begin]``. A queue created on a named engine,
-        or on a model with one engine, resolves to ``(0, [])`` at once."""
+        inferlet's) hold the K/V of ``prompt[:begin]``. ``whole``: the caller computes the
+        whole prompt itself (it wants its outputs, e.g. prompt log-probabilities), so
+        ``begin`` is 0 whatever the router moved. A queue created on a named engine, or
+        on a model with one engine, resolves to ``(0, [])`` at once."""
 
     def prep_recv(self, q: int, prompt: list[int], end: int) -> Awaitable[tuple[int, int]]:
         """Queued, on the receiving engine: match ``prompt[:end]`` (Python slice index,

@@ -67,6 +67,7 @@ class RouteRequest:
     arrived: float = field(default_factory=time.perf_counter)
     router: int | None = None  # the router instance that took it
     program: int = -1  # the process-table program id (-1: none)
+    whole: bool = False  # the requester computes the whole prompt (begin is always 0)
 
 
 @dataclass(frozen=True)
@@ -218,10 +219,12 @@ class Routing:
 
     # ------------------------------------------------------------------ requester side
 
-    def route(self, session: Session, q: int, prompt: Sequence[int]) -> asyncio.Future:
+    def route(
+        self, session: Session, q: int, prompt: Sequence[int], whole: bool = False
+    ) -> asyncio.Future:
         """Place queue ``q`` (a context about to prefill ``prompt``); resolves to
         ``(begin, pages)`` once ``q`` runs on its engine, whose pages hold the K/V of
-        ``prompt[:begin]``."""
+        ``prompt[:begin]`` (``whole``: begin is 0, the caller computes the prompt)."""
         ref = session._queue(q)
         tokens = _tokens(prompt)
         loop = asyncio.get_running_loop()
@@ -233,7 +236,8 @@ class Routing:
             raise ApiError(f"route queue {q} before issuing calls on it")
         ref.placed = True  # one placement per queue
         req = RouteRequest(next(self._ids), ref.model.name, tokens, session.instance,
-                           loop.create_future(), program=self._program(session.instance))  # fmt: skip
+                           loop.create_future(), program=self._program(session.instance),
+                           whole=bool(whole))  # fmt: skip
         place = self._expected.pop(session.instance, None)
         if place is not None:
             self._pending[req.id] = req
@@ -337,6 +341,9 @@ class Routing:
         requester."""
         tokens = req.prompt
         begin, _ = slice_bounds(len(tokens), begin, None)
+        if req.whole and begin:  # it wants the prompt's outputs: what was sent is dropped
+            self._discard(session, q, tokens)
+            begin = 0
         if tokens and begin >= len(tokens):
             raise ApiError(
                 f"begin {begin} leaves nothing to prefill: start_generate needs at least the "

@@ -555,8 +555,8 @@ class Session:
     def get_engine_load(self, model: str) -> list[tuple[int, int, int]]:
         return self.controller.routing.load(model)
 
-    def route(self, q: int, prompt: list[int]) -> asyncio.Future:
-        return self.controller.routing.route(self, q, prompt)
+    def route(self, q: int, prompt: list[int], whole: bool = False) -> asyncio.Future:
+        return self.controller.routing.route(self, q, prompt, whole)
 
     def prep_recv(self, q: int, prompt: list[int], end: int) -> asyncio.Future:
         return self.controller.routing.prep_recv(self, q, prompt, end)

@@ -215,7 +215,7 @@ HOST: dict[str, Callable] = {
     "create-queue-on": lambda g, m, e: _s(g).create_queue(m, e),
     "get-queue-engine": lambda g, q: _s(g).get_queue_engine(q),
     "get-engine-load": lambda g, m: [tuple(x) for x in _s(g).get_engine_load(m)],
-    "route": lambda g, q, p: _variant(g, "placed", _s(g).route(q, p)),
+    "route": lambda g, q, p, w: _variant(g, "placed", _s(g).route(q, p, w)),
     "prep-recv": lambda g, q, p, e: _variant(g, "received", _s(g).prep_recv(q, p, e)),
     "remote-send": _queued(lambda g, *a: _s(g).remote_send(*a)),
     "start-generate": lambda g, q, p, b, r: _s(g).start_generate(q, p, b, r),

@@ -46,7 +46,7 @@ class Context:
             )
         self.queue = queue
         # A context on a model with several engines is placed by the router before its
-        # first forward, unless its queue or engine was given (see _place).
+        # first forward, unless its queue or engine was given (see place).
         self._placed = not own_queue or engine is not None
         self._own_queue = own_queue
         self.page_size = a.get_kv_page_size(self.queue)
@@ -77,7 +77,7 @@ class Context:
         (e.g. before exporting the pages of a finished prompt).
         """
         self._check_live()
-        await self._place()
+        await self.place()
         todo = self.pending[:-1] if keep_last else self.pending
         if todo:
             futs, _ = self._forward(todo, want_output=False)
@@ -98,7 +98,7 @@ class Context:
         stop = stop or (MaxTokens(256) | EosTokens(self.eos_ids))
         if not self.pending:
             raise ApiError("nothing to generate from: fill the context first")
-        await self._place()
+        await self.place()
         a, q = self.api, self.queue
         out: list[int] = []
         while True:
@@ -233,16 +233,19 @@ class Context:
             a.close_queue(old_q)
         self._own_queue = True
 
-    async def _place(self) -> None:
+    async def place(self, whole: bool = False) -> None:
         """Before the first forward of a fresh context on a model with several engines: ask
         the router where it runs (``route``); the K/V of the prompt's first ``begin``
-        tokens may already be there (transferred by the router)."""
+        tokens may already be there (transferred by the router). ``flush`` and
+        ``generate`` do it; code that forwards a context's tokens itself awaits it first.
+        A no-op afterwards, and for a context whose queue or engine was given. ``whole``:
+        the prompt is computed here whatever the router moved (its outputs are wanted)."""
         if self._placed:
             return
         self._placed = True
         if self.kv_len or self.pages or self.api.available_engines(self.model) == 1:
             return
-        begin, pages = await self.api.route(self.queue, list(self.pending))
+        begin, pages = await self.api.route(self.queue, list(self.pending), whole)
         if begin:
             self.pages = list(pages)
             self.kv_len = begin

@@ -148,6 +148,7 @@ async def sample_next(ctx: Context, **kw):
     ctx._check_live()
     if not ctx.pending:
         raise ApiError("nothing to generate from: fill the context first")
+    await ctx.place()  # on a model with several engines, the router places it first
     futs, emb = ctx._forward(ctx.pending, want_output=True)
     ctx.pending = []
     *_, out = await asyncio.gather(*futs, ctx.api.sample(ctx.queue, emb, **kw))
@@ -162,9 +163,10 @@ async def prompt_logprobs(
     has nothing before it) and the ``top`` most likely tokens at its place with theirs
     (empty for the first). Echoing a prompt with its log-probabilities needs this."""
     ctx._check_live()
-    tokens = ctx.pending
-    if not tokens or ctx.kv_len:
+    if not ctx.pending or ctx.kv_len:
         raise ApiError("prompt_logprobs scores a filled context before anything is forwarded")
+    await ctx.place(whole=True)  # several engines: placed first, computing the whole prompt
+    tokens = ctx.pending
     lps: list[float | None] = [None]
     ids: list[list[int]] = [[]]
     tops: list[list[float]] = [[]]

@@ -354,8 +354,8 @@ class GuestApi:
     def get_engine_load(self, model):
         return [tuple(x) for x in _call(host.get_engine_load, model)]
 
-    def route(self, q, prompt):
-        fut = self._queued(host.route, q, [int(t) for t in prompt])
+    def route(self, q, prompt, whole=False):
+        fut = self._queued(host.route, q, [int(t) for t in prompt], bool(whole))
         return _mapped(fut, lambda v: (v[0], list(v[1])))
 
     def prep_recv(self, q, prompt, end):
