@@ -5,6 +5,10 @@ scheduler and resource manager each) and the shared services (messaging, key-val
 HTTP). Each inferlet instance talks to it through its own
 :class:`~pastry.control.session.Session` (the host side of the inferlet API), made by
 :meth:`Controller.session` and released by :meth:`Controller.end_session`.
+
+Every session belongs to a user; the shared services keep one namespace per user, and
+``quotas`` (:class:`~pastry.control.quotas.Quotas`) caps what one instance and one user
+take (``docs/security.md``). A controller made without ``quotas`` has none.
 """
 
 from __future__ import annotations
@@ -13,15 +17,18 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pastry.control.kvstore import KvStore
+from pastry.control.kvstore import KvStore, KvStoreConfig
 from pastry.control.messaging import MessageBus
-from pastry.control.policies import BatchPolicy, Fcfs, SchedulePolicy
+from pastry.control.policies import BatchPolicy, FairShare, Fcfs, SchedulePolicy
 from pastry.control.programs import ProcessTable
-from pastry.control.resources import ResourceManager
+from pastry.control.quotas import Quotas, share_of
+from pastry.control.resources import KINDS, ResourceManager
 from pastry.control.routing import Routing
 from pastry.control.scheduler import BatchScheduler
 from pastry.control.session import Session
 from pastry.control.swap import KvSwapper
+from pastry.control.tokenization import Tokenization
+from pastry.control.users import LOCAL, Grants
 from pastry.engine.calls import EngineInfo
 from pastry.engine.handle import EngineHandle
 from pastry.engine.tokenizer import Tokenizer
@@ -43,6 +50,11 @@ class Model:
     adapters: dict[str, int] = field(default_factory=dict)  # LoRA adapter name -> engine id
     swapper: KvSwapper | None = None  # when the engine has swap space
     rank: int = 0  # which of the model's engines (several: data parallel, P/D, migration)
+    tokens: Tokenization | None = None  # tokenizing off the event loop; set by the controller
+
+    def __post_init__(self) -> None:
+        if self.tokens is None:
+            self.tokens = Tokenization(self.tokenizer)
 
     @property
     def traits(self) -> list[str]:
@@ -68,13 +80,25 @@ class Controller:
         http_allow: Sequence[str] = (),
         schedule: Callable[[], SchedulePolicy] = Fcfs,
         max_batch: int | None = None,
+        quotas: Quotas | None = None,
+        grants: Grants | None = None,
+        several_users: bool = False,
     ) -> None:
         self.models: dict[str, Model] = {}  # each model's first engine
         self.engines: dict[str, list[Model]] = {}  # every engine of each model, by rank
         self.sessions: dict[int, Session] = {}
         self.programs = ProcessTable()
+        self.quotas = quotas or Quotas.none()
+        self.grants = grants or Grants()
+        # a per-user share of memory only makes sense with several users
+        self._user_share = self.quotas.user_share if several_users else None
         self.bus = MessageBus()
-        self.store = KvStore()
+        self.store = KvStore(
+            KvStoreConfig(
+                max_user_bytes=self.quotas.store_bytes_per_user,
+                user_limit_source="--max-store-bytes-per-user",
+            )
+        )
         self.http_allow = list(http_allow)
         self._http = None
         self.on_terminate: Callable[[int, str], None] = lambda instance, reason: None
@@ -91,7 +115,7 @@ class Controller:
             )  # fmt: skip
             # Handles of different engines never collide (a page handle names its engine).
             res = ResourceManager(
-                info.num_pages, info.num_embeds, on_terminate=self._evict,
+                info.num_pages, info.num_embeds, policy=FairShare(), on_terminate=self._evict,
                 num_host_pages=info.num_host_pages if "kv_swap" in info.traits else 0,
                 first_handle=rank << 24,
             )  # fmt: skip
@@ -105,8 +129,12 @@ class Controller:
             )
             # Adapters are loaded on the engine before serving and listed in its info.
             adapters = {name: i for i, name in enumerate(info.adapters)}
+            tokens = (  # one tokenizer cache per model
+                replicas[0].tokens if replicas else Tokenization(tok, self.quotas.tokenize_bytes)
+            )
             model = Model(
-                info.model_name, eng, info, tok, sched, res, adapters, swapper=swapper, rank=rank
+                info.model_name, eng, info, tok, sched, res, adapters, swapper=swapper, rank=rank,
+                tokens=tokens,
             )
             replicas.append(model)
             self.models.setdefault(info.model_name, model)
@@ -117,12 +145,24 @@ class Controller:
     def default_model(self) -> str:
         return next(iter(self.models))
 
-    def session(self, instance: int, args: Sequence[str] = ()) -> Session:
-        s = Session(self, instance, list(args))
+    def session(self, instance: int, args: Sequence[str] = (), user: str = LOCAL) -> Session:
+        """A new session of ``user``, registered with every model's resource manager under
+        the quotas (an instance's share of each pool; its user's, when set)."""
+        s = Session(self, instance, list(args), user=user)
         self.sessions[instance] = s
         self.programs.start(instance)
+        q = self.quotas
         for m in self.all_engines():
-            m.resources.add_instance(instance)
+            res = m.resources
+            res.add_instance(instance, user)
+            for kind in KINDS:
+                size = res.usage(kind)[2]
+                cap = share_of(q.instance_share, size)
+                if cap is not None:
+                    res.set_limit(instance, kind, cap, f"--instance-share {q.instance_share:g}")
+                cap = share_of(self._user_share, size)
+                if cap is not None and res.user_limit(user, kind) is None:
+                    res.set_user_limit(user, kind, cap, f"--user-share {self._user_share:g}")
         return s
 
     def end_session(self, instance: int) -> None:

@@ -1,13 +1,16 @@
-"""The key-value store shared by all inferlets (``store-get`` / ``store-set`` / ... in Pie).
+"""The key-value store of the inferlets (``store-get`` / ``store-set`` / ... in Pie).
 
-One :class:`KvStore` per server, used from its event loop only. It is a single namespace on
-purpose: cooperating inferlets share state through it (e.g. one writes ``"plan/42"``, others
-``await wait_for("plan/42")``). Keys and values are strings; the last writer instance of each
-key is kept for debugging (:meth:`KvStore.last_writer`).
+One :class:`KvStore` per server, used from its event loop only. It has one namespace per
+user (every call takes ``user``; ``None`` is a user like any other): the instances of one
+user share state through it (e.g. one writes ``"plan/42"``, others ``await
+wait_for("plan/42")``), and no user sees another's keys. Reading another user's keys, where
+the owner granted it, is the caller's to allow (``docs/security.md``). Keys and values are
+strings; the last writer instance of each key is kept for debugging
+(:meth:`KvStore.last_writer`).
 
-Limits (:class:`KvStoreConfig`, all in UTF-8 bytes): key length, value size, and the total
-size of all keys plus values. A ``set`` that breaks one is rejected with
-:class:`KvStoreError` naming the limit and leaves the store unchanged.
+Limits (:class:`KvStoreConfig`, all in UTF-8 bytes): key length, value size, the size of one
+user's keys plus values, and the total of everyone's. A ``set`` that breaks one is rejected
+with :class:`KvStoreError` naming the limit and leaves the store unchanged.
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ class KvStoreError(ValueError):
 class KvStoreConfig:
     max_key_bytes: int = 1024
     max_value_bytes: int = 1 << 20
-    max_total_bytes: int = 64 << 20
+    max_total_bytes: int = 256 << 20
+    max_user_bytes: int | None = None  # one user's keys plus values (None: only the total)
+    user_limit_source: str = "KvStoreConfig.max_user_bytes"  # named in the error
 
     def __post_init__(self) -> None:
-        for name in ("max_key_bytes", "max_value_bytes", "max_total_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"KvStoreConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_key_bytes", "max_value_bytes", "max_total_bytes", "max_user_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"KvStoreConfig.{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,22 +50,25 @@ def _nbytes(s: str) -> int:
 
 
 class KvStore:
-    """A shared string-to-string store with size limits and ``wait_for``."""
+    """A string-to-string store per user, with size limits and ``wait_for``."""
 
     def __init__(self, config: KvStoreConfig | None = None) -> None:
         self.config = config or KvStoreConfig()
-        self._data: dict[str, _Entry] = {}
+        self._data: dict[object, dict[str, _Entry]] = {}  # user -> key -> entry
+        self._user_bytes: dict[object, int] = {}
         self._total = 0
-        self._waiters: dict[str, list[asyncio.Future[str]]] = {}
+        self._waiters: dict[tuple[object, str], list[asyncio.Future[str]]] = {}
 
-    def get(self, key: str) -> str | None:
-        """The value of ``key``, or ``None`` if it is not set."""
-        entry = self._data.get(self._check_key(key))
+    def get(self, key: str, user: object = None) -> str | None:
+        """The value of ``key`` of ``user``, or ``None`` if it is not set."""
+        entry = self._data.get(user, {}).get(self._check_key(key))
         return None if entry is None else entry.value
 
-    def set(self, key: str, value: str, *, instance_id: str | None = None) -> None:
-        """Set ``key`` to ``value`` (replacing any old value), recording ``instance_id`` as
-        its last writer, and wake every ``wait_for(key)``."""
+    def set(
+        self, key: str, value: str, *, instance_id: str | None = None, user: object = None
+    ) -> None:
+        """Set ``user``'s ``key`` to ``value`` (replacing any old value), recording
+        ``instance_id`` as its last writer, and wake every ``wait_for(key)`` of that user."""
         key_size = _nbytes(self._check_key(key))
         if not isinstance(value, str):
             raise TypeError(f"value must be a str, got {type(value).__name__}")
@@ -70,72 +79,92 @@ class KvStore:
                 f"value for key {key[:64]!r} is {value_size} bytes, over the limit of "
                 f"{cfg.max_value_bytes} bytes (KvStoreConfig.max_value_bytes)"
             )
-        old = self._data.get(key)
+        data = self._data.get(user, {})
+        old = data.get(key)
         size = key_size + value_size
-        total = self._total - (old.size if old else 0) + size
-        if total > cfg.max_total_bytes:
+        growth = size - (old.size if old else 0)
+        mine = self._user_bytes.get(user, 0) + growth
+        if cfg.max_user_bytes is not None and growth > 0 and mine > cfg.max_user_bytes:
+            raise KvStoreError(
+                f"setting key {key[:64]!r} ({size} bytes with its key) would grow this user's "
+                f"store to {mine} bytes, over the quota of {cfg.max_user_bytes} bytes "
+                f"({cfg.user_limit_source}); delete unused keys first"
+            )
+        total = self._total + growth
+        if growth > 0 and total > cfg.max_total_bytes:
             raise KvStoreError(
                 f"setting key {key[:64]!r} ({size} bytes with its key) would grow the store to "
                 f"{total} bytes, over the limit of {cfg.max_total_bytes} bytes "
                 f"(KvStoreConfig.max_total_bytes); delete unused keys first"
             )
-        self._data[key] = _Entry(value, size, instance_id)
+        self._data.setdefault(user, data)[key] = _Entry(value, size, instance_id)
+        self._user_bytes[user] = mine
         self._total = total
-        for waiter in self._waiters.pop(key, ()):
+        for waiter in self._waiters.pop((user, key), ()):
             if not waiter.done():
                 waiter.set_result(value)
 
-    def delete(self, key: str) -> bool:
-        """Remove ``key``; returns whether it was set."""
-        entry = self._data.pop(self._check_key(key), None)
+    def delete(self, key: str, user: object = None) -> bool:
+        """Remove ``user``'s ``key``; returns whether it was set."""
+        data = self._data.get(user, {})
+        entry = data.pop(self._check_key(key), None)
         if entry is None:
             return False
         self._total -= entry.size
+        self._user_bytes[user] -= entry.size
+        if not data:
+            del self._data[user], self._user_bytes[user]
         return True
 
-    def exists(self, key: str) -> bool:
-        return self._check_key(key) in self._data
+    def exists(self, key: str, user: object = None) -> bool:
+        return self._check_key(key) in self._data.get(user, {})
 
-    def list_keys(self, prefix: str = "") -> list[str]:
-        """All keys starting with ``prefix``, sorted."""
+    def list_keys(self, prefix: str = "", user: object = None) -> list[str]:
+        """``user``'s keys starting with ``prefix``, sorted."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        return sorted(k for k in self._data if k.startswith(prefix))
+        return sorted(k for k in self._data.get(user, {}) if k.startswith(prefix))
 
-    def last_writer(self, key: str) -> str | None:
+    def last_writer(self, key: str, user: object = None) -> str | None:
         """The instance id of the last ``set`` of ``key`` (``None`` if unset or unknown)."""
-        entry = self._data.get(self._check_key(key))
+        entry = self._data.get(user, {}).get(self._check_key(key))
         return None if entry is None else entry.writer
 
-    async def wait_for(self, key: str, timeout: float | None = None) -> str:
-        """The value of ``key``: at once if it is set, else as soon as some ``set`` sets it.
-        Raises ``TimeoutError`` after ``timeout`` seconds (``None``: wait forever)."""
-        value = self.get(key)
+    async def wait_for(self, key: str, timeout: float | None = None, user: object = None) -> str:
+        """The value of ``user``'s ``key``: at once if it is set, else as soon as some
+        ``set`` sets it. Raises ``TimeoutError`` after ``timeout`` seconds (``None``: wait
+        forever)."""
+        value = self.get(key, user)
         if value is not None:
             return value
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
         waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(key, []).append(waiter)
+        slot = (user, key)
+        self._waiters.setdefault(slot, []).append(waiter)
         try:
             async with asyncio.timeout(timeout):
                 return await waiter
         except TimeoutError:
             raise TimeoutError(f"key {key[:64]!r} was not set within {timeout} s") from None
         finally:
-            waiters = self._waiters.get(key)
+            waiters = self._waiters.get(slot)
             if waiters is not None and waiter in waiters:
                 waiters.remove(waiter)
                 if not waiters:
-                    del self._waiters[key]
+                    del self._waiters[slot]
 
     def __len__(self) -> int:
-        return len(self._data)
+        return sum(len(d) for d in self._data.values())
 
     @property
     def total_bytes(self) -> int:
         """UTF-8 bytes of all keys plus values (what ``max_total_bytes`` limits)."""
         return self._total
+
+    def user_bytes(self, user: object = None) -> int:
+        """UTF-8 bytes of ``user``'s keys plus values (what ``max_user_bytes`` limits)."""
+        return self._user_bytes.get(user, 0)
 
     def waiting(self) -> int:
         """Pending ``wait_for`` calls."""
@@ -144,12 +173,18 @@ class KvStore:
     def check_integrity(self) -> None:
         """Assert that the byte accounting is exact (for tests and idle checks)."""
         total = 0
-        for key, entry in self._data.items():
-            assert entry.size == _nbytes(key) + _nbytes(entry.value), key
-            total += entry.size
+        assert self._data.keys() == self._user_bytes.keys(), "users without keys or bytes"
+        for user, data in self._data.items():
+            assert data, f"empty namespace of user {user!r}"
+            mine = 0
+            for key, entry in data.items():
+                assert entry.size == _nbytes(key) + _nbytes(entry.value), key
+                mine += entry.size
+            assert mine == self._user_bytes[user], (user, mine, self._user_bytes[user])
+            total += mine
         assert total == self._total <= self.config.max_total_bytes, (total, self._total)
-        for key, waiters in self._waiters.items():
-            assert waiters and key not in self._data, key
+        for (user, key), waiters in self._waiters.items():
+            assert waiters and key not in self._data.get(user, {}), (user, key)
 
     def _check_key(self, key: str) -> str:
         if not isinstance(key, str):

@@ -6,6 +6,10 @@ An inferlet subscribes to a topic and gets a :class:`Subscription`; every later
 moment (a late subscriber does not see earlier messages). By default the sender's own
 subscriptions are skipped (``MessageBusConfig.deliver_to_sender``).
 
+Topics are per user (every call takes ``user``; ``None`` is a user like any other): a
+broadcast reaches the subscribers of that user's topic only. Subscribing to another user's
+topic, where the owner granted it, is the caller's to allow (``docs/security.md``).
+
 Guarantees and limits:
 
 - Order: a broadcast is delivered to all subscriptions before it returns, so each
@@ -84,12 +88,19 @@ class Subscription:
     """
 
     def __init__(
-        self, bus: MessageBus, sub_id: int, instance_id: str, topic: str, config: MessageBusConfig
+        self,
+        bus: MessageBus,
+        sub_id: int,
+        instance_id: str,
+        topic: str,
+        config: MessageBusConfig,
+        user: object = None,
     ) -> None:
         self._bus = bus
         self.id = sub_id
         self.instance_id = instance_id
         self.topic = topic
+        self.user = user  # whose topic it is
         self._max_messages = config.queue_messages
         self._max_bytes = config.queue_bytes
         self._items: deque[tuple[str, int]] = deque()  # (message, size in bytes)
@@ -230,13 +241,13 @@ class MessageBus:
     def __init__(self, config: MessageBusConfig | None = None) -> None:
         self.config = config or MessageBusConfig()
         self._ids = itertools.count(1)
-        self._topics: dict[str, dict[int, Subscription]] = {}
+        self._topics: dict[tuple[object, str], dict[int, Subscription]] = {}
         self._by_instance: dict[str, dict[int, Subscription]] = {}
 
-    def subscribe(self, instance_id: str, topic: str) -> Subscription:
-        """Open a subscription of ``instance_id`` to ``topic``; it receives every message
-        broadcast from now on. An instance may hold several subscriptions to one topic; each
-        gets its own copy of every message."""
+    def subscribe(self, instance_id: str, topic: str, user: object = None) -> Subscription:
+        """Open a subscription of ``instance_id`` to ``user``'s ``topic``; it receives every
+        message broadcast there from now on. An instance may hold several subscriptions to
+        one topic; each gets its own copy of every message."""
         self._check_topic(topic)
         mine = self._by_instance.get(instance_id, {})
         limit = self.config.max_subscriptions_per_instance
@@ -245,14 +256,15 @@ class MessageBus:
                 f"instance {instance_id!r} already holds {len(mine)} subscriptions (limit "
                 f"{limit}); close unused ones with unsubscribe()"
             )
-        sub = Subscription(self, next(self._ids), instance_id, topic, self.config)
-        self._topics.setdefault(topic, {})[sub.id] = sub
+        sub = Subscription(self, next(self._ids), instance_id, topic, self.config, user)
+        self._topics.setdefault((user, topic), {})[sub.id] = sub
         self._by_instance.setdefault(instance_id, {})[sub.id] = sub
         return sub
 
-    def broadcast(self, instance_id: str, topic: str, message: str) -> int:
-        """Deliver ``message`` to every open subscription of ``topic`` (except the sender's
-        own unless ``deliver_to_sender``); returns the number of subscriptions it reached."""
+    def broadcast(self, instance_id: str, topic: str, message: str, user: object = None) -> int:
+        """Deliver ``message`` to every open subscription of ``user``'s ``topic`` (except
+        the sender's own unless ``deliver_to_sender``); returns the number of subscriptions
+        it reached."""
         self._check_topic(topic)
         if not isinstance(message, str):
             raise TypeError(f"message must be a str, got {type(message).__name__}")
@@ -263,7 +275,7 @@ class MessageBus:
                 f"message to topic {topic!r} is {size} bytes, over the limit of {limit} bytes "
                 f"(MessageBusConfig.max_message_bytes); split it or share it via the store"
             )
-        subs = self._topics.get(topic)
+        subs = self._topics.get((user, topic))
         if not subs:
             return 0
         delivered = 0
@@ -291,9 +303,11 @@ class MessageBus:
             subs = list(self._by_instance.get(instance_id, {}).values())
         return sorted(subs, key=lambda s: s.id)
 
-    def topics(self) -> dict[str, int]:
-        """Topics with open subscriptions and their subscriber counts, sorted by name."""
-        return {t: len(subs) for t, subs in sorted(self._topics.items())}
+    def topics(self, user: object = None) -> dict[str, int]:
+        """``user``'s topics with open subscriptions and their subscriber counts, sorted by
+        name."""
+        mine = [(t, len(subs)) for (u, t), subs in self._topics.items() if u == user]
+        return dict(sorted(mine))
 
     def check_integrity(self) -> None:
         """Assert that the topic and instance indexes agree (for tests and idle checks)."""
@@ -304,14 +318,17 @@ class MessageBus:
         assert all(subs for subs in self._by_instance.values()), "empty instance entry"
         for s in by_topic.values():
             assert not s.closed and by_inst[s.id] is s
-            assert self._topics[s.topic][s.id] is s
+            assert self._topics[(s.user, s.topic)][s.id] is s
             assert self._by_instance[s.instance_id][s.id] is s
             assert s.queued_bytes == sum(n for _, n in s._items)
             assert len(s._items) <= self.config.queue_messages
             assert s.queued_bytes <= self.config.queue_bytes
 
     def _forget(self, sub: Subscription) -> None:
-        for index, key in ((self._topics, sub.topic), (self._by_instance, sub.instance_id)):
+        for index, key in (
+            (self._topics, (sub.user, sub.topic)),
+            (self._by_instance, sub.instance_id),
+        ):
             subs = index.get(key)
             if subs is not None:
                 subs.pop(sub.id, None)

@@ -16,9 +16,20 @@ The engine owns the memory: KV pages ``[0, num_pages)`` and embedding slots
 - Contention: when an ``alloc`` cannot be met, an :class:`EvictionPolicy` names instances to
   terminate; the default :class:`TerminateNewest` is the paper's FCFS policy (the most
   recently created inferlets end first).
-- Limits: :meth:`ResourceManager.set_limit` caps how many handles of a kind one instance
-  may hold at once (the sandbox's ``SandboxLimits``, say); ``alloc`` and ``import_`` over it
-  raise :class:`QuotaExceeded` and change nothing.
+- Limits: :meth:`ResourceManager.set_limit` caps how many ids of a kind one instance may
+  hold at once (the sandbox's ``SandboxLimits``, the server's ``--instance-share``; several
+  sources may each set one, the smallest wins); ``alloc`` and ``import_`` over it raise
+  :class:`QuotaExceeded` and change nothing.
+- Users (``docs/security.md``): every instance belongs to a user (any hashable name;
+  ``None`` by default). Export names are per user: an instance exports into, imports from
+  and unexports in its own user's namespace (``import_`` may name another ``owner``; the
+  caller checks the grant). What a party *holds* is the number of distinct physical ids
+  it references: an instance through its handles and its non-persistent exports, a user
+  through its instances and its persistent exports. :meth:`ResourceManager.set_user_limit`
+  caps a user's; a user over it first loses its least recently used persistent exports.
+  A page swapped to host memory is still held (charges count what handles map to).
+- Persistent exports are a cache: when an ``alloc`` cannot be met, those whose ids nothing
+  else references are dropped, least recently imported first, before any instance ends.
 - Swap: a KV page an instance alone references may move to a *host page* (the engine's
   swap space): its handles then map to ``-1 - host_id`` (:meth:`~ResourceManager.swap_out`)
   until :meth:`~ResourceManager.swap_in` maps them to device pages again. With swap space
@@ -35,12 +46,16 @@ Used from the control loop only (no locks). Pure Python; numpy only for ``transl
 from __future__ import annotations
 
 import heapq
+import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["kv", "embed"]
 KINDS: tuple[Kind, ...] = ("kv", "embed")
@@ -49,6 +64,9 @@ _NOUN = {"kv": "kv page", "embed": "embed"}
 _PLURAL = {"kv": "KV pages", "embed": "embeds"}
 _SIZE_OPTION = {"kv": "num_pages", "embed": "num_embeds"}
 _QUOTA_NOUN = {"kv": "KV page", "embed": "embedding"}
+
+
+_SAME = object()  # "the instance's own user" (a default that None cannot be)
 
 
 class ResourceError(Exception):
@@ -226,8 +244,9 @@ class TerminateNewest:
 class _Export:
     kind: Kind
     ids: tuple[int, ...]
-    owner: int
+    owner: int  # the exporting instance
     persistent: bool
+    user: object = None  # the namespace it lives in (the exporter's user)
 
 
 def _on_host(host_id: int) -> int:
@@ -267,11 +286,19 @@ class ResourceManager:
         self._handles: dict[Kind, dict[int, dict[int, int]]] = {k: {} for k in KINDS}
         # kind -> instance -> next handle
         self._next: dict[Kind, dict[int, int]] = {k: {} for k in KINDS}
-        # instance -> names of its non-persistent exports; insertion order = creation order
-        self._instances: dict[int, set[str]] = {}
-        self._exports: dict[str, _Export] = {}
-        # instance -> kind -> (most handles it may hold, who set that limit)
-        self._limits: dict[int, dict[Kind, tuple[int, str]]] = {}
+        # instance -> keys of its non-persistent exports; insertion order = creation order
+        self._instances: dict[int, set[tuple[object, str]]] = {}
+        self._users: dict[int, object] = {}  # instance -> its user
+        self._exports: dict[tuple[object, str], _Export] = {}  # (user, name) -> export
+        self._last_import: dict[tuple[object, str], int] = {}  # persistent exports' LRU
+        self._clock = itertools.count()
+        # instance -> kind -> source -> most ids it may hold
+        self._limits: dict[int, dict[Kind, dict[str, int]]] = {}
+        # user -> kind -> (most ids it may hold, who set that limit)
+        self._user_limits: dict[object, dict[Kind, tuple[int, str]]] = {}
+        # What each party holds: kind -> instance / user -> references per physical id
+        self._charge: dict[Kind, dict[int, Counter[int]]] = {k: {} for k in KINDS}
+        self._user_charge: dict[Kind, dict[object, Counter[int]]] = {k: {} for k in KINDS}
         # swap: host pages; per instance the number of its KV handles on host pages
         self._host = PhysicalPool(num_host_pages)
         self._handles_on_host: dict[int, int] = {}
@@ -284,27 +311,34 @@ class ResourceManager:
 
     # ------------------------------------------------------------------ instances
 
-    def add_instance(self, instance_id: int) -> None:
+    def add_instance(self, instance_id: int, user: object = None) -> None:
+        """Register an instance of ``user`` (its export namespace and quota)."""
         if instance_id in self._instances:
             raise ValueError(f"inferlet {instance_id} is already registered")
         self._instances[instance_id] = set()
+        self._users[instance_id] = user
         for kind in KINDS:
             self._handles[kind][instance_id] = {}
             self._next[kind][instance_id] = self.first_handle
+            self._charge[kind][instance_id] = Counter()
 
     def remove_instance(self, instance_id: int) -> None:
         """Release everything the instance holds: its handles' references and its
         non-persistent exports. Idempotent (an unknown id is a no-op)."""
-        names = self._instances.pop(instance_id, None)
-        if names is None:
+        keys = self._instances.pop(instance_id, None)
+        if keys is None:
             return
         self._limits.pop(instance_id, None)
-        for name in names:
-            exp = self._exports.pop(name)
+        user = self._users.pop(instance_id)
+        for key in keys:
+            exp = self._exports.pop(key)
+            self._uncharge_user(exp.kind, user, exp.ids)
             self._pools[exp.kind].decref(exp.ids)
         for kind in KINDS:
             table = self._handles[kind].pop(instance_id)
             del self._next[kind][instance_id]
+            del self._charge[kind][instance_id]
+            self._uncharge_user(kind, user, table.values())
             self._release(kind, table.values())
         self._handles_on_host.pop(instance_id, None)
 
@@ -317,24 +351,41 @@ class ResourceManager:
     def set_limit(
         self, instance: int, kind: Kind, max_held: int | None, source: str = "set_limit"
     ) -> None:
-        """Let ``instance`` hold at most ``max_held`` handles of ``kind`` at once (``None``:
-        no limit but the pool). ``alloc`` and ``import_`` that would go over it raise
-        :class:`QuotaExceeded` naming the limit and ``source`` (where it is set, so the
-        user knows what to raise, e.g. ``"SandboxLimits.max_kv_pages"``); handles already
-        held are kept. The limit ends with the instance."""
+        """Let ``instance`` hold at most ``max_held`` ids of ``kind`` at once (``None``:
+        lift the limit ``source`` set). ``alloc`` and ``import_`` that would go over it
+        raise :class:`QuotaExceeded` naming the limit and ``source`` (where it is set, so
+        the user knows what to raise, e.g. ``"SandboxLimits.max_kv_pages"``); ids already
+        held are kept. Each source sets its own limit; the smallest applies. Limits end
+        with the instance."""
         self._table(instance, kind)
-        limits = self._limits.setdefault(instance, {})
+        limits = self._limits.setdefault(instance, {}).setdefault(kind, {})
+        if max_held is None:
+            limits.pop(source, None)
+            return
+        limits[source] = _check_cap(max_held)
+
+    def limit(self, instance: int, kind: Kind) -> int | None:
+        """The most ids of ``kind`` that ``instance`` may hold (``None``: no limit)."""
+        self._table(instance, kind)
+        caps = self._limits.get(instance, {}).get(kind)
+        return min(caps.values()) if caps else None
+
+    def set_user_limit(
+        self, user: object, kind: Kind, max_held: int | None, source: str = "set_user_limit"
+    ) -> None:
+        """Let ``user`` hold at most ``max_held`` ids of ``kind`` at once, counting its
+        instances' and its persistent exports' (``None``: no limit). Over it, ``alloc`` and
+        ``import_`` first drop the user's least recently used persistent exports, then raise
+        :class:`QuotaExceeded`. The limit outlives the user's instances."""
+        self._pool(kind)
+        limits = self._user_limits.setdefault(user, {})
         if max_held is None:
             limits.pop(kind, None)
             return
-        if not isinstance(max_held, int) or isinstance(max_held, bool) or max_held < 0:
-            raise ValueError(f"a limit must be a non-negative integer or None, got {max_held!r}")
-        limits[kind] = (max_held, source)
+        limits[kind] = (_check_cap(max_held), source)
 
-    def limit(self, instance: int, kind: Kind) -> int | None:
-        """The most handles of ``kind`` that ``instance`` may hold (``None``: no limit)."""
-        self._table(instance, kind)
-        cap = self._limits.get(instance, {}).get(kind)
+    def user_limit(self, user: object, kind: Kind) -> int | None:
+        cap = self._user_limits.get(user, {}).get(kind)
         return None if cap is None else cap[0]
 
     # ------------------------------------------------------------------ alloc / free
@@ -349,7 +400,7 @@ class ResourceManager:
         table = self._table(instance, kind)
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of {_PLURAL[kind]} ({n})")
-        self._check_limit(instance, kind, len(table), n)
+        self._check_limit(instance, kind, n)
         pool = self._pools[kind]
         if pool.free < n and kind == "kv" and self.defer_when_short and self._host.free >= n:
             hosts = self._host.alloc(n)  # deferred: device pages come with the next swap-in
@@ -371,6 +422,7 @@ class ResourceManager:
         on_host = sum(1 for pid in ids if pid < 0)
         if on_host:
             self._handles_on_host[instance] -= on_host
+        self._uncharge(kind, instance, ids)
         self._release(kind, ids)
 
     def translate(self, instance: int, kind: Kind, handles: Sequence[int]) -> list[int]:
@@ -402,16 +454,20 @@ class ResourceManager:
         name: str,
         persistent: bool = False,
     ) -> None:
-        """Publish the physical ids of ``handles`` under ``name`` (the registry takes its own
-        references). A non-persistent export is dropped when ``instance`` ends; a persistent
-        one lives until :meth:`unexport`. The handles stay the exporter's."""
+        """Publish the physical ids of ``handles`` under ``name`` in the instance's user's
+        namespace (the registry takes its own references). A non-persistent export is
+        dropped when ``instance`` ends and counts as the instance's; a persistent one lives
+        until :meth:`unexport` (or is reclaimed) and counts as its user's. The handles stay
+        the exporter's."""
         table = self._table(instance, kind)
         handles = list(handles)
         if not all(h in table for h in handles):
             raise self._invalid(instance, kind, handles)
         if not isinstance(name, str) or not name:
             raise ExportError(f"export name must be a non-empty string, got {name!r}")
-        if name in self._exports:
+        user = self._users[instance]
+        key = (user, name)
+        if key in self._exports:
             raise ExportError(
                 f"export name {name!r} is already taken; unexport it first or choose another name"
             )
@@ -422,16 +478,22 @@ class ResourceManager:
                 "(the scheduler brings them back before the instance's commands run)"
             )
         self._pools[kind].incref(ids)
-        self._exports[name] = _Export(kind, ids, instance, persistent)
-        if not persistent:
-            self._instances[instance].add(name)
+        self._exports[key] = _Export(kind, ids, instance, persistent, user)
+        if persistent:
+            self._last_import[key] = next(self._clock)
+            self._charge_user(kind, user, ids)
+        else:
+            self._instances[instance].add(key)
+            self._charge_ids(kind, instance, ids)
 
-    def import_(self, instance: int, kind: Kind, name: str) -> list[int]:
-        """New handles of ``instance`` for the physical ids exported as ``name``, in the
-        exported order (each takes a reference). Over the instance's limit raises
-        :class:`QuotaExceeded`."""
+    def import_(self, instance: int, kind: Kind, name: str, owner: object = _SAME) -> list[int]:
+        """New handles of ``instance`` for the physical ids exported as ``name`` in
+        ``owner``'s namespace (default: the instance's own user; reading another's is the
+        caller's to allow), in the exported order (each takes a reference). Over the
+        instance's or its user's limit raises :class:`QuotaExceeded`."""
         table = self._table(instance, kind)
-        exp = self._exports.get(name)
+        key = (self._users[instance] if owner is _SAME else owner, name)
+        exp = self._exports.get(key)
         if exp is None:
             raise ExportError(f"no export named {name!r}; list_exports() shows what exists")
         if exp.kind != kind:
@@ -439,19 +501,25 @@ class ResourceManager:
                 f"export {name!r} holds {_PLURAL[exp.kind]}, not {_PLURAL[kind]}; "
                 f"import it as kind {exp.kind!r}"
             )
-        self._check_limit(instance, kind, len(table), len(exp.ids))
+        self._check_limit(instance, kind, exp.ids, keep=key)
+        if exp.persistent:
+            self._last_import[key] = next(self._clock)
         self._pools[kind].incref(exp.ids)
         return self._bind(instance, kind, table, list(exp.ids))
 
-    def unexport(self, instance: int | None, name: str) -> None:
-        """Drop the export ``name`` and its references (handles imported from it stay valid).
+    def unexport(self, instance: int | None, name: str, owner: object = None) -> None:
+        """Drop the export ``name`` of the instance's user and its references (handles
+        imported from it stay valid).
 
         A non-persistent export may only be dropped by its exporter; a persistent one by any
-        instance. ``instance=None`` is the server itself and may drop any export.
+        instance of its user. ``instance=None`` is the server itself and may drop any
+        export (of ``owner``'s namespace).
         """
         if instance is not None:
             self._require(instance)
-        exp = self._exports.get(name)
+            owner = self._users[instance]
+        key = (owner, name)
+        exp = self._exports.get(key)
         if exp is None:
             raise ExportError(f"no export named {name!r}; list_exports() shows what exists")
         if instance is not None and not exp.persistent and exp.owner != instance:
@@ -459,20 +527,38 @@ class ResourceManager:
                 f"export {name!r} belongs to inferlet {exp.owner}; only its exporter can "
                 f"unexport a non-persistent export (it ends with its exporter)"
             )
-        del self._exports[name]
-        if not exp.persistent:
-            self._instances[exp.owner].discard(name)
-        self._pools[exp.kind].decref(exp.ids)
+        self._drop_export(key)
 
-    def list_exports(self) -> list[tuple[str, str, int]]:
-        """``(name, kind, count)`` of every export, oldest first."""
-        return [(name, exp.kind, len(exp.ids)) for name, exp in self._exports.items()]
+    def list_exports(self, owner: object = _SAME) -> list[tuple[str, str, int]]:
+        """``(name, kind, count)`` of every export in ``owner``'s namespace (default: every
+        user's), oldest first."""
+        return [
+            (name, exp.kind, len(exp.ids))
+            for (user, name), exp in self._exports.items()
+            if owner is _SAME or user == owner
+        ]
 
     # ------------------------------------------------------------------ accounting
 
     def held(self, instance: int, kind: Kind) -> int:
         """Handles of ``kind`` that ``instance`` holds (shared ones included)."""
         return len(self._table(instance, kind))
+
+    def charged(self, instance: int, kind: Kind) -> int:
+        """Distinct ids of ``kind`` the instance holds (handles and its non-persistent
+        exports): what its limits count."""
+        self._table(instance, kind)
+        return len(self._charge[kind][instance])
+
+    def user_charged(self, user: object, kind: Kind) -> int:
+        """Distinct ids of ``kind`` the user holds (its instances' and its persistent
+        exports'): what its limit counts."""
+        self._pool(kind)
+        return len(self._user_charge[kind].get(user, ()))
+
+    def user_of(self, instance: int) -> object:
+        self._require(instance)
+        return self._users[instance]
 
     def usage(self, kind: Kind) -> tuple[int, int, int]:
         """``(free, used, total)`` physical ids of ``kind``."""
@@ -492,8 +578,8 @@ class ResourceManager:
             if names is None:
                 continue
             refs.update(pid for pid in self._handles[kind][inst].values() if pid >= 0)
-            for name in names:
-                exp = self._exports[name]
+            for key in names:
+                exp = self._exports[key]
                 if exp.kind == kind:
                     refs.update(exp.ids)
         pool = self._pools[kind]
@@ -523,14 +609,18 @@ class ResourceManager:
                 if pool.refcount(pid) != refs[pid]
             }
             assert not wrong, f"{kind} ids whose (refcount, references) differ: {wrong}"
-        for inst, names in self._instances.items():
-            for name in names:
-                exp = self._exports.get(name)
-                assert exp is not None and exp.owner == inst and not exp.persistent, (inst, name)
-        for name, exp in self._exports.items():
+        for inst, keys in self._instances.items():
+            for key in keys:
+                exp = self._exports.get(key)
+                assert exp is not None and exp.owner == inst and not exp.persistent, (inst, key)
+        for key, exp in self._exports.items():
+            assert key[0] == exp.user, (key, exp.user)
             if not exp.persistent:
-                assert name in self._instances.get(exp.owner, ()), (name, exp.owner)
-            assert all(pid >= 0 for pid in exp.ids), f"export {name!r} names host pages"
+                assert key in self._instances.get(exp.owner, ()), (key, exp.owner)
+                assert self._users[exp.owner] == exp.user, (key, exp.owner)
+            assert all(pid >= 0 for pid in exp.ids), f"export {key!r} names host pages"
+        assert self._last_import.keys() == {k for k, e in self._exports.items() if e.persistent}
+        self._check_charges()
         self._check_swap_integrity()
 
     def _check_swap_integrity(self) -> None:
@@ -595,10 +685,13 @@ class ResourceManager:
         hosts = self._host.alloc(n)
         where = dict(zip(pages, hosts, strict=True))
         refs: Counter[int] = Counter()
+        moved: list[tuple[int, int]] = []
         for h, pid in table.items():
             if pid in where:
                 table[h] = _on_host(where[pid])
                 refs[pid] += 1
+                moved.append((pid, table[h]))
+        self._recharge(instance, moved)
         for pid, host in where.items():
             self._host.incref([host] * (refs[pid] - 1))
             self._pools["kv"].decref([pid] * refs[pid])
@@ -618,9 +711,12 @@ class ResourceManager:
         if pool.free < len(refs):
             raise self._out_of(instance, "kv", len(refs), "to bring its swapped pages back")
         where = dict(zip(refs, pool.alloc(len(refs)), strict=True))
+        moved: list[tuple[int, int]] = []
         for h, pid in table.items():
             if pid < 0:
                 table[h] = where[-1 - pid]
+                moved.append((pid, table[h]))
+        self._recharge(instance, moved)
         for host, dev in where.items():
             pool.incref([dev] * (refs[host] - 1))
             if host in self._unbacked:
@@ -677,6 +773,25 @@ class ResourceManager:
         for h in self._host.decref(hosts):
             self._unbacked.discard(h)
 
+    def _check_charges(self) -> None:
+        """Every instance's and user's charge equals its references, recounted."""
+        assert self._users.keys() == self._instances.keys(), "users of unknown instances"
+        for kind in KINDS:
+            inst: dict[int, Counter[int]] = {i: Counter() for i in self._instances}
+            users: dict[object, Counter[int]] = {}
+            for i, table in self._handles[kind].items():
+                inst[i].update(table.values())
+                users.setdefault(self._users[i], Counter()).update(table.values())
+            for exp in self._exports.values():
+                if exp.kind != kind:
+                    continue
+                if not exp.persistent:
+                    inst[exp.owner].update(exp.ids)
+                users.setdefault(exp.user, Counter()).update(exp.ids)
+            users = {u: c for u, c in users.items() if c}
+            assert self._charge[kind] == inst, f"{kind}: instance charges differ from references"
+            assert self._user_charge[kind] == users, f"{kind}: user charges differ from references"
+
     # ------------------------------------------------------------------ internals
 
     def _pool(self, kind: Kind) -> PhysicalPool:
@@ -701,26 +816,162 @@ class ResourceManager:
         handles = list(range(start, start + len(ids)))
         table.update(zip(handles, ids, strict=True))
         self._next[kind][instance] = start + len(ids)
+        self._charge_ids(kind, instance, ids)
         return handles
 
-    def _check_limit(self, instance: int, kind: Kind, held: int, n: int) -> None:
-        cap = self._limits.get(instance, {}).get(kind)
-        if cap is not None and held + n > cap[0]:
-            max_held, source = cap
+    # -- charges (what each instance and user holds)
+
+    def _charge_ids(self, kind: Kind, instance: int, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        self._charge[kind][instance].update(ids)
+        self._charge_user(kind, self._users[instance], ids)
+
+    def _charge_user(self, kind: Kind, user: object, ids: Sequence[int]) -> None:
+        if not ids:
+            return
+        counter = self._user_charge[kind].get(user)
+        if counter is None:
+            counter = self._user_charge[kind][user] = Counter()
+        counter.update(ids)
+
+    def _uncharge(self, kind: Kind, instance: int, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        _subtract(self._charge[kind][instance], ids)
+        self._uncharge_user(kind, self._users[instance], ids)
+
+    def _recharge(self, instance: int, moved: list[tuple[int, int]]) -> None:
+        """KV handles of ``instance`` now map elsewhere (swapped out or in): a page held on
+        host memory is still held (charges count table values, device or host)."""
+        if moved:
+            self._uncharge("kv", instance, [old for old, _ in moved])
+            self._charge_ids("kv", instance, [new for _, new in moved])
+
+    def _uncharge_user(self, kind: Kind, user: object, ids: Iterable[int]) -> None:
+        counter = self._user_charge[kind].get(user)
+        if counter is None:
+            return
+        _subtract(counter, ids)
+        if not counter:
+            del self._user_charge[kind][user]
+
+    def _check_limit(
+        self, instance: int, kind: Kind, new: int | Sequence[int], keep: object = None
+    ) -> None:
+        """Raise :class:`QuotaExceeded` if taking ``new`` (a number of fresh ids, or the ids
+        of an import) would take the instance or its user over a limit. A user over its
+        limit first loses persistent exports (never ``keep``, the one being imported)."""
+        held = self._charge[kind][instance]
+        n = new if isinstance(new, int) else len(set(new) - held.keys())
+        caps = self._limits.get(instance, {}).get(kind)
+        if caps:
+            source = min(caps, key=caps.__getitem__)
+            if len(held) + n > caps[source]:
+                raise QuotaExceeded(
+                    f"{_QUOTA_NOUN[kind]} quota exceeded: inferlet {instance} holds {len(held)}, "
+                    f"asked for {n} more, quota {caps[source]} (set by {source}). Free "
+                    f"{_PLURAL[kind]} it no longer needs, or raise {source}"
+                )
+        user = self._users[instance]
+        cap = self._user_limits.get(user, {}).get(kind)
+        if cap is None:
+            return
+        ucharge = self._user_charge[kind].get(user, Counter())
+        un = new if isinstance(new, int) else len(set(new) - ucharge.keys())
+        over = len(ucharge) + un - cap[0]
+        if over > 0 and not self._reclaim_user_exports(user, kind, over, keep):
             raise QuotaExceeded(
-                f"{_QUOTA_NOUN[kind]} quota exceeded: inferlet {instance} holds {held}, asked "
-                f"for {n} more, quota {max_held} (set by {source}). Free {_PLURAL[kind]} it "
-                f"no longer needs, or raise {source}"
+                f"{_QUOTA_NOUN[kind]} quota exceeded: user {user} holds {len(ucharge)} (with "
+                f"its persistent exports), inferlet {instance} asked for {un} more, quota "
+                f"{cap[0]} (set by {cap[1]}). End instances or unexport what the user no "
+                f"longer needs, or raise {cap[1]}"
             )
+
+    def _reclaim_user_exports(self, user: object, kind: Kind, over: int, keep: object) -> bool:
+        """Drop ``user``'s least recently used persistent exports of ``kind`` until its
+        charge falls by ``over``; if even all of them would not do, drop none: False."""
+        current = self._user_charge[kind].get(user)
+        if not current:
+            return False
+        counter = Counter(current)
+        chosen = []
+        for key in self._lru_exports(kind, user):
+            if key == keep:
+                continue
+            before = len(counter)
+            _subtract(counter, self._exports[key].ids)
+            if len(counter) < before:
+                chosen.append(key)
+                if len(current) - len(counter) >= over:
+                    break
+        if len(current) - len(counter) < over:
+            return False
+        for key in chosen:
+            log.info("dropping persistent export %r of user %s: the user is over its quota",
+                     key[1], user)  # fmt: skip
+            self._drop_export(key)
+        return True
+
+    def _lru_exports(self, kind: Kind, user: object = _SAME) -> list[tuple[object, str]]:
+        """Persistent exports of ``kind`` (of ``user``, or everyone's), least recently
+        imported first."""
+        keys = [
+            k for k, e in self._exports.items()
+            if e.persistent and e.kind == kind and (user is _SAME or e.user == user)
+        ]  # fmt: skip
+        return sorted(keys, key=self._last_import.__getitem__)
+
+    def _drop_export(self, key: tuple[object, str]) -> None:
+        exp = self._exports.pop(key)
+        if exp.persistent:
+            del self._last_import[key]
+            self._uncharge_user(exp.kind, exp.user, exp.ids)
+        else:
+            self._instances[exp.owner].discard(key)
+            self._uncharge(exp.kind, exp.owner, exp.ids)
+        self._pools[exp.kind].decref(exp.ids)
+
+    def _export_gain(self, kind: Kind, wanted: int) -> tuple[int, list[tuple[object, str]]]:
+        """Which persistent exports to drop, least recently used first, to free ``wanted``
+        ids (all that free anything if that is not enough), and how many ids they free.
+        Exports whose ids are all held by something else are never chosen."""
+        pool = self._pools[kind]
+        lru = self._lru_exports(kind)
+        total: Counter[int] = Counter()
+        for key in lru:
+            total.update(self._exports[key].ids)
+        cache_only = {pid for pid, k in total.items() if pool.refcount(pid) == k}
+        dropped: Counter[int] = Counter()
+        gain, chosen = 0, []
+        for key in lru:
+            if gain >= wanted or not cache_only:
+                break
+            mine = [pid for pid in self._exports[key].ids if pid in cache_only]
+            if not mine:
+                continue
+            chosen.append(key)
+            dropped.update(mine)
+            gain += sum(1 for pid in set(mine) if dropped[pid] == total[pid])
+        return gain, chosen
 
     def _reclaim(self, requester: int, kind: Kind, needed: int) -> None:
         """Terminate the policy's victims so that ``needed`` ids are free, or raise."""
         pool = self._pools[kind]
         free = pool.free
+        gain, exports = self._export_gain(kind, needed - free) if self._last_import else (0, [])
+        if free + gain >= needed:  # persistent exports are a cache: they go first
+            for key in exports:
+                log.info("dropping persistent export %r of user %s to free %s",
+                         key[1], key[0], _PLURAL[kind])  # fmt: skip
+                self._drop_export(key)
+                if pool.free >= needed:
+                    return
+            raise AssertionError("dropping persistent exports freed less than counted")
         if self.on_terminate is None:
             raise self._out_of(requester, kind, needed, "no terminate callback, so nobody can end")
         desc = getattr(self.policy, "description", type(self.policy).__name__)
-        victims = list(dict.fromkeys(self.policy.choose_victims(self, kind, needed, requester)))
+        victims = list(
+            dict.fromkeys(self.policy.choose_victims(self, kind, needed - gain, requester))
+        )
         if requester in victims:
             raise self._out_of(
                 requester,
@@ -730,6 +981,8 @@ class ResourceManager:
             )
         if not victims:
             raise self._out_of(requester, kind, needed, f"the {desc} chose no inferlet to end")
+        for key in exports:
+            self._drop_export(key)
         reason = (
             f"terminated to free {_PLURAL[kind]} for inferlet {requester} ({desc}): "
             f"{needed} {_PLURAL[kind]} needed, {free} free"
@@ -795,6 +1048,22 @@ class ResourceManager:
                     None
                 )
         return InvalidHandle(f"inferlet {instance}: " + "; ".join(problems))
+
+
+def _subtract(counter: Counter[int], ids: Iterable[int]) -> None:
+    """Drop one reference per listed id; ids that reach 0 leave the counter."""
+    for pid in ids:
+        k = counter[pid] - 1
+        if k:
+            counter[pid] = k
+        else:
+            del counter[pid]
+
+
+def _check_cap(max_held: object) -> int:
+    if not isinstance(max_held, int) or isinstance(max_held, bool) or max_held < 0:
+        raise ValueError(f"a limit must be a non-negative integer or None, got {max_held!r}")
+    return max_held
 
 
 __all__ = [

@@ -7,6 +7,11 @@ batch scheduler (:mod:`pastry.control.scheduler`) and translated to physical ids
 are batched; the rest are answered here directly. Misuse (a foreign or freed handle, a
 wrong queue, bad lengths) raises :class:`ApiError` in the calling inferlet only.
 
+A session belongs to a user (``user``, :mod:`pastry.control.users`): its KV exports, store
+keys and topics live in that user's namespace, and ``~OWNER/NAME`` reads another user's
+where the owner granted it. Messages its client has not read count against the backlog
+quota (``Quotas.backlog_bytes``): a sender over it is ended.
+
 The :class:`~pastry.control.controller.Controller` creates and ends sessions.
 """
 
@@ -21,9 +26,12 @@ import jinja2
 import numpy as np
 
 from pastry.api import ApiError
-from pastry.control.events import Event, Message
+from pastry.control.events import Message
+from pastry.control.outbox import Outbox
 from pastry.control.resources import Kind, QuotaExceeded, ResourceError
 from pastry.control.scheduler import Command, Queue, Stage
+from pastry.control.tokenization import TokenizeTooLarge
+from pastry.control.users import LOCAL, split_scoped
 from pastry.engine.calls import (
     MAX_LOGPROBS,
     CopyKv,
@@ -99,11 +107,12 @@ class Session:
     instance: int
     args: list[str]
     inbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
-    outbox: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    outbox: Outbox = field(default_factory=Outbox)
     _queues: dict[int, _QueueRef] = field(default_factory=dict)
     _subs: dict[int, object] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=itertools.count)
     closed: bool = False
+    user: str = LOCAL
 
     # ------------------------------------------------------------------ runtime
 
@@ -119,6 +128,15 @@ class Session:
     def send(self, message: str) -> None:
         if not isinstance(message, str):
             raise ApiError(f"send takes a string, got {type(message).__name__}")
+        limit = self.controller.quotas.backlog_bytes
+        if limit is not None and self.outbox.queued_bytes > limit:
+            reason = (
+                f"its client has not read {self.outbox.queued_bytes} bytes of its messages, "
+                f"over the backlog quota of {limit} bytes (--max-backlog-bytes): a client must "
+                "keep reading what its instances send"
+            )
+            self.controller.on_terminate(self.instance, reason)
+            raise ApiError(f"this inferlet was ended: {reason}")
         self.outbox.put_nowait(Message(message))
 
     async def receive(self) -> str:
@@ -200,6 +218,7 @@ class Session:
         res = ref.model.resources
         pages = list(pages)
         self._resource_call(lambda: res.translate(self.instance, "kv", pages))
+        _, name = self._scoped(name, write=True)
 
         def prepare():
             res.export(self.instance, "kv", pages, name, persistent)
@@ -208,15 +227,20 @@ class Session:
 
     def import_kvpages(self, q: int, name: str) -> list[int]:
         ref = self._queue(q)
-        return self._resource_call(lambda: ref.model.resources.import_(self.instance, "kv", name))
+        owner, name = self._scoped(name, write=False)
+        return self._resource_call(
+            lambda: ref.model.resources.import_(self.instance, "kv", name, owner)
+        )
 
     def unexport_kvpages(self, q: int, name: str) -> None:
         ref = self._queue(q)
+        _, name = self._scoped(name, write=True)
         self._resource_call(lambda: ref.model.resources.unexport(self.instance, name))
 
     def list_exported_kvpages(self, q: int) -> list[tuple[str, int]]:
+        """This user's KV exports (another user's are imported by name, ``~OWNER/NAME``)."""
         res = self._queue(q).model.resources
-        return [(name, n) for name, kind, n in res.list_exports() if kind == "kv"]
+        return [(name, n) for name, kind, n in res.list_exports(self.user) if kind == "kv"]
 
     # ------------------------------------------------------------------ forward
 
@@ -384,7 +408,13 @@ class Session:
             raise ApiError(str(e)) from None
 
     def tokenize(self, q: int, text: str) -> list[int]:
-        return self._queue(q).model.tokenizer.encode(text)
+        ref = self._queue(q)
+        if not isinstance(text, str):
+            raise ApiError(f"tokenize takes a string, got {type(text).__name__}")
+        try:
+            return ref.model.tokens.encode(text)
+        except TokenizeTooLarge as e:
+            raise ApiError(str(e)) from None
 
     def detokenize(self, q: int, tokens: list[int]) -> str:
         return self._queue(q).model.tokenizer.decode(list(tokens))
@@ -506,11 +536,14 @@ class Session:
     # ------------------------------------------------------------------ messaging, store, http
 
     def broadcast(self, topic: str, message: str) -> int:
-        return self.controller.bus.broadcast(str(self.instance), topic, message)
+        owner, topic = self._scoped(topic, write=True)
+        return self.controller.bus.broadcast(str(self.instance), topic, message, owner)
 
     def subscribe(self, topic: str) -> int:
+        owner, topic = self._scoped(topic, write=False)
+        sub = self.controller.bus.subscribe(str(self.instance), topic, owner)
         sid = next(self._ids)
-        self._subs[sid] = self.controller.bus.subscribe(str(self.instance), topic)
+        self._subs[sid] = sub
         return sid
 
     async def next_message(self, sub: int) -> str:
@@ -520,20 +553,36 @@ class Session:
         self._sub(sub).close()
         del self._subs[sub]
 
+    # Another user's namespace without a grant reads as empty and cannot be deleted from
+    # (these calls have no error result in the WIT); store_set says why it is refused.
+
     def store_get(self, key: str) -> str | None:
-        return self.controller.store.get(key)
+        scoped = self._readable(key)
+        return None if scoped is None else self.controller.store.get(scoped[1], scoped[0])
 
     def store_set(self, key: str, value: str) -> None:
-        self.controller.store.set(key, value, instance_id=str(self.instance))
+        owner, key = self._scoped(key, write=True)
+        self.controller.store.set(key, value, instance_id=str(self.instance), user=owner)
 
     def store_delete(self, key: str) -> bool:
-        return self.controller.store.delete(key)
+        owner, rest = self._split(key)
+        return owner == self.user and self.controller.store.delete(rest, owner)
 
     def store_exists(self, key: str) -> bool:
-        return self.controller.store.exists(key)
+        scoped = self._readable(key)
+        return scoped is not None and self.controller.store.exists(scoped[1], scoped[0])
 
     def store_list_keys(self, prefix: str = "") -> list[str]:
-        return self.controller.store.list_keys(prefix)
+        """This user's keys starting with ``prefix``; for ``~OWNER/PREFIX``, the owner's
+        (where granted) keys, named as the caller reads them (``~OWNER/KEY``)."""
+        if not isinstance(prefix, str):
+            raise ApiError(f"store_list_keys takes a string prefix, got {type(prefix).__name__}")
+        owner, rest = split_scoped(prefix, prefix=True)
+        if owner is None or owner == self.user:
+            return self.controller.store.list_keys(rest, self.user)
+        if not self.controller.grants.may_read(self.user, owner):
+            return []
+        return [f"~{owner}/{k}" for k in self.controller.store.list_keys(rest, owner)]
 
     async def http_get(self, url: str) -> tuple[int, str]:
         r = await self.controller.http.get(url)
@@ -595,6 +644,36 @@ class Session:
             m.resources.set_limit(self.instance, kind, max_held, source)
 
     # ------------------------------------------------------------------ helpers
+
+    def _split(self, name: object) -> tuple[str, str]:
+        """``(owner, name)``: ``~OWNER/NAME`` is in OWNER's namespace, the rest in ours."""
+        if not isinstance(name, str):
+            raise ApiError(f"expected a string name, got {type(name).__name__}")
+        owner, rest = split_scoped(name)
+        return (self.user if owner is None else owner), rest
+
+    def _readable(self, name: object) -> tuple[str, str] | None:
+        """:meth:`_split`, or None for another user's namespace that is not granted."""
+        owner, rest = self._split(name)
+        return (owner, rest) if self.controller.grants.may_read(self.user, owner) else None
+
+    def _scoped(self, name: object, write: bool) -> tuple[str, str]:
+        """``(owner, name)`` of an export name, store key or topic: this user's, or for
+        ``~OWNER/NAME`` the owner's, which only reading may name and only with a grant."""
+        owner, rest = self._split(name)
+        if owner == self.user:
+            return owner, rest
+        if write:
+            raise ApiError(
+                f"{name[:80]!r} is in user {owner}'s namespace: another user's exports, store "
+                "keys and topics can only be read (where granted), never written"
+            )
+        if not self.controller.grants.may_read(self.user, owner):
+            raise ApiError(
+                f"{name[:80]!r}: user {owner} has not granted user {self.user} access to its "
+                f"namespace (the operator grants it with --grant {owner}:{self.user})"
+            )
+        return owner, rest
 
     def close(self) -> None:
         self.closed = True

@@ -1,7 +1,8 @@
 """Scheduler policies as objects: batching (:mod:`.batching`: when to dispatch, batch
 caps) and scheduling (:mod:`.schedule`: which queues go first, who is preempted; FCFS
-there, MLFQ in :mod:`.mlfq`, PLAS in :mod:`.plas`, ATLAS in :mod:`.atlas`). A new policy is
-a new class, not a new branch in the scheduler."""
+there, MLFQ in :mod:`.mlfq`, PLAS in :mod:`.plas`, ATLAS in :mod:`.atlas`); eviction across
+users (:mod:`.eviction`: who ends when memory runs out). A new policy is a new class, not a
+new branch in the scheduler."""
 
 from pastry.control.policies.atlas import Atlas
 from pastry.control.policies.batching import (
@@ -14,6 +15,7 @@ from pastry.control.policies.batching import (
     TOnly,
     batch_policy,
 )
+from pastry.control.policies.eviction import FairShare
 from pastry.control.policies.mlfq import Levels, Mlfq, MultilevelQueues
 from pastry.control.policies.plas import Plas
 from pastry.control.policies.schedule import (
@@ -32,6 +34,7 @@ __all__ = [
     "Atlas",
     "BatchPolicy",
     "Eager",
+    "FairShare",
     "Fcfs",
     "KOnly",
     "Levels",
