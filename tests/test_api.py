@@ -325,11 +325,11 @@ def test_a_session_limit_is_an_api_error_in_the_inferlet(make_tiny):
         end = await inst.wait()
         await controller.close()
         handle.close()
-        return end
+        return inst.id, end
 
-    end = asyncio.run(go())
+    iid, end = asyncio.run(go())
     assert end == Finished(
-        "QuotaError: KV page quota exceeded: inferlet 1 holds 2, asked for 1 more, quota 2 "
+        f"QuotaError: KV page quota exceeded: inferlet {iid} holds 2, asked for 1 more, quota 2 "
         "(set by the test's limit). Free KV pages it no longer needs, or raise the test's limit"
     )
 

@@ -11,6 +11,10 @@ raised (:class:`Failed`; only that instance ends), or terminated (:class:`Termin
 client or by the resource policy, with the reason); :meth:`Instance.events` yields its
 messages, then that end event (:mod:`pastry.control.events`). However it ends, the
 controller releases everything it held.
+
+Instance ids are random (not guessable), and each instance belongs to a user
+(:mod:`pastry.control.users`). A result over ``Quotas.result_bytes`` fails the instance;
+tracebacks name the server's files relative to their package, never by server path.
 """
 
 from __future__ import annotations
@@ -18,19 +22,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import itertools
 import linecache
 import logging
+import secrets
 import sys
 import time
 import traceback
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pastry.control.controller import Controller
 from pastry.control.events import End, Event, Failed, Finished, Message, Terminated
+from pastry.control.outbox import message_bytes
 from pastry.control.session import Session
+from pastry.control.users import LOCAL
 from pastry.sdk import _current
 
 log = logging.getLogger(__name__)
@@ -102,17 +109,27 @@ class Instance:
         assert self.end is not None
         return self.end
 
+    @property
+    def user(self) -> str:
+        """The user it belongs to."""
+        return self.session.user
+
 
 class TrustedRuntime:
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
         self.instances: dict[int, Instance] = {}
-        self._ids = itertools.count(1)
         controller.on_terminate = self.terminate
 
-    def launch(self, program: Program, args: Sequence[str] = ()) -> Instance:
-        iid = next(self._ids)
-        session = self.controller.session(iid, args)
+    def new_id(self) -> int:
+        """A random instance id (53 bits: exact in JSON numbers everywhere), not in use."""
+        while (iid := secrets.randbits(53)) in self.controller.sessions or iid == 0:
+            pass
+        return iid
+
+    def launch(self, program: Program, args: Sequence[str] = (), user: str = LOCAL) -> Instance:
+        iid = self.new_id()
+        session = self.controller.session(iid, args, user)
         inst = Instance(iid, program, list(args), session)
         self.instances[iid] = inst
         inst.task = asyncio.get_running_loop().create_task(self._run(inst), name=f"inferlet-{iid}")
@@ -124,11 +141,20 @@ class TrustedRuntime:
             result = await inst.program.main(list(inst.args))
             if result is not None and not isinstance(result, str):
                 result = str(result)
+            limit = self.controller.quotas.result_bytes
+            if result is not None and limit is not None and message_bytes(result) > limit:
+                size = message_bytes(result)
+                self._finish(inst, Failed(
+                    f"the result is {size} bytes, over the result quota of {limit} bytes "
+                    "(--max-result-bytes): send large output in pieces with send()"
+                ))  # fmt: skip
+                return
             self._finish(inst, Finished(result))
         except asyncio.CancelledError:
             self._finish(inst, inst.end or Terminated("terminated"))
         except Exception:
-            self._finish(inst, Failed(traceback.format_exc()))
+            log.debug("inferlet %d failed", inst.id, exc_info=True)
+            self._finish(inst, Failed(tenant_traceback()))
 
     def _finish(self, inst: Instance, event: End) -> None:
         if inst.done.is_set():
@@ -148,3 +174,28 @@ class TrustedRuntime:
         self._finish(inst, Terminated(reason))
         if inst.task is not None and not inst.task.done():
             inst.task.cancel()
+
+
+_ROOTS = sorted(
+    {p for p in (str(Path(__file__).resolve().parents[2]), *sys.path) if p and p != "."},
+    key=len,
+    reverse=True,
+)  # where server code lives: src/, site-packages, the standard library
+
+
+def tenant_traceback() -> str:
+    """The current exception's traceback with server paths cut to package-relative names
+    (``pastry/sdk/context.py``, ``asyncio/tasks.py``): what the inferlet's client sees."""
+    lines = traceback.format_exc().splitlines(keepends=True)
+    out = []
+    for line in lines:
+        if line.startswith('  File "/'):
+            for root in _ROOTS:
+                prefix = f'  File "{root.rstrip("/")}/'
+                if line.startswith(prefix):
+                    line = '  File "' + line[len(prefix) :]
+                    break
+            else:
+                line = '  File "' + line[len('  File "') :].rsplit("/", 1)[-1]
+        out.append(line)
+    return "".join(out)
