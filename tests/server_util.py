@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import os
 import socket
+import struct
 import threading
 import time
 from contextlib import contextmanager
@@ -88,3 +92,37 @@ def integrity(server: PastryServer) -> tuple[int, int]:
         return tuple(used)
 
     return call(server, check)
+
+
+def raw_ws(url: str, path: str = "/ws") -> socket.socket:
+    """A WebSocket connection on a plain socket with a tiny receive buffer: a client that
+    reads nothing the server sends unless the test reads it (client libraries read ahead).
+    Send with :func:`ws_send`."""
+    host, port = url.split("//", 1)[1].split(":")
+    s = socket.create_connection((host, int(port)))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    key = base64.b64encode(os.urandom(16)).decode()
+    s.sendall(
+        f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        .encode()
+    )  # fmt: skip
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(1)
+    assert b" 101 " in head.split(b"\r\n")[0], head
+    return s
+
+
+def ws_send(s: socket.socket, frame: dict) -> None:
+    """Send ``frame`` as a masked text frame (what a client must send)."""
+    data = json.dumps(frame).encode()
+    n, mask = len(data), os.urandom(4)
+    if n < 126:
+        head = bytes([0x81, 0x80 | n])
+    elif n < 1 << 16:
+        head = bytes([0x81, 0x80 | 126]) + struct.pack("!H", n)
+    else:
+        head = bytes([0x81, 0x80 | 127]) + struct.pack("!Q", n)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+    s.sendall(head + mask + masked)

@@ -236,8 +236,8 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trusted-uploads",
         action="store_true",
-        help="run uploaded programs in the server process instead of the WebAssembly "
-        "sandbox (only for programs you trust)",
+        help="run programs that operators upload from now on in the server process instead "
+        "of the WebAssembly sandbox (only for programs you trust; logged as a warning)",
     )
     m = p.add_argument_group("several engines (docs/multi-engine.md)")
     m.add_argument(
@@ -263,6 +263,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="routing program: round-robin (default), least-loaded, pd, pd-balance:RATIO, "
         "locality[:THRESHOLD], migrate, or an uploaded program's name[:ARGS]",
     )  # fmt: skip
+    _tenant_options(p)
     p.set_defaults(func=_serve)
 
 
@@ -333,6 +334,54 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tenant_options(p: argparse.ArgumentParser) -> None:
+    """Users, grants and quotas (docs/security.md)."""
+    from dataclasses import fields
+
+    from pastry.control.quotas import FLAGS, Quotas
+
+    g = p.add_argument_group("users and quotas (docs/security.md)")
+    g.add_argument(
+        "--users", type=Path, metavar="FILE",
+        help="users and their tokens, one NAME:TOKEN (or NAME:TOKEN:operator) line each",
+    )  # fmt: skip
+    g.add_argument(
+        "--grant", action="append", default=[], metavar="OWNER:READER",
+        help="let READER (a user, or *) read OWNER's KV exports, store keys and topics as "
+        "~OWNER/NAME (repeatable)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-upload-bytes", type=int, default=1 << 20, metavar="N",
+        help="size of one uploaded program (default 1 MiB)",
+    )  # fmt: skip
+    defaults = Quotas()
+    for f in fields(Quotas):
+        flag, what = FLAGS[f.name]
+        default = getattr(defaults, f.name)
+        shown = _human(default) if f.name.endswith("bytes") or "bytes_" in f.name else default
+        off = "" if f.name in ("json_depth", "detached_backlog_bytes") else "; 'none': no limit"
+        g.add_argument(
+            flag, dest=f"quota_{f.name}", default=None, metavar="N",
+            help=f"{what} (default {shown}{off})",
+        )  # fmt: skip
+
+
+def _quotas(args: argparse.Namespace):
+    from dataclasses import fields
+
+    from pastry.control.quotas import FLAGS, Quotas, parse_quota
+
+    values = {}
+    for f in fields(Quotas):
+        text = getattr(args, f"quota_{f.name}", None)
+        if text is not None:
+            try:
+                values[f.name] = parse_quota(f.name, text)
+            except ValueError:
+                raise ValueError(f"{FLAGS[f.name][0]}: not a number: {text!r}") from None
+    return Quotas(**values)
+
+
 def _adapter_spec(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
@@ -344,6 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    from pastry.control.users import UsersError, parse_grant, read_users_file
     from pastry.server.app import serve
     from pastry.server.service import ConfigError, ServerConfig
 
@@ -371,8 +421,12 @@ def _serve(args: argparse.Namespace) -> int:
             engine_token=args.engine_token,
             ray_address=args.ray,
             router=args.router,
+            users=read_users_file(args.users) if args.users else (),
+            grants=tuple(parse_grant(g) for g in args.grant),
+            quotas=_quotas(args),
+            max_upload_bytes=args.max_upload_bytes,
         )
-    except ConfigError as e:
+    except (ConfigError, UsersError, ValueError) as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)
         return 2
     try:

@@ -22,7 +22,7 @@ import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -81,6 +81,8 @@ class ProgramInfo:
     name: str
     size: int
     builtin: bool
+    owner: str | None = None  # the uploading user (None: built-in)
+    trusted: bool = False  # runs in the server process (built-ins; operator uploads)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class Client:
         self.hello = hello
         self.server_version: str = hello.get("server", "?")
         self.models: list[str] = hello.get("models", [])
+        self.user: str | None = hello.get("user")  # who the server knows us as
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._queues: dict[int, asyncio.Queue] = {}
@@ -163,6 +166,7 @@ class Client:
                 await client.close()
                 raise
             client.models = reply.get("models", [])
+            client.user = reply.get("user")
         return client
 
     async def __aenter__(self) -> Client:
@@ -204,6 +208,10 @@ class Client:
         inst = RemoteInstance(self, instance, reply["program"], reply["name"])
         inst.dropped = reply.get("dropped", 0)
         return inst
+
+    async def delete_program(self, name: str) -> None:
+        """Forget one of this user's uploaded programs (frees its upload quota)."""
+        await self._request("delete_program", program=name)
 
     async def list_programs(self) -> list[ProgramInfo]:
         return [_from(ProgramInfo, p) for p in (await self._request("list_programs"))["programs"]]
@@ -331,7 +339,10 @@ class RemoteInstance:
 
 
 def _from(cls: type, row: dict) -> Any:
-    return cls(**{f.name: row[f.name] for f in fields(cls)})
+    """``cls`` from a reply row (fields with defaults may be missing: older servers)."""
+    return cls(
+        **{f.name: row[f.name] for f in fields(cls) if f.name in row or f.default is MISSING}
+    )
 
 
 def run(

@@ -150,7 +150,7 @@ class Controller:
         the quotas (an instance's share of each pool; its user's, when set)."""
         s = Session(self, instance, list(args), user=user)
         self.sessions[instance] = s
-        self.programs.start(instance)
+        self.programs.start(instance, user=user)
         q = self.quotas
         for m in self.all_engines():
             res = m.resources

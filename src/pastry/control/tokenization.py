@@ -10,10 +10,19 @@ serves everyone: tokenizing a few megabytes on it stalls every client for second
   which tokenizes the same text again on the loop, finds them ready.
 - :meth:`Tokenization.encode`, the inferlet API's ``tokenize``, runs on the loop: it returns
   a remembered text at once and refuses texts over ``max_bytes`` (``Quotas.tokenize_bytes``).
+- :meth:`Tokenization.count` does not tokenize a text that cannot fit a limit anyway (no
+  token covers more than ``NORMALIZE_FACTOR`` times the longest token's bytes of input);
+  large texts are tokenized one at a time, and the allocator is then asked to give the
+  memory back (a megabyte of text takes hundreds of megabytes to tokenize, which glibc
+  would otherwise keep per worker thread).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,6 +30,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from pastry.engine.tokenizer import Tokenizer
+
+NORMALIZE_FACTOR = 4  # input characters one token may cover per byte of its own (margin
+# for normalizers that compose characters)
+LARGE_CHARS = 64 << 10  # texts tokenized one at a time, with the memory returned after
 
 
 class TokenizeTooLarge(ValueError):
@@ -42,6 +55,7 @@ class Tokenization:
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # encode_batch runs in worker threads
+        self._large = threading.Semaphore(1)  # one large text at a time (memory)
         self.hits = 0
 
     def encode(self, text: str) -> list[int]:
@@ -65,11 +79,44 @@ class Tokenization:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text; meant for a worker thread (the tokenizer releases the
         global lock while it encodes). Large texts are remembered for :meth:`encode`."""
-        out = self.tokenizer.encode_batch(list(texts))
+        large = sum(len(t) for t in texts) >= LARGE_CHARS
+        if large:
+            self._large.acquire()
+        try:
+            out = self.tokenizer.encode_batch(list(texts))
+        finally:
+            if large:
+                self._large.release()
         for text, ids in zip(texts, out, strict=True):
             if self.cache_min_chars <= len(text) <= self.cache_chars:
                 self._remember(text, np.asarray(ids, dtype=np.int32))
+        if large:
+            _give_memory_back()
         return out
+
+    def count(self, texts: Sequence[str], limit: int | None = None) -> list[int]:
+        """How many tokens each text has (worker thread, like :meth:`encode_batch`). A text
+        that certainly has more than ``limit`` is not tokenized: its count is then a lower
+        bound, already over ``limit``."""
+        counts: list[int | None] = [None] * len(texts)
+        if limit is not None:
+            for i, text in enumerate(texts):
+                least = self.fewest_tokens(text)
+                if least > limit:
+                    counts[i] = least
+        todo = [i for i, c in enumerate(counts) if c is None]
+        if todo:
+            for i, ids in zip(todo, self.encode_batch([texts[i] for i in todo]), strict=True):
+                counts[i] = len(ids)
+        return counts  # type: ignore[return-value]
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text``."""
+        return math.ceil(len(text) / (NORMALIZE_FACTOR * self.longest_token_bytes))
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        return max(1, max(len(b) for b in self.tokenizer.get_vocabs()))
 
     def _remember(self, text: str, ids: np.ndarray) -> None:
         with self._lock:
@@ -81,3 +128,20 @@ class Tokenization:
             while self._cached_chars > self.cache_chars:
                 old, _ = self._cache.popitem(last=False)
                 self._cached_chars -= len(old)
+
+
+def _give_memory_back() -> None:
+    """Return freed heap memory to the system (glibc keeps it per thread arena)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _load_malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    except OSError:
+        return None
+
+
+_malloc_trim = _load_malloc_trim()

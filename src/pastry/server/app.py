@@ -3,8 +3,10 @@
 Routes: ``GET /health``; the client protocol at ``/ws`` (``server/ws.py``,
 ``docs/protocol.md``); the OpenAI-compatible API under ``/v1`` (``server/openai.py``);
 Prometheus metrics at ``/metrics`` (``server/metrics.py``).
-With an auth token configured, every HTTP request must carry ``Authorization: Bearer
-<token>`` and every WebSocket connection must authenticate first.
+With tokens configured (``--auth-token``, ``--users``), every HTTP request must carry
+``Authorization: Bearer <token>`` and every WebSocket connection must authenticate first;
+the token names the user the request is for (``server/auth.py``). Every HTTP request then
+passes :class:`~pastry.server.limits.RequestLimits` (body size, JSON depth, Unicode).
 """
 
 from __future__ import annotations
@@ -17,33 +19,13 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pastry.server import metrics, microserving, openai, sglang_api, ws
+from pastry.server.auth import BearerAuth
+from pastry.server.limits import RequestLimits
 from pastry.server.service import PastryServer, ServerConfig
 
 log = logging.getLogger(__name__)
-
-
-class BearerAuth:
-    """Rejects HTTP requests without the server's token (WebSockets authenticate in-band)."""
-
-    def __init__(self, app: ASGIApp, server: PastryServer) -> None:
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.server.config.auth_token is not None:
-            header = dict(scope["headers"]).get(b"authorization", b"").decode()
-            token = header[7:] if header.lower().startswith("bearer ") else None
-            if not self.server.check_token(token):
-                response = JSONResponse(
-                    {"error": {"message": "missing or wrong bearer token", "type": "auth_error"}},
-                    status_code=401,
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(server: PastryServer) -> Starlette:
@@ -67,9 +49,11 @@ def create_app(server: PastryServer) -> Starlette:
     routes += sglang_api.routes(server)  # SGLang's native API (/generate, ...)
     routes += metrics.routes()
     routes += microserving.routes(server)  # microserving's engine calls, the router
-    return Starlette(
-        routes=routes, lifespan=lifespan, middleware=[Middleware(BearerAuth, server=server)]
-    )
+    middleware = [  # outermost first: nobody's body is read before they authenticate
+        Middleware(BearerAuth, server=server),
+        Middleware(RequestLimits, quotas=server.config.quotas),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
 
 
 async def serve(config: ServerConfig, log_level: str = "info") -> None:
@@ -78,8 +62,16 @@ async def serve(config: ServerConfig, log_level: str = "info") -> None:
 
     server = PastryServer(config)
     app = create_app(server)
+    q = config.quotas
     uv = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level)
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            limit_concurrency=q.max_connections,
+            ws_max_size=q.request_bytes or 16 * 2**20,
+        )
     )
     log.info("serving on http://%s:%d (WebSocket /ws, OpenAI API /v1)", config.host, config.port)
     await uv.serve()

@@ -18,6 +18,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pastry.control.users import LOCAL_USER, User
 from pastry.engine.config import EngineConfig
 from pastry.engine.handle import EngineHandle
 
@@ -81,7 +82,7 @@ async def start_engines(server: PastryServer, model: Path) -> list[EngineHandle]
     return handles
 
 
-async def swap_router(server: PastryServer, spec: str) -> Instance:
+async def swap_router(server: PastryServer, spec: str, user: User = LOCAL_USER) -> Instance:
     """Launch ``spec`` (``NAME[:ARG,...]``: ``router-NAME`` of the built-ins, or any
     program's name or hash) as the active router; the previous one ends. Raises
     ``ValueError`` naming the routers when the program is unknown or fails at start."""
@@ -92,7 +93,7 @@ async def swap_router(server: PastryServer, spec: str) -> Instance:
     known = sorted(p.name[7:] for p in server.registry.list() if p.name.startswith("router-"))
     program = f"router-{name}" if name in known else name
     try:
-        prog = server.registry.get(program)
+        prog = server.registry.get(program, user.name)  # a built-in, or one of user's
     except RegistryError:
         raise ValueError(
             f"no router '{name}' (built-in routers: {', '.join(known)}; or upload a program "
@@ -100,7 +101,7 @@ async def swap_router(server: PastryServer, spec: str) -> Instance:
         ) from None
     routing = server.controller.routing
     old = routing.router
-    inst = server.runtime.launch(prog, args)
+    inst = server.runtime.launch(prog, args, user.name)
     server.owners[inst.id] = None
     routing.set_router(inst.id, spec)
     for _ in range(20):  # a router that fails at once (a bad argument) is reported here

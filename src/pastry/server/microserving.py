@@ -15,6 +15,9 @@
 ids or text (tokenized as ``text-completion`` would). The calls run in one server-held
 instance (``microserving-http``), so a ``kv_addr_info`` from ``prep_recv`` stays valid for
 the ``remote_send`` and ``start_generate`` that follow, as the paper's router uses them.
+
+These calls act on the engines for every tenant (and ``router`` swaps the router that sees
+every request): only operators may use them (``docs/security.md``); others get 403.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from starlette.routing import Route
 
 from pastry.api import ApiError
 from pastry.control.events import Failed, Finished, Message, Terminated
+from pastry.control.users import User
 from pastry.runtime.trusted import Program
+from pastry.server.auth import user_of
 from pastry.server.service import PastryServer
 
 log = logging.getLogger(__name__)
@@ -97,11 +102,18 @@ def routes(server: PastryServer) -> list[Route]:
 
     def endpoint(fn):
         async def run(request: Request) -> Response:
+            user = user_of(request.scope)
+            if not user.operator:  # issue 17: engine-wide calls are the operator's
+                return _Error(
+                    f"user {user.name} is not an operator: the microserving endpoints act on "
+                    "the engines for everyone (docs/security.md)",
+                    403,
+                ).response()
             try:
                 body = await request.json() if request.method == "POST" else {}
                 if not isinstance(body, dict):
                     raise _Error("the body must be a JSON object")
-                return await fn(body)
+                return await fn(body, user)
             except _Error as e:
                 return e.response()
             except (ApiError, ValueError) as e:
@@ -115,13 +127,13 @@ def routes(server: PastryServer) -> list[Route]:
             raise _Error(f"'{name}' is required")
         return value
 
-    async def prep_recv(body: dict) -> Response:
+    async def prep_recv(body: dict, user: User) -> Response:
         model = ms.model(body)
         q = ms.queue(model, arg(body, "engine"))
         kv, matched = await ms.session.prep_recv(q, ms.prompt(body, model), arg(body, "end"))
         return JSONResponse({"kv_addr_info": kv, "matched_len": matched})
 
-    async def remote_send(body: dict) -> Response:
+    async def remote_send(body: dict, user: User) -> Response:
         model = ms.model(body)
         q = ms.queue(model, arg(body, "engine"))
         await ms.session.remote_send(
@@ -130,7 +142,7 @@ def routes(server: PastryServer) -> list[Route]:
         )  # fmt: skip
         return JSONResponse({"status": "ok"})
 
-    async def start_generate(body: dict) -> Response:
+    async def start_generate(body: dict, user: User) -> Response:
         model = ms.model(body)
         rank = arg(body, "engine")
         q = ms.queue(model, rank)
@@ -141,7 +153,7 @@ def routes(server: PastryServer) -> list[Route]:
             raise _Error(f"unknown fields {unknown}; options: {', '.join(GENERATE_OPTIONS)}")
         opts = {k: body[k] for k in GENERATE_OPTIONS if k in body}
         opts |= {"model": model, "prompt": prompt}
-        inst = server.launch("text-completion", [json.dumps(opts)])
+        inst = server.launch("text-completion", [json.dumps(opts)], user=user, builtin=True)
         routing = server.controller.routing
         routing.expect(inst.id, lambda req: routing.hand_over(ms.session, q, req, begin))
         if not opts.get("stream"):
@@ -162,7 +174,7 @@ def routes(server: PastryServer) -> list[Route]:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def engines(body: dict) -> Response:
+    async def engines(body: dict, user: User) -> Response:
         routing = server.controller.routing
         out = {}
         for model, replicas in server.controller.engines.items():
@@ -175,11 +187,11 @@ def routes(server: PastryServer) -> list[Route]:
             ]  # fmt: skip
         return JSONResponse({"engines": out, "router": routing.router_name or None})
 
-    async def router(body: dict) -> Response:
+    async def router(body: dict, user: User) -> Response:
         spec = arg(body, "router")
         if not isinstance(spec, str) or not spec:
             raise _Error("'router' must be NAME[:ARG], e.g. pd-balance:0.2")
-        inst = await server.set_router(spec)
+        inst = await server.set_router(spec, user)
         return JSONResponse({"router": spec, "instance": inst.id})
 
     return [

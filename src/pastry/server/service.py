@@ -5,6 +5,10 @@ ZeroMQ IPC; or in-process when ``in_process``), a :class:`Controller` over them,
 :class:`TrustedRuntime`, and a :class:`ProgramRegistry` with the built-in inferlets.
 Instances are launched by program name or hash; the endpoints (``server/ws.py``,
 ``server/openai.py``) track which connection owns which instance.
+
+Tenancy (``docs/security.md``): clients authenticate as users (:class:`Directory`, from
+``auth_token`` and ``users``); every launch names the user it is for, under the quotas of
+``ServerConfig.quotas``.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
-import secrets
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pastry.control.controller import Controller
 from pastry.control.policies import DEFAULT_SCHEDULE, batch_policy, schedule_policy
+from pastry.control.quotas import Quotas
+from pastry.control.users import LOCAL_USER, Account, Directory, User, UsersError, check_token
 from pastry.engine.config import EngineConfig
 from pastry.engine.handle import EngineHandle
 from pastry.paths import programs_dir
@@ -33,12 +39,16 @@ class ConfigError(ValueError):
     """The server cannot start with this configuration."""
 
 
+class LaunchQuotaError(ValueError):
+    """A launch would take its user over ``Quotas.instances_per_user``."""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model: Path | None = None  # None: the embedded default model
     host: str = "127.0.0.1"
     port: int = 8080
-    auth_token: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
     engine_devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"
     page_size: int = 16
@@ -61,14 +71,23 @@ class ServerConfig:
     engine_token: str | None = None  # the token remote engines were started with
     ray_address: str | None = None  # place the engines as Ray actors of this cluster
     router: str = ""  # NAME[:ARG] of inferlets/routers/, or a program; "" = round-robin
+    users: tuple[Account, ...] = field(default=(), repr=False)  # --users FILE
+    grants: tuple[tuple[str, str], ...] = ()  # (owner, reader): reader may read owner's
+    quotas: Quotas = field(default_factory=Quotas)
 
     def __post_init__(self) -> None:
-        if not self.auth_token and not is_loopback(self.host):
+        if self.auth_token:  # "" is no token, like an empty PASTRY_AUTH_TOKEN
+            try:
+                check_token(self.auth_token, "the auth token (--auth-token / PASTRY_AUTH_TOKEN)")
+            except UsersError as e:
+                raise ConfigError(str(e)) from None
+        if not self.auth_token and not self.users and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to listen on {self.host} without an auth token: anyone who can "
-                "reach it could run programs. Set --auth-token (or PASTRY_AUTH_TOKEN), or "
-                "bind 127.0.0.1"
+                "reach it could run programs. Set --auth-token (or PASTRY_AUTH_TOKEN) or "
+                "--users FILE, or bind 127.0.0.1"
             )
+        self.directory()  # validates users and grants
         batch_policy(self.policy)  # validates the name
         schedule_policy(self.schedule)
         if self.max_batch is not None and self.max_batch < 1:
@@ -85,6 +104,13 @@ class ServerConfig:
                 "`pastry engine --listen` prints it, and refuses clients without it"
             )
 
+    def directory(self) -> Directory:
+        """Who may connect, as which user (from ``auth_token`` and ``users``)."""
+        try:
+            return Directory.build(self.auth_token or None, self.users, self.grants)
+        except UsersError as e:
+            raise ConfigError(str(e)) from None
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -98,18 +124,24 @@ def is_loopback(host: str) -> bool:
 class PastryServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        self.directory = config.directory()
         self.controller: Controller | None = None
         self.runtime: TrustedRuntime | None = None
+        q = config.quotas
         self.registry = ProgramRegistry(
             config.programs_dir or programs_dir(),
             config.max_upload_bytes,
-            sandbox_uploads=not config.trusted_uploads,
+            trusted_uploads=config.trusted_uploads,
+            max_programs_per_user=q.uploads_per_user,
+            max_bytes_per_user=q.upload_bytes_per_user,
         )
         self.registry.add_builtins()
         self._procs: list = []
         self._handles: list[EngineHandle] = []
         self._in_process: list = []  # engines run in this process (closed at stop)
         self.owners: dict[int, object] = {}  # instance id -> owning connection (None: detached)
+        self.running: Counter[str] = Counter()  # user -> instances running
+        self.streams = None  # the /ws endpoint's instance streams (server/ws.py sets it)
         self.loop = None  # the event loop the server runs on, set by start()
 
     async def start(self) -> None:
@@ -117,6 +149,14 @@ class PastryServer:
 
         self.loop = asyncio.get_running_loop()
         cfg = self.config
+        if cfg.trusted_uploads:
+            operators = [u.name for u in self.directory.users.values() if u.operator]
+            log.warning(
+                "--trusted-uploads: programs uploaded from now on by an operator (%s) run "
+                "inside the server process, unsandboxed, with its files, environment and "
+                "network; uploads by other users stay sandboxed",
+                ", ".join(operators) or "the local user",
+            )
         model = cfg.model
         if model is None:  # writing the default model needs torch: imported only then
             from pastry.engine.tiny import ensure_default_model
@@ -124,9 +164,15 @@ class PastryServer:
             model = ensure_default_model()
         self._handles = await start_engines(self, model)
         self.controller = Controller(
-            self._handles, batch_policy(cfg.policy), http_allow=cfg.http_allow,
-            schedule=lambda: schedule_policy(cfg.schedule), max_batch=cfg.max_batch,
-        )  # fmt: skip
+            self._handles,
+            batch_policy(cfg.policy),
+            http_allow=cfg.http_allow,
+            schedule=lambda: schedule_policy(cfg.schedule),
+            max_batch=cfg.max_batch,
+            quotas=cfg.quotas,
+            grants=self.directory.grants,
+            several_users=not self.directory.single_user,
+        )
         self.runtime = TrustedRuntime(self.controller)
         # Long-lived objects (tokenizers, an in-process model) stay out of later garbage
         # collections, which otherwise rescan them on every full pass (measured: about
@@ -146,11 +192,11 @@ class PastryServer:
                 i.num_embeds, i.max_batch_tokens,
             )  # fmt: skip
 
-    async def set_router(self, spec: str) -> Instance:
+    async def set_router(self, spec: str, user: User = LOCAL_USER) -> Instance:
         """Make ``spec`` (``NAME[:ARG]`` of ``inferlets/routers/``, or a program's name or
         hash with ``:ARGS``) the active router, without restarting engines: the new router
         runs detached; the old one ends, and what it had not placed is placed anew."""
-        return await swap_router(self, spec)
+        return await swap_router(self, spec, user)
 
     async def _start_engine(self, model: Path, econf: EngineConfig, **spawn_kw) -> EngineHandle:
         if self.config.in_process:
@@ -181,25 +227,52 @@ class PastryServer:
         for e in self._in_process:
             e.close()
         self._handles, self._procs, self._in_process = [], [], []
+        self.registry.close()
 
     # ------------------------------------------------------------------ instances
 
     def launch(
-        self, program: str, args: Sequence[str] = (), owner: object | None = None
+        self,
+        program: str,
+        args: Sequence[str] = (),
+        owner: object | None = None,
+        user: User = LOCAL_USER,
+        builtin: bool = False,
     ) -> Instance:
-        """Launch a program by name or hash; ``owner`` None means detached."""
-        inst = self.runtime.launch(self.registry.get(program), list(args))
+        """Launch ``user``'s program by name or hash (``builtin``: the built-in of that
+        name, whatever the user uploaded); ``owner`` None means detached. Raises
+        :class:`LaunchQuotaError` over the user's instance quota."""
+        prog = self.registry.builtin(program) if builtin else self.registry.get(program, user.name)
+        self.admit(user, 1)
+        inst = self.runtime.launch(prog, list(args), user.name)
         self.owners[inst.id] = owner
+        self.running[user.name] += 1
 
         async def forget() -> None:
             await inst.wait()
             self.owners.pop(inst.id, None)
+            self.running[user.name] -= 1
+            if not self.running[user.name]:
+                del self.running[user.name]
 
         self.loop.create_task(forget())
         return inst
 
-    def instance(self, iid: int) -> Instance | None:
-        return self.runtime.instances.get(iid)
+    def admit(self, user: User, n: int) -> None:
+        """Raise :class:`LaunchQuotaError` unless ``user`` may start ``n`` more instances."""
+        limit = self.config.quotas.instances_per_user
+        if limit is not None and self.running[user.name] + n > limit:
+            raise LaunchQuotaError(
+                f"user {user.name} runs {self.running[user.name]} instances; {n} more would "
+                f"exceed the quota of {limit} (--max-instances-per-user): wait for some to end"
+            )
+
+    def instance(self, iid: int, user: User | None = None) -> Instance | None:
+        """Instance ``iid`` (only if it belongs to ``user``, when given)."""
+        inst = self.runtime.instances.get(iid)
+        if inst is None or (user is not None and inst.user != user.name):
+            return None
+        return inst
 
     def owned_by(self, owner: object) -> list[Instance]:
         return [i for i in self.runtime.instances.values() if self.owners.get(i.id) is owner]
@@ -211,9 +284,9 @@ class PastryServer:
         for iid in [i for i, o in self.owners.items() if o is owner]:
             self.owners.pop(iid, None)
 
-    def check_token(self, token: str | None) -> bool:
-        expected = self.config.auth_token
-        return expected is None or (token is not None and secrets.compare_digest(token, expected))
+    def authenticate(self, token: object) -> User | None:
+        """The user ``token`` names (the local user when the server has no tokens)."""
+        return self.directory.authenticate(token)
 
     @property
     def models(self) -> list[str]:

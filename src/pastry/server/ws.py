@@ -1,16 +1,23 @@
 """The client protocol over WebSocket at ``/ws`` (specified in ``docs/protocol.md``).
 
-Each socket is a :class:`Connection`: a read loop that parses each JSON request into a
-typed request (:data:`REQUESTS`) and answers it at once (every handler is synchronous, so
-replies keep request order), and a writer task that sends replies and instance events in
-the order they were queued. Instance events go through :class:`Streams`: one pump task per
-instance (``Instance.events()`` allows one consumer) hands them to the connections attached
-to it, or keeps them for a later ``attach`` when the instance is detached and nobody is
-attached.
+Each socket is a :class:`Connection` of one user (its token's, ``docs/security.md``): a
+read loop that parses each JSON request into a typed request (:data:`REQUESTS`) and answers
+it before reading the next (replies keep request order), and a writer task that sends
+replies and instance events in the order they were queued. Instance events go through
+:class:`Streams`: one pump task per instance (``Instance.events()`` allows one consumer)
+hands them to the connections attached to it, or keeps them for a later ``attach`` when the
+instance is detached and nobody is attached.
 
 Ownership: an instance launched by a connection belongs to it and ends when it closes. A
-detached instance lives on; any authenticated connection may attach to it, and every
+detached instance lives on; any connection of the same user may attach to it, and every
 attached connection receives its events from then on and may send to or terminate it.
+Users never see each other's instances or programs.
+
+Backpressure: a connection holds at most :data:`HIGH_WATER` bytes of frames its client has
+not taken; beyond that the pumps of its instances and its own read loop wait. An instance
+whose client does not read thus stops being drained, and its session ends it once its
+unread messages pass the backlog quota. A detached instance nobody is attached to keeps at
+most ``Quotas.detached_backlog_bytes`` of messages (the oldest are dropped and counted).
 """
 
 from __future__ import annotations
@@ -30,16 +37,19 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from pastry import __version__
 from pastry.control.events import event_data
+from pastry.control.users import User
 from pastry.runtime.trusted import Instance, ProgramError
-from pastry.server.registry import RegistryError
-from pastry.server.service import PastryServer
+from pastry.server import limits
+from pastry.server.registry import RegistryError, UploadQuotaError
+from pastry.server.service import LaunchQuotaError, PastryServer
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 AUTH_TIMEOUT_S = 30.0  # a connection must authenticate within this long
 BACKLOG = 1000  # messages kept per detached instance while no connection is attached
-MAX_UNCLAIMED = 1000  # ended detached instances remembered until someone attaches
+MAX_UNCLAIMED = 64  # ended detached instances per user remembered until someone attaches
+HIGH_WATER = 1 << 20  # bytes of frames queued for one connection before producers wait
 CLOSE_POLICY = 1008  # WebSocket close code: authentication failed or missing
 
 
@@ -97,10 +107,18 @@ class ListInstances:
     type: ClassVar[str] = "list_instances"
 
 
+@dataclass(frozen=True)
+class DeleteProgram:
+    type: ClassVar[str] = "delete_program"
+    program: str
+
+
 REQUESTS: dict[str, type] = {
     cls.type: cls
-    for cls in (Auth, Upload, Launch, Send, Terminate, Attach, ListPrograms, ListInstances)
-}
+    for cls in (
+        Auth, Upload, Launch, Send, Terminate, Attach, ListPrograms, ListInstances, DeleteProgram
+    )
+}  # fmt: skip
 
 
 class ProtocolError(Exception):
@@ -170,14 +188,36 @@ def _describe(tp: Any) -> str:
 
 @dataclass(eq=False)
 class Stream:
-    """Where one instance's events go: its attached connections, else (detached) a backlog."""
+    """Where one instance's events go: its attached connections, else (detached) a backlog
+    of at most :data:`BACKLOG` frames and ``max_bytes`` of data (the oldest go first)."""
 
     inst: Instance
     detached: bool
     subscribers: set[Connection] = field(default_factory=set)
-    backlog: deque[dict] = field(default_factory=lambda: deque(maxlen=BACKLOG))
+    backlog: deque[tuple[dict, int]] = field(default_factory=deque)
+    backlog_bytes: int = 0
+    max_bytes: int = 1 << 20
     dropped: int = 0  # messages that fell out of the backlog
     ended: bool = False
+
+    def keep(self, frame: dict) -> None:
+        """Keep ``frame`` for a later attach, dropping the oldest frames over the bounds (never
+        the newest, which may be the end event)."""
+        size = len(frame["data"] or "")
+        self.backlog.append((frame, size))
+        self.backlog_bytes += size
+        while len(self.backlog) > 1 and (
+            len(self.backlog) > BACKLOG or self.backlog_bytes > self.max_bytes
+        ):
+            _, n = self.backlog.popleft()
+            self.backlog_bytes -= n
+            self.dropped += 1
+
+    def take_backlog(self) -> tuple[list[dict], int]:
+        kept, dropped = [f for f, _ in self.backlog], self.dropped
+        self.backlog.clear()
+        self.backlog_bytes = self.dropped = 0
+        return kept, dropped
 
 
 class Streams:
@@ -186,12 +226,16 @@ class Streams:
     def __init__(self, server: PastryServer) -> None:
         self.server = server
         self.live: dict[int, Stream] = {}  # running, or ending (end event in flight)
-        self.unclaimed: OrderedDict[int, Stream] = OrderedDict()  # detached, ended, unseen
+        # user -> detached instances that ended while nobody was attached, oldest first
+        self.unclaimed: dict[str, OrderedDict[int, Stream]] = {}
         self._pumps: set[asyncio.Task] = set()
 
     def launch(self, conn: Connection, req: Launch) -> Stream:
-        inst = self.server.launch(req.program, req.args, owner=None if req.detached else conn)
-        stream = Stream(inst, req.detached, {conn})
+        inst = self.server.launch(
+            req.program, req.args, owner=None if req.detached else conn, user=conn.user
+        )
+        max_bytes = self.server.config.quotas.detached_backlog_bytes
+        stream = Stream(inst, req.detached, {conn}, max_bytes=max_bytes)
         self.live[inst.id] = stream
         task = asyncio.get_running_loop().create_task(self._pump(stream), name=f"ws-pump-{inst.id}")
         self._pumps.add(task)
@@ -204,27 +248,31 @@ class Streams:
             async for ev in stream.inst.events():
                 frame = {"type": "event", "instance": iid, "kind": ev.kind, "data": event_data(ev)}
                 if stream.subscribers:
-                    for conn in stream.subscribers:
+                    subscribers = list(stream.subscribers)
+                    for conn in subscribers:
                         conn.push(frame)
+                    for conn in subscribers:  # the next event waits for slow clients
+                        await conn.drained()
                 elif stream.detached:
-                    if len(stream.backlog) == BACKLOG:
-                        stream.dropped += 1
-                    stream.backlog.append(frame)
+                    stream.keep(frame)
         finally:
             stream.ended = True
             self.live.pop(iid, None)
             self.server.owners.pop(iid, None)
             if stream.detached and not stream.subscribers:
-                self.unclaimed[iid] = stream
-                while len(self.unclaimed) > MAX_UNCLAIMED:
-                    self.unclaimed.popitem(last=False)
+                mine = self.unclaimed.setdefault(stream.inst.user, OrderedDict())
+                mine[iid] = stream
+                while len(mine) > MAX_UNCLAIMED:
+                    mine.popitem(last=False)
 
     def attach(self, conn: Connection, iid: int) -> tuple[Stream, list[dict], int]:
         """Subscribe ``conn``; returns the stream, the events kept for it, and how many
         messages were dropped from the backlog before it attached."""
-        stream = self.live.get(iid) or self.unclaimed.pop(iid, None)
+        stream = self._find(conn, iid)
         if stream is None:
-            raise self._missing(iid)
+            stream = self.unclaimed.get(conn.user.name, {}).pop(iid, None)
+        if stream is None:
+            raise self._missing(conn, iid)
         if not stream.detached and conn not in stream.subscribers:
             raise ProtocolError(
                 "not_permitted",
@@ -232,16 +280,20 @@ class Streams:
                 "can be attached)",
             )
         stream.subscribers.add(conn)
-        kept, dropped = list(stream.backlog), stream.dropped
-        stream.backlog.clear()
-        stream.dropped = 0
+        kept, dropped = stream.take_backlog()
         return stream, kept, dropped
+
+    def _find(self, conn: Connection, iid: int) -> Stream | None:
+        """The live stream of ``iid`` if it belongs to ``conn``'s user (another user's
+        instance does not exist, as far as ``conn`` can tell)."""
+        stream = self.live.get(iid)
+        return stream if stream is not None and stream.inst.user == conn.user.name else None
 
     def attached(self, conn: Connection, iid: int) -> Stream:
         """The stream of ``iid`` if ``conn`` may send to / terminate it, else ProtocolError."""
-        stream = self.live.get(iid)
+        stream = self._find(conn, iid)
         if stream is None:
-            raise self._missing(iid)
+            raise self._missing(conn, iid)
         if conn not in stream.subscribers:
             if stream.detached:
                 raise ProtocolError(
@@ -250,10 +302,10 @@ class Streams:
             raise ProtocolError("not_permitted", f"instance {iid} belongs to another connection")
         return stream
 
-    def _missing(self, iid: int) -> ProtocolError:
-        if iid in self.unclaimed:
+    def _missing(self, conn: Connection, iid: int) -> ProtocolError:
+        if iid in self.unclaimed.get(conn.user.name, {}):
             return ProtocolError("not_permitted", f"instance {iid} is detached: attach to it first")
-        if self.server.instance(iid) is not None:
+        if self.server.instance(iid, conn.user) is not None:
             return ProtocolError(
                 "not_permitted", f"instance {iid} was not launched over this protocol"
             )
@@ -273,14 +325,33 @@ class Connection:
         self.server = server
         self.streams = streams
         self.ws = ws
-        self.authenticated = server.config.auth_token is None
-        self.outgoing: asyncio.Queue[dict | None] = asyncio.Queue()
+        # without tokens everyone is the local user; with them, the auth message says who
+        self.user: User | None = server.authenticate(None) if server.directory.open else None
+        self.outgoing: asyncio.Queue[str | None] = asyncio.Queue()
+        self.queued = 0  # bytes of frames in ``outgoing``
+        self._room = asyncio.Event()  # set while queued <= HIGH_WATER (or closed)
+        self._room.set()
         self.open = True
 
+    @property
+    def authenticated(self) -> bool:
+        return self.user is not None
+
     def push(self, frame: dict) -> None:
-        """Queue a frame for the writer (in order; never blocks)."""
+        """Queue a frame for the writer (in order; never blocks: producers that must not
+        run ahead of a slow client wait on :meth:`drained`)."""
         if self.open:
-            self.outgoing.put_nowait(frame)
+            text = json.dumps(frame)
+            self.queued += len(text)
+            if self.queued > HIGH_WATER:
+                self._room.clear()
+            self.outgoing.put_nowait(text)
+
+    async def drained(self) -> None:
+        """Wait until the client has taken all but :data:`HIGH_WATER` bytes (or is gone)."""
+        while self.open and self.queued > HIGH_WATER:
+            self._room.clear()
+            await self._room.wait()
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -293,12 +364,14 @@ class Connection:
         }
         if self.authenticated:
             hello["models"] = self.server.models
+            hello["user"] = self.user.name
         self.push(hello)
         close: tuple[int, str] | None = None
         try:
             close = await self._read()
         finally:
             self.open = False
+            self._room.set()  # nobody waits for a closed connection
             self.streams.forget(self)
             self.server.disown(self)
             self.outgoing.put_nowait(None)
@@ -323,38 +396,52 @@ class Connection:
             if text is None:
                 self.error(None, "bad_request", "send JSON as text frames, not binary")
                 continue
-            close = self.handle(text)
+            close = await self.handle(text)
             if close is not None:
                 return close
+            await self.drained()  # a client that does not read its replies is not served
 
     async def _write(self) -> None:
-        while (frame := await self.outgoing.get()) is not None:
+        while (text := await self.outgoing.get()) is not None:
             try:
-                await self.ws.send_text(json.dumps(frame))
+                await self.ws.send_text(text)
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return  # the client is gone; the read loop notices too
+            finally:
+                self.queued -= len(text)
+                if self.queued <= HIGH_WATER:
+                    self._room.set()
 
     # ------------------------------------------------------------------ requests
 
-    def handle(self, text: str) -> tuple[int, str] | None:
+    async def handle(self, text: str) -> tuple[int, str] | None:
         """Answer one request; returns (code, reason) when the connection must close."""
         rid = None
+        quotas = self.server.config.quotas
         try:
+            if quotas.request_bytes is not None and len(text) > quotas.request_bytes:
+                raise ProtocolError(
+                    "bad_request",
+                    f"a message of {len(text)} characters is over this server's limit of "
+                    f"{quotas.request_bytes} bytes (--max-request-bytes)",
+                )
             try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as e:
+                raw = limits.loads(text, quotas.json_depth)
+            except limits.BadRequest as e:
+                raise ProtocolError("bad_request", str(e)) from None
+            except ValueError as e:
                 raise ProtocolError("bad_json", f"not valid JSON: {e}") from None
             if isinstance(raw, dict):
                 rid = raw.get("id")
             if not self.authenticated:
                 return self._authenticate(rid, raw)
             rid, req = parse(raw)
-            self.serve(rid, req)
+            await self.serve(rid, req)
         except ProtocolError as e:
             self.error(rid, e.code, e.message)
-        except Exception as e:  # a bug or a full disk must not take the connection down
+        except Exception:  # a bug or a full disk must not take the connection down
             log.exception("request failed: %.200s", text)
-            self.error(rid, "internal", f"internal server error: {type(e).__name__}: {e}")
+            self.error(rid, "internal", "internal server error (logged on the server)")
         return None
 
     def _authenticate(self, rid: object, raw: object) -> tuple[int, str] | None:
@@ -367,29 +454,34 @@ class Connection:
         except ProtocolError as e:
             self.error(rid, e.code, e.message)
             return CLOSE_POLICY, "authentication required"
-        if not self.server.check_token(req.token):
+        user = self.server.authenticate(req.token)
+        if user is None:
             self.error(rid, "auth_failed", "wrong token")
             return CLOSE_POLICY, "authentication failed"
-        self.authenticated = True
-        self.ok(rid, models=self.server.models)
+        self.user = user
+        self.ok(rid, models=self.server.models, user=user.name)
         return None
 
-    def serve(self, rid: object, req: Any) -> None:
+    async def serve(self, rid: object, req: Any) -> None:
         """Answer one request with an ``ok`` reply (ProtocolError for a failure)."""
         match req:
             case Auth():
-                self.ok(rid, models=self.server.models)  # already authenticated
+                self.ok(rid, models=self.server.models, user=self.user.name)  # already in
             case Upload(source=source, name=name):
                 try:
-                    info = self.server.registry.upload(source, name)
+                    info = await self.server.registry.upload_async(source, name, self.user)
+                except UploadQuotaError as e:
+                    raise ProtocolError("quota_exceeded", str(e)) from None
                 except RegistryError as e:
                     raise ProtocolError("upload_rejected", str(e)) from None
                 except ProgramError as e:
                     raise ProtocolError("invalid_program", str(e)) from None
-                self.ok(rid, hash=info.hash, name=info.name, size=info.size)
+                self.ok(rid, hash=info.hash, name=info.name, size=info.size, trusted=info.trusted)
             case Launch():
                 try:
                     stream = self.streams.launch(self, req)
+                except LaunchQuotaError as e:
+                    raise ProtocolError("quota_exceeded", str(e)) from None
                 except RegistryError as e:
                     raise ProtocolError("unknown_program", str(e)) from None
                 except ProgramError as e:
@@ -418,17 +510,30 @@ class Connection:
                 for frame in kept:  # after the reply, before anything the pump sends next
                     self.push(frame)
             case ListPrograms():
-                self.ok(rid, programs=[asdict(i) for i in self.server.registry.list()])
+                programs = self.server.registry.list(self.user.name)
+                self.ok(rid, programs=[asdict(i) for i in programs])
             case ListInstances():
                 self.ok(rid, instances=self._instances())
+            case DeleteProgram(program=ref):
+                try:
+                    info = self.server.registry.delete(ref, self.user)
+                except RegistryError as e:
+                    raise ProtocolError("unknown_program", str(e)) from None
+                self.ok(rid, hash=info.hash, name=info.name)
             case _:
                 raise AssertionError(f"no handler for {req!r}")
 
     def _instances(self) -> list[dict]:
+        """This user's instances (another user's are none of its business)."""
         rows = []
         owners = self.server.owners
-        running = [(i, self.streams.live.get(i.id)) for i in self.server.runtime.instances.values()]
-        ended = [(s.inst, s) for s in self.streams.unclaimed.values()]
+        user = self.user.name
+        running = [
+            (i, self.streams.live.get(i.id))
+            for i in self.server.runtime.instances.values()
+            if i.user == user
+        ]
+        ended = [(s.inst, s) for s in self.streams.unclaimed.get(user, {}).values()]
         for inst, stream in running + ended:
             rows.append(
                 {
@@ -443,7 +548,7 @@ class Connection:
                     "attached": stream is not None and self in stream.subscribers,
                 }
             )
-        return sorted(rows, key=lambda r: r["id"])
+        return sorted(rows, key=lambda r: (r["started"], r["id"]))
 
     def ok(self, rid: object, **fields: Any) -> None:
         self.push({"type": "ok", "id": rid, **fields})
@@ -453,7 +558,7 @@ class Connection:
 
 
 def routes(server: PastryServer) -> list:
-    streams = Streams(server)
+    streams = server.streams = Streams(server)
 
     async def endpoint(ws: WebSocket) -> None:
         await Connection(server, streams, ws).run()

@@ -1,0 +1,46 @@
+"""Who an HTTP request is for: :class:`BearerAuth` and :func:`user_of`.
+
+The bearer token of each request names its user (:class:`~pastry.control.users.Directory`);
+a request without a valid one is answered 401 before anything else reads it. WebSocket
+connections authenticate in-band (``server/ws.py``).
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pastry.control.users import LOCAL_USER, User
+from pastry.server.service import PastryServer
+
+USER_KEY = "pastry.user"  # the scope key BearerAuth sets
+
+
+def user_of(scope: Scope) -> User:
+    """The user an HTTP request is for (set by :class:`BearerAuth`)."""
+    return scope.get(USER_KEY, LOCAL_USER)
+
+
+class BearerAuth:
+    """Names the user of each HTTP request by its bearer token, or rejects it with 401
+    (WebSockets authenticate in-band). A token that is not ASCII is simply wrong."""
+
+    def __init__(self, app: ASGIApp, server: PastryServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            # HTTP header bytes are Latin-1; tokens are printable ASCII (checked at start)
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            token = header[7:].strip() if header.lower().startswith("bearer ") else None
+            user = self.server.authenticate(token)
+            if user is None:
+                response = JSONResponse(
+                    {"error": {"message": "missing or wrong bearer token", "type": "auth_error"}},
+                    status_code=401,
+                )
+                await response(scope, receive, send)
+                return
+            scope[USER_KEY] = user
+        await self.app(scope, receive, send)
