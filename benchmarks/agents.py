@@ -81,6 +81,7 @@ import torch
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.control.http import HttpClient
+from pastry.control.users import LOCAL
 from pastry.engine.calls import Call, Forward, Result
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
@@ -381,9 +382,9 @@ class Served:
             out = await react_wave(
                 lambda a: self.server.launch("react", [a]), self.agents, n, options
             )
-            for name, _, _ in self.resources.list_exports():  # the next wave starts cold
+            for name, _, _ in self.resources.list_exports(LOCAL):  # the next wave starts cold
                 if name.startswith("react-tools/"):
-                    self.resources.unexport(None, name)
+                    self.resources.unexport(None, name, owner=LOCAL)  # the local user's
             return out
 
         counted = self.counter.forwarded
