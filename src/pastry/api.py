@@ -119,8 +119,10 @@ class InferletApi(Protocol):
     def export_kvpages(
         self, q: int, pages: list[int], name: str, persistent: bool = False
     ) -> Awaitable[None]:
-        """Queued: publish pages under ``name`` (shared by reference count); a persistent
-        export outlives this inferlet until unexported."""
+        """Queued: publish pages under ``name`` (shared by reference count) in this user's
+        namespace; a persistent export outlives this inferlet until unexported (or reclaimed
+        when memory is short). ``~OWNER/NAME`` names another user's export, which
+        ``import_kvpages`` may read where the owner granted it (``docs/security.md``)."""
 
     def import_kvpages(self, q: int, name: str) -> list[int]:
         """New handles to the pages exported as ``name``."""
@@ -128,7 +130,7 @@ class InferletApi(Protocol):
     def unexport_kvpages(self, q: int, name: str) -> None: ...
 
     def list_exported_kvpages(self, q: int) -> list[tuple[str, int]]:
-        """(name, number of pages) of every export."""
+        """(name, number of pages) of every export of this user."""
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -257,7 +259,8 @@ class InferletApi(Protocol):
 
     # ------------------------------------------------------------------ messaging
     def broadcast(self, topic: str, message: str) -> int:
-        """Deliver ``message`` to the subscribers of ``topic``; returns how many."""
+        """Deliver ``message`` to the subscribers of ``topic`` (this user's; another's is
+        ``~OWNER/TOPIC``, which only ``subscribe`` may name); returns how many."""
 
     def subscribe(self, topic: str) -> int: ...
 
@@ -266,6 +269,8 @@ class InferletApi(Protocol):
     def unsubscribe(self, sub: int) -> None: ...
 
     # ------------------------------------------------------------------ key-value store
+    # This user's keys; ``~OWNER/KEY`` reads another user's where granted (else it reads as
+    # unset), and is never written.
     def store_get(self, key: str) -> str | None: ...
 
     def store_set(self, key: str, value: str) -> None: ...
