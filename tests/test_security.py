@@ -504,6 +504,40 @@ def test_a_client_that_does_not_read_ends_its_instance(make_tiny, tmp_path):
         assert integrity(srv) == (0, 0)
 
 
+DEAF = """
+import pastry.sdk as px
+
+async def main(args):
+    sub = px.subscribe("nothing-ever")
+    return await px.next_message(sub)  # never reads what its client sends
+"""
+
+
+def test_a_client_cannot_pile_messages_into_an_instance(make_tiny, tmp_path):
+    """Main queued every `send` to an instance, read or not: server memory without bound."""
+    with running_server(make_tiny("llama"), tmp_path, quotas=Quotas(backlog_bytes=1 << 20)) as (
+        url,
+        _srv,
+    ):
+
+        async def go():
+            async with await Client.connect(url) as c:
+                await c.upload(DEAF, name="deaf")
+                inst = await c.launch("deaf")
+                chunk = "y" * 65536
+                for sent in range(200):
+                    try:
+                        await inst.send(chunk)
+                    except ServerError as e:
+                        await inst.terminate()
+                        return sent, e
+                return 200, None
+
+        sent, error = run(go())
+        assert error is not None and error.code == "quota_exceeded", sent
+        assert "--max-backlog-bytes" in error.message and sent <= 17
+
+
 def test_detached_backlog_is_bounded(make_tiny, tmp_path):
     """Main: a detached instance nobody attached to kept 1000 messages of any size forever."""
     quotas = Quotas(detached_backlog_bytes=256 << 10)

@@ -1,4 +1,4 @@
-"""An instance's outbox: its events for its client, with the unread messages' bytes counted.
+"""An instance's mailboxes, with the bytes of what is not read yet counted.
 
 :class:`Outbox` is an ``asyncio.Queue`` of :mod:`~pastry.control.events` that keeps
 ``queued_bytes``, the UTF-8 size of the :class:`~pastry.control.events.Message` events put
@@ -33,4 +33,19 @@ class Outbox(asyncio.Queue[Event]):
         item = super()._get()
         if isinstance(item, Message):
             self.queued_bytes -= message_bytes(item.text)
+        return item
+
+
+class Inbox(asyncio.Queue[str]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued_bytes = 0
+
+    def _put(self, item: str) -> None:
+        super()._put(item)
+        self.queued_bytes += message_bytes(item)
+
+    def _get(self) -> str:
+        item = super()._get()
+        self.queued_bytes -= message_bytes(item)
         return item

@@ -27,7 +27,7 @@ import numpy as np
 
 from pastry.api import ApiError
 from pastry.control.events import Message
-from pastry.control.outbox import Outbox
+from pastry.control.outbox import Inbox, Outbox
 from pastry.control.resources import Kind, QuotaExceeded, ResourceError
 from pastry.control.scheduler import Command, Queue, Stage
 from pastry.control.tokenization import TokenizeTooLarge
@@ -106,7 +106,7 @@ class Session:
     controller: Controller
     instance: int
     args: list[str]
-    inbox: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    inbox: Inbox = field(default_factory=Inbox)
     outbox: Outbox = field(default_factory=Outbox)
     _queues: dict[int, _QueueRef] = field(default_factory=dict)
     _subs: dict[int, object] = field(default_factory=dict)
@@ -635,6 +635,19 @@ class Session:
         self.controller.routing.reject_request(self, request, reason)
 
     # ------------------------------------------------------------------ host side only
+
+    def deliver(self, message: str) -> None:
+        """Put a client's message in the inbox for ``receive``; raises :class:`QuotaError`
+        while the instance leaves more than the backlog quota unread. Not part of the
+        inferlet API: the server calls it."""
+        limit = self.controller.quotas.backlog_bytes
+        if limit is not None and self.inbox.queued_bytes > limit:
+            raise QuotaError(
+                f"instance {self.instance} has not read {self.inbox.queued_bytes} bytes of "
+                f"messages sent to it, over the backlog quota of {limit} bytes "
+                "(--max-backlog-bytes): wait for it to receive them"
+            )
+        self.inbox.put_nowait(message)
 
     def set_limit(self, kind: Kind, max_held: int | None, source: str) -> None:
         """Cap the ``kind`` handles this instance may hold at once, on every model (see

@@ -102,7 +102,7 @@ class Instance:
 
     def send(self, message: str) -> None:
         """Deliver a client message to the inferlet's ``receive``."""
-        self.session.inbox.put_nowait(message)
+        self.session.deliver(message)  # QuotaError while it leaves too much unread
 
     async def wait(self) -> End:
         await self.done.wait()

@@ -37,6 +37,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from pastry import __version__
 from pastry.control.events import event_data
+from pastry.control.session import QuotaError
 from pastry.control.users import User
 from pastry.runtime.trusted import Instance, ProgramError
 from pastry.server import limits
@@ -493,7 +494,10 @@ class Connection:
                 stream = self.streams.attached(self, iid)
                 if stream.inst.done.is_set():
                     raise ProtocolError("instance_ended", f"instance {iid} has ended")
-                stream.inst.send(message)
+                try:
+                    stream.inst.send(message)
+                except QuotaError as e:
+                    raise ProtocolError("quota_exceeded", str(e)) from None
                 self.ok(rid)
             case Terminate(instance=iid, reason=reason):
                 self.streams.attached(self, iid)
