@@ -31,7 +31,9 @@ from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import check
-from pastry.server.service import PastryServer
+from pastry.server.auth import user_of
+from pastry.server.limits import token_counts
+from pastry.server.service import LaunchQuotaError, PastryServer
 
 PROGRAM = "sglang-generate"
 # Request fields: SGLang's GenerateReqInput. Those not listed are refused by name.
@@ -145,10 +147,15 @@ def routes(server: PastryServer) -> list[Route]:
             return ApiError(f"the request body is not valid JSON: {e}").response()
         try:
             job = parse(server, body)
+            await asyncio.to_thread(_check_texts, server, body)  # issue 17: off the loop
+            _admit(server, request, job)
         except ApiError as e:
             return e.response()
         user = body.get("user") if isinstance(body, dict) else None
-        return Generate(server, job, session_key(request.headers.get("x-session-id"), user))
+        session = session_key(request.headers.get("x-session-id"), user)
+        if session is not None:  # a tenant's sessions are its own (issue 17)
+            session = f"{user_of(request.scope).name}/{session}"
+        return Generate(server, job, session)
 
     return [
         Route("/generate", generate, methods=["POST", "PUT"]),
@@ -288,6 +295,40 @@ def _check_logprob_args(req: dict) -> None:
         raise ApiError("'top_logprobs_num' must be >= 0")
 
 
+# ---------------------------------------------------------------------- tenant limits (issue 17)
+
+
+def _check_texts(server: PastryServer, body: dict) -> None:
+    """Refuse texts longer than the context; tokenize the others here, in a worker thread
+    without the global lock, so that the built-in finds their tokens ready instead of
+    tokenizing on the event loop (``control/tokenization.py``)."""
+    text = body.get("text")
+    if text is None:
+        return
+    m = server.controller.models[body.get("model") or server.models[0]]
+    texts = text if isinstance(text, list) else [text]
+    for n in token_counts(m.tokens, texts, m.info.max_position):
+        if n > m.info.max_position:
+            raise ApiError(
+                f"'text' has {n} tokens or more, over this model's context of "
+                f"{m.info.max_position} tokens: shorten it"
+            )
+
+
+def _admit(server: PastryServer, request: Request, job: Job) -> None:
+    """Prompts x n under the per-request cap; instances under the user's quota."""
+    limit = server.config.quotas.request_choices
+    if limit is not None and sum(job.n) > limit:
+        raise ApiError(
+            f"{len(job.n)} prompts with {sum(job.n)} generations in all, over this server's "
+            f"limit of {limit} per request (--max-request-choices): send fewer per request"
+        )
+    try:
+        server.admit(user_of(request.scope), len(job.args))
+    except LaunchQuotaError as e:
+        raise ApiError(str(e), 429) from None
+
+
 # ---------------------------------------------------------------------- running and answering
 
 
@@ -305,8 +346,9 @@ class Generate:
         events: asyncio.Queue = asyncio.Queue()
         tasks: list[asyncio.Task] = []
         try:
+            user = user_of(scope)
             for k, arg in enumerate(self.job.args):
-                inst = self.server.launch(PROGRAM, [arg], owner=self)
+                inst = self.server.launch(PROGRAM, [arg], owner=self, user=user, builtin=True)
                 self.server.controller.programs.join(inst.id, self.program)
                 tasks.append(asyncio.create_task(_pump(k, inst, events)))
             reply = self._stream(events, send) if self.job.stream else self._reply(events, send)
