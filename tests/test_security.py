@@ -707,6 +707,15 @@ def test_prompts_times_n_is_capped(plain):
     assert "--max-request-choices" in reply["error"]["message"]
     body = {"model": model, "prompt": ["Hi"] * 4, "n": 16, "max_tokens": 1}
     assert http(url, "/v1/completions", body)[0] == 200
+    # SGLang's native API too
+    body = {"text": ["Hi"] * 5, "sampling_params": {"n": 16, "max_new_tokens": 1}}
+    status, reply = http(url, "/generate", body)
+    assert status == 400 and "--max-request-choices" in reply["error"]["message"], reply
+    body = {"text": ["Hi"] * 4, "sampling_params": {"n": 16, "max_new_tokens": 1}}
+    assert http(url, "/generate", body)[0] == 200
+    body = {"text": "word " * 1_000_000, "sampling_params": {"max_new_tokens": 1}}
+    status, reply = http(url, "/generate", body)
+    assert status == 400 and "over this model's context" in reply["error"]["message"], reply
 
 
 def test_bad_json_gets_a_4xx_never_a_500(plain):
