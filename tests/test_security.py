@@ -427,8 +427,10 @@ def test_persistent_exports_left_behind_are_reclaimed(make_tiny, tmp_path):
 
 def test_the_heaviest_user_gives_way(make_tiny, tmp_path):
     """Main's FCFS policy ended the newest inferlet, so a user who came first and held the
-    pool kept it. Now the user holding the most loses its newest instance."""
+    pool kept it. Now, when swapping to host memory cannot help, the user holding the most
+    loses its newest instance."""
     cfg = dict(users=(ALICE, BOB), quotas=Quotas(instance_share=0.5, user_share=1.0))
+    cfg["engine_kwargs"] = {"num_host_pages": 1}  # no room to swap: ending someone is left
     with running_server(make_tiny("llama"), tmp_path, **cfg) as (url, srv):
         size = call(
             srv, lambda: next(iter(srv.controller.models.values())).resources.usage("kv")[2]

@@ -402,6 +402,8 @@ class ResourceManager:
             raise ValueError(f"cannot allocate a negative number of {_PLURAL[kind]} ({n})")
         self._check_limit(instance, kind, n)
         pool = self._pools[kind]
+        if pool.free < n and self._last_import:
+            self._drop_cached(kind, n)  # before swapping anyone: stale caches go first
         if pool.free < n and kind == "kv" and self.defer_when_short and self._host.free >= n:
             hosts = self._host.alloc(n)  # deferred: device pages come with the next swap-in
             self._unbacked.update(hosts)
@@ -953,19 +955,36 @@ class ResourceManager:
             gain += sum(1 for pid in set(mine) if dropped[pid] == total[pid])
         return gain, chosen
 
+    def _drop_cached(
+        self, kind: Kind, needed: int, exports: list[tuple[object, str]] | None = None
+    ) -> bool:
+        """Persistent exports are a cache: drop those nothing else uses, least recently
+        imported first, until ``needed`` ids are free; if even all of them would not do,
+        drop none. Returns whether ``needed`` ids are free."""
+        pool = self._pools[kind]
+        if exports is None:
+            if not self._last_import:
+                return pool.free >= needed
+            gain, exports = self._export_gain(kind, needed - pool.free)
+            if pool.free + gain < needed:
+                return False
+        for key in exports:
+            if pool.free >= needed:
+                break
+            log.info("dropping persistent export %r of user %s to free %s",
+                     key[1], key[0], _PLURAL[kind])  # fmt: skip
+            self._drop_export(key)
+        assert pool.free >= needed, "dropping persistent exports freed less than counted"
+        return True
+
     def _reclaim(self, requester: int, kind: Kind, needed: int) -> None:
         """Terminate the policy's victims so that ``needed`` ids are free, or raise."""
         pool = self._pools[kind]
         free = pool.free
         gain, exports = self._export_gain(kind, needed - free) if self._last_import else (0, [])
-        if free + gain >= needed:  # persistent exports are a cache: they go first
-            for key in exports:
-                log.info("dropping persistent export %r of user %s to free %s",
-                         key[1], key[0], _PLURAL[kind])  # fmt: skip
-                self._drop_export(key)
-                if pool.free >= needed:
-                    return
-            raise AssertionError("dropping persistent exports freed less than counted")
+        if free + gain >= needed:
+            self._drop_cached(kind, needed, exports)
+            return
         if self.on_terminate is None:
             raise self._out_of(requester, kind, needed, "no terminate callback, so nobody can end")
         desc = getattr(self.policy, "description", type(self.policy).__name__)

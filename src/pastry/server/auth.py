@@ -44,3 +44,11 @@ class BearerAuth:
                 return
             scope[USER_KEY] = user
         await self.app(scope, receive, send)
+
+
+def tenant_session(server: PastryServer, scope: Scope, key: str | None) -> str | None:
+    """An API request's session key (``control/programs.py``), kept apart per user when the
+    server has several: one tenant cannot join another's program by naming its session."""
+    if key is None or server.directory.single_user:
+        return key
+    return f"{user_of(scope).name}/{key}"

@@ -31,7 +31,7 @@ from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import check
-from pastry.server.auth import user_of
+from pastry.server.auth import tenant_session, user_of
 from pastry.server.limits import token_counts
 from pastry.server.service import LaunchQuotaError, PastryServer
 
@@ -153,9 +153,7 @@ def routes(server: PastryServer) -> list[Route]:
             return e.response()
         user = body.get("user") if isinstance(body, dict) else None
         session = session_key(request.headers.get("x-session-id"), user)
-        if session is not None:  # a tenant's sessions are its own (issue 17)
-            session = f"{user_of(request.scope).name}/{session}"
-        return Generate(server, job, session)
+        return Generate(server, job, tenant_session(server, request.scope, session))
 
     return [
         Route("/generate", generate, methods=["POST", "PUT"]),
