@@ -445,3 +445,24 @@ def test_registry_namespaces_builtins_and_quotas(tmp_path):
     (legacy / "index.json").write_text(json.dumps(rows))
     old = ProgramRegistry(legacy, trusted_uploads=True).resolve("old", "local")
     assert (old.owner, old.trusted) == ("local", False)
+
+
+def test_charges_follow_swapped_pages():
+    """A page swapped to host memory is still held: an instance cannot grow past its quota
+    by having its pages moved out, and charges stay exact through swap out and in."""
+    m = ResourceManager(8, 4, num_host_pages=8)
+    m.add_instance(1, "alice")
+    m.set_limit(1, "kv", 4, "--instance-share 0.5")
+    h = m.alloc(1, "kv", 4)
+    assert m.swap_out(1) == 4 and m.handles_on_host(1) == 4
+    assert m.charged(1, "kv") == 4 and m.user_charged("alice", "kv") == 4
+    m.check_integrity()
+    with pytest.raises(QuotaExceeded, match="holds 4, asked for 1 more, quota 4"):
+        m.alloc(1, "kv", 1)
+    m.take_moves()
+    assert m.swap_in(1) == 4 and m.charged(1, "kv") == 4
+    m.check_integrity()
+    m.take_moves()  # the batch that copies them back goes out
+    m.free(1, "kv", h)
+    assert m.charged(1, "kv") == 0 and m.user_charged("alice", "kv") == 0
+    m.check_integrity()
