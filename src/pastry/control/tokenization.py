@@ -76,19 +76,21 @@ class Tokenization:
                 )
         return self.tokenizer.encode(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> list[list[int]]:
         """Token ids of each text; meant for a worker thread (the tokenizer releases the
         global lock while it encodes). Large texts are remembered for :meth:`encode`."""
         large = sum(len(t) for t in texts) >= LARGE_CHARS
         if large:
             self._large.acquire()
         try:
-            out = self.tokenizer.encode_batch(list(texts))
+            out = self.tokenizer.encode_batch(list(texts), add_special_tokens)
         finally:
             if large:
                 self._large.release()
         for text, ids in zip(texts, out, strict=True):
-            if self.cache_min_chars <= len(text) <= self.cache_chars:
+            if not add_special_tokens and self.cache_min_chars <= len(text) <= self.cache_chars:
                 self._remember(text, np.asarray(ids, dtype=np.int32))
         if large:
             _give_memory_back()

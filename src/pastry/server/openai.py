@@ -31,6 +31,7 @@ from pastry.control.events import Event, Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.runtime.trusted import Instance
 from pastry.server import metrics
+from pastry.server.auth import tenant_session, user_of
 from pastry.server.openai_params import (
     MAX_N,
     Job,
@@ -40,7 +41,7 @@ from pastry.server.openai_params import (
     parse_completion,
 )
 from pastry.server.openai_tools import ToolCall, new_call_id, parse_required
-from pastry.server.service import PastryServer
+from pastry.server.service import LaunchQuotaError, PastryServer
 
 __all__ = ["MAX_N", "Job", "OpenAIError", "routes"]
 
@@ -77,12 +78,14 @@ def routes(server: PastryServer) -> list[Route]:
         async def run(request: Request):
             try:
                 body = await _body(request)
-                job = parse(server.controller.models[_model(server, body)], body)
+                m = server.controller.models[_model(server, body)]
+                job = await asyncio.to_thread(parse, m, body)  # issue 17: tokenizes off the loop
+                _admit(server, request, job, body)
             except OpenAIError as e:
                 metrics.request_done(name, e.status)
                 return _error_response(e)
             session = session_key(request.headers.get("x-session-id"), body.get("user"))
-            return Run(server, job, session)
+            return Run(server, job, tenant_session(server, request.scope, session))
 
         return run
 
@@ -90,7 +93,7 @@ def routes(server: PastryServer) -> list[Route]:
         try:
             body = await _body(request)
             m = server.controller.models[_model(server, body, optional=True)]
-            tokens = _tokenize(m, body)
+            tokens = await asyncio.to_thread(_tokenize, m, body)  # issue 17: off the loop
         except OpenAIError as e:
             return _error_response(e)
         out: dict[str, Any] = {
@@ -159,13 +162,34 @@ def _tokenize(m, body: dict) -> list[int]:
             )
         except ValueError as e:
             raise OpenAIError(f"'messages' cannot be rendered: {e}", "messages") from None
-        return m.tokenizer.encode(text, add_special_tokens=bool(special))
+        return m.tokens.encode_batch([text], bool(special))[0]
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise OpenAIError("'prompt' (a string) or 'messages' is required", "prompt")
     if special is not None and not isinstance(special, bool):
         raise OpenAIError("'add_special_tokens' must be true or false", "add_special_tokens")
-    return m.tokenizer.encode(prompt, add_special_tokens=special is not False)
+    return m.tokens.encode_batch([prompt], special is not False)[0]
+
+
+# ---------------------------------------------------------------------- tenant limits (issue 17)
+
+
+def _admit(server: PastryServer, request: Request, job: Job, body: dict) -> None:
+    """Prompts x choices under the per-request cap; instances under the user's quota."""
+    limit = server.config.quotas.request_choices
+    per = max(job.n, body.get("best_of") or 1)
+    prompts = len(job.args)
+    if limit is not None and prompts * per > limit:
+        raise OpenAIError(
+            f"{prompts} prompts x n={per} is {prompts * per} choices, over this server's "
+            f"limit of {limit} per request (--max-request-choices): send fewer prompts per "
+            "request",
+            "prompt",
+        )
+    try:
+        server.admit(user_of(request.scope), prompts)
+    except LaunchQuotaError as e:
+        raise OpenAIError(str(e), None, 429, "quota_exceeded", "rate_limit_error") from None
 
 
 async def _body(request: Request) -> dict:
@@ -288,7 +312,9 @@ class Run:
         answer = None
         try:
             for k, arg in enumerate(self.job.args):
-                instance = self.server.launch(self.job.program, [arg], owner=self)
+                instance = self.server.launch(
+                    self.job.program, [arg], owner=self, user=user_of(scope), builtin=True
+                )
                 self.server.controller.programs.join(instance.id, self.program)
                 self.clock.watch(instance.id)
                 tasks.append(asyncio.create_task(_pump(k, instance, events)))

@@ -146,7 +146,7 @@ def parse_chat(model, body: dict) -> Job:
         raise OpenAIError(
             f"'messages' cannot be rendered with the chat template: {e}", "messages"
         ) from None
-    prompt = model.tokenizer.encode(text)
+    (prompt,) = _encode(model, [text], "messages")  # issue 17: off the event loop
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -424,9 +424,11 @@ def _prompts(prompt: Any, model) -> list[list[int]]:
             "prompt",
         )
     out = []
+    # issue 17: called off the event loop; texts too long to fit are not even tokenized
+    texts = iter(_encode(model, [p for p in prompts if isinstance(p, str)], "prompt"))
     for p in prompts:
         if isinstance(p, str):
-            p = model.tokenizer.encode(p)
+            p = next(texts)
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(
@@ -479,6 +481,22 @@ def check_messages(messages: Any) -> list[dict]:
                 msg[key] = m[key]
         out.append(msg)
     return out
+
+
+def _encode(model, texts: list[str], what: str) -> list[list[int]]:
+    """Token ids of ``texts``, tokenized without the global lock (``control/tokenization.py``;
+    parsing runs in a worker thread); a text that cannot fit the context by its length alone
+    is refused without being tokenized."""
+    limit = model.info.max_position
+    for text in texts:
+        least = model.tokens.fewest_tokens(text)
+        if least > limit:
+            raise OpenAIError(
+                f"this model's maximum context length is {limit} tokens, but the {what} has "
+                f"at least {least}: shorten the {what}",
+                what,
+            )
+    return model.tokens.encode_batch(texts) if texts else []
 
 
 def _check_length(length: int, max_tokens: int, max_position: int, what: str, name: str) -> None:
