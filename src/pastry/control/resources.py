@@ -247,6 +247,7 @@ class _Export:
     owner: int  # the exporting instance
     persistent: bool
     user: object = None  # the namespace it lives in (the exporter's user)
+    pinned: bool = False  # never reclaimed (the server's holds, e.g. pages being written)
 
 
 def _on_host(host_id: int) -> int:
@@ -455,12 +456,13 @@ class ResourceManager:
         handles: Iterable[int],
         name: str,
         persistent: bool = False,
+        pinned: bool = False,
     ) -> None:
         """Publish the physical ids of ``handles`` under ``name`` in the instance's user's
         namespace (the registry takes its own references). A non-persistent export is
         dropped when ``instance`` ends and counts as the instance's; a persistent one lives
-        until :meth:`unexport` (or is reclaimed) and counts as its user's. The handles stay
-        the exporter's."""
+        until :meth:`unexport` (or is reclaimed, unless ``pinned``: the server's own holds,
+        never an inferlet's) and counts as its user's. The handles stay the exporter's."""
         table = self._table(instance, kind)
         handles = list(handles)
         if not all(h in table for h in handles):
@@ -480,7 +482,7 @@ class ResourceManager:
                 "(the scheduler brings them back before the instance's commands run)"
             )
         self._pools[kind].incref(ids)
-        self._exports[key] = _Export(kind, ids, instance, persistent, user)
+        self._exports[key] = _Export(kind, ids, instance, persistent, user, pinned)
         if persistent:
             self._last_import[key] = next(self._clock)
             self._charge_user(kind, user, ids)
@@ -918,7 +920,8 @@ class ResourceManager:
         imported first."""
         keys = [
             k for k, e in self._exports.items()
-            if e.persistent and e.kind == kind and (user is _SAME or e.user == user)
+            if e.persistent and not e.pinned and e.kind == kind
+            and (user is _SAME or e.user == user)
         ]  # fmt: skip
         return sorted(keys, key=self._last_import.__getitem__)
 

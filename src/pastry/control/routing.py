@@ -365,11 +365,14 @@ class Routing:
             if req.instance == session.instance:  # the caller keeps its own pages
                 pages, buf.pages = keep, buf.pages[len(keep) :]
             else:
-                res.export(session.instance, "kv", keep, name, True)
+                res.export(session.instance, "kv", keep, name, True, pinned=True)
+                owner = session.user  # the router's namespace (issue 17: names are per user)
                 try:  # a quota of the requester's refuses it here, as ApiError
-                    pages = session._resource_call(lambda: res.import_(req.instance, "kv", name))
+                    pages = session._resource_call(
+                        lambda: res.import_(req.instance, "kv", name, owner)
+                    )
                 finally:
-                    res.unexport(None, name)
+                    res.unexport(None, name, owner)
             self._drop_buffer(session, q, buf)
         self._pending.pop(req.id, None)
         self.routed += count
@@ -471,7 +474,7 @@ class Routing:
         guard = f"\0recv/{session.instance}/{kv_addr_info}/{id(out)}"
         # Hold the receiver's pages until the writes have landed, whatever happens to
         # the buffer meanwhile.
-        receiver.resources.export(session.instance, "kv", buf.pages, guard, True)
+        receiver.resources.export(session.instance, "kv", buf.pages, guard, True, pinned=True)
         futs, sends = [], []
         if held % ps and held < end:  # the partial last held page continues in work[0]
             futs.append(session.copy_kvpage(q, src_pages[held // ps], work[0], 0, 0, held % ps))
@@ -498,7 +501,7 @@ class Routing:
         # The receiver's pages are held until every send has ended (landed, failed, or
         # dropped before it ran), even if the caller gives up earlier.
         asyncio.gather(*sends, return_exceptions=True).add_done_callback(
-            lambda _: receiver.resources.unexport(None, guard)
+            lambda _: receiver.resources.unexport(None, guard, session.user)
         )
 
         def done(f: asyncio.Future) -> None:
