@@ -885,3 +885,18 @@ def test_identity(make_tiny, tmp_path):
         assert http(url, "/health", token="tok-alice")[0] == 200
         assert http(url, "/health", token="tok-nobody")[0] == 401
         assert http(url, "/health")[0] == 401
+
+
+def test_engine_wide_endpoints_are_the_operators(make_tiny, tmp_path):
+    """Microserving's HTTP calls act on the engines for everyone (and swap the router that
+    sees every request): a tenant who is not an operator gets 403."""
+    with running_server(make_tiny("llama"), tmp_path, users=(ROOT, ALICE)) as (url, _srv):
+        for path, body in (
+            ("/microserving/router", {"router": "least-loaded"}),
+            ("/microserving/prep_recv", {"engine": 0, "prompt": [1], "end": 1}),
+        ):
+            status, reply = http(url, path, body, token="tok-alice")
+            assert status == 403 and "not an operator" in reply["error"]["message"]
+        status, reply = http(url, "/microserving/router", {"router": "least-loaded"},
+                             token="tok-root")  # fmt: skip
+        assert status == 200 and reply["router"] == "least-loaded"

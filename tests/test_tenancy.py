@@ -466,3 +466,18 @@ def test_charges_follow_swapped_pages():
     m.free(1, "kv", h)
     assert m.charged(1, "kv") == 0 and m.user_charged("alice", "kv") == 0
     m.check_integrity()
+
+
+def test_pinned_exports_are_never_reclaimed():
+    """The server's own holds (pages a KV transfer is writing) survive memory pressure."""
+    rec = Recorder()
+    m = manager(pages=4, users={1: "router", 2: "alice"}, on_terminate=rec)
+    pages = m.alloc(1, "kv", 2)
+    m.export(1, "kv", pages, "\0guard", persistent=True, pinned=True)
+    m.free(1, "kv", pages)
+    with pytest.raises(OutOfResources):
+        m.alloc(2, "kv", 3)  # only the pinned pages could make room: nobody else ends
+    assert m.list_exports("router") == [("\0guard", "kv", 2)]
+    m.unexport(None, "\0guard", owner="router")
+    assert len(m.alloc(2, "kv", 3)) == 3
+    m.check_integrity()

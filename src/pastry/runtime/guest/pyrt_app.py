@@ -42,6 +42,7 @@ from wit_world.imports import api as host
 
 import pastry.lang  # in the snapshot, so that inferlets can import it
 import pastry.sdk
+import pastry.sdk.router  # routers run sandboxed too (uploaded routers)
 from pastry.api import ApiError
 
 # Modules imported here (or by pastry.sdk) are in the snapshot; nothing else of the
