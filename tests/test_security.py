@@ -544,7 +544,12 @@ def test_detached_backlog_is_bounded(make_tiny, tmp_path):
     """Main: a detached instance nobody attached to kept 1000 messages of any size forever."""
     quotas = Quotas(detached_backlog_bytes=256 << 10)
     with running_server(make_tiny("llama"), tmp_path, quotas=quotas) as (url, srv):
-        source = FLOOD.replace("while True:", "for _ in range(64):") + "    return 'end'\n"
+        # The launching connection is subscribed until it closes: messages sent before that
+        # go to it, not to the backlog. The burst waits until it has surely closed.
+        source = (
+            FLOOD.replace("while True:", "await asyncio.sleep(2)\n    for _ in range(64):")
+            + "    return 'end'\n"
+        )
 
         async def go():
             async with await Client.connect(url) as c:
