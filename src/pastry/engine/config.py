@@ -23,13 +23,17 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``kind`` is "default" or "llama3" (Llama 3.1+)."""
+    """RoPE frequency scaling. ``kind`` is "default", "linear" (every frequency divided by
+    ``factor``), "llama3" (Llama 3.1+), or "freq_factors": frequency ``i`` divided by
+    ``freq_factors[i]``, the form GGUF files carry (llama.cpp's ``rope_freqs`` tensor, which
+    its converter computes from Llama 3's parameters)."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,11 +121,31 @@ class ModelConfig:
                 high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                 original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
             )
+        elif kind == "linear":
+            if "factor" not in rope:
+                raise CheckpointError(f"{source}: linear rope scaling has no 'factor'")
+            scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
+        elif kind == "freq_factors":
+            factors = rope.get("freq_factors")
+            if not isinstance(factors, list) or not all(
+                isinstance(f, int | float) and f > 0 for f in factors
+            ):
+                raise CheckpointError(
+                    f"{source}: rope type 'freq_factors' needs 'freq_factors', a list of "
+                    "positive numbers (one per frequency, head_dim / 2 of them)"
+                )
+            scaling = RopeScaling(kind="freq_factors", freq_factors=tuple(map(float, factors)))
         elif kind == "default":
             scaling = RopeScaling()
         else:
             raise CheckpointError(
-                f"{source}: rope type '{kind}' is not supported (supported: default, llama3)"
+                f"{source}: rope type '{kind}' is not supported "
+                "(supported: default, linear, llama3, freq_factors)"
+            )
+        if scaling.kind == "freq_factors" and len(scaling.freq_factors) != int(head_dim) // 2:
+            raise CheckpointError(
+                f"{source}: rope freq_factors has {len(scaling.freq_factors)} values, expected "
+                f"head_dim / 2 = {int(head_dim) // 2}"
             )
         window = raw.get("sliding_window")
         if arch in ("qwen2", "qwen3"):

@@ -76,6 +76,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif s.kind == "linear":
+        inv_freq = inv_freq / s.factor
+    elif s.kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(s.freq_factors, dtype=torch.float32)
     return inv_freq
 
 
