@@ -264,16 +264,35 @@ def test_no_chat_template_is_a_clear_error(make_tiny, tmp_path: Path) -> None:
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-@pytest.mark.parametrize(("add_bos", "add_eos"), [(False, True), (True, True)])
-def test_add_bos_eos_flags_follow_transformers(make_tiny, tmp_path: Path, add_bos, add_eos):
-    # transformers 5 ignores these flags when there is a tokenizer.json; so do we.
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(("add_bos", "add_eos"), [(False, True), (True, False), (False, False)])
+def test_add_bos_eos_flags_set_the_special_tokens(make_tiny, tmp_path, arch, add_bos, add_eos):
+    # Explicit flags in tokenizer_config.json decide (as transformers 4 and llama.cpp's
+    # converter read them; transformers 5 ignores them when there is a tokenizer.json). The
+    # llama tokenizer.json adds <|endoftext|> as BOS itself; qwen2's adds nothing.
     d = _copy_tokenizer(
-        make_tiny("qwen2"), tmp_path / "tok", add_bos_token=add_bos, add_eos_token=add_eos
-    )
-    ours, hf = Tokenizer.from_dir(d), AutoTokenizer.from_pretrained(d)
+        make_tiny(arch), tmp_path / "tok", add_bos_token=add_bos, add_eos_token=add_eos,
+        bos_token="<|endoftext|>",
+    )  # fmt: skip
+    tok = Tokenizer.from_dir(d)
+    assert tok.add_bos_token is add_bos
     for text in TEXTS[:6]:
-        expected = hf.encode(text, add_special_tokens=True)
-        assert ours.encode(text, add_special_tokens=True) == expected
+        plain = tok.encode(text)
+        expected = [0] * add_bos + plain + [2] * add_eos  # <|endoftext|>=0, <|im_end|>=2
+        assert tok.encode(text, add_special_tokens=True) == expected
+    # without the flags, tokenizer.json's post-processor decides
+    d = _copy_tokenizer(make_tiny(arch), tmp_path / "plain")
+    hf = AutoTokenizer.from_pretrained(d)
+    tok = Tokenizer.from_dir(d)
+    assert tok.add_bos_token is (arch == "llama")
+    for text in TEXTS[:6]:
+        assert tok.encode(text, add_special_tokens=True) == hf.encode(text)
+
+
+def test_add_bos_token_must_be_a_bool(make_tiny, tmp_path: Path) -> None:
+    d = _copy_tokenizer(make_tiny("llama"), tmp_path / "tok", add_bos_token="yes")
+    with pytest.raises(CheckpointError, match="add_bos_token' must be true or false"):
+        Tokenizer.from_dir(d)
 
 
 def test_special_tokens_as_added_token_dicts(make_tiny, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
 import tokenizers
+import tokenizers.processors
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pastry.engine.config import CheckpointError
@@ -110,6 +111,16 @@ class Tokenizer:
                 raise CheckpointError(
                     f"{cfg_file}: {name} '{value}' is not a token of {tok_file.name}"
                 )
+        flags = {k: cfg[k] for k in ("add_bos_token", "add_eos_token") if k in cfg}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise CheckpointError(f"{cfg_file}: field '{name}' must be true or false")
+        if flags:  # explicit flags rewrite the post-processor, as transformers' Llama does
+            set_special_post_processor(
+                tok,
+                special.get("bos_token") if flags.get("add_bos_token") else None,
+                special.get("eos_token") if flags.get("add_eos_token") else None,
+            )
         template = _chat_template(path, cfg)
         return cls(tok, template, special)
 
@@ -132,9 +143,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their ids.
 
-        ``add_special_tokens`` applies tokenizer.json's post-processor (e.g. a leading BOS).
-        Like transformers 5, ``add_bos_token`` / ``add_eos_token`` in tokenizer_config.json
-        are ignored when there is a tokenizer.json."""
+        ``add_special_tokens`` applies the post-processor (e.g. a leading BOS): what a prompt
+        that starts a sequence needs (:attr:`add_bos_token`). The post-processor is
+        tokenizer.json's, rewritten when tokenizer_config.json sets ``add_bos_token`` or
+        ``add_eos_token`` explicitly (transformers 4's Llama tokenizers did that;
+        transformers 5 ignores the flags when there is a tokenizer.json)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
@@ -196,6 +209,17 @@ class Tokenizer:
         i = self._special_id("eos_token")
         return () if i is None else (i,)
 
+    @cached_property
+    def add_bos_token(self) -> bool:
+        """Whether a sequence starts with BOS: ``encode(text, add_special_tokens=True)``
+        prepends :attr:`bos_token_id`."""
+        bos = self.bos_token_id
+        if bos is None:
+            return False
+        with_special = self._tok.encode("a", add_special_tokens=True).ids
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        return with_special[:1] == [bos] and plain[:1] != [bos]
+
     @property
     def pad_token_id(self) -> int | None:
         """Id of ``pad_token``, or None."""
@@ -232,6 +256,24 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, special_tokens={self.special_tokens})"
+
+
+def set_special_post_processor(
+    tok: tokenizers.Tokenizer, bos_token: str | None, eos_token: str | None
+) -> None:
+    """Make ``tok`` add ``bos_token`` before and ``eos_token`` after a sequence (either may be
+    None) when encoding with special tokens, as transformers' ``update_post_processor``."""
+
+    def around(seq: str, i: int) -> str:
+        before = f"{bos_token}:{i} " if bos_token else ""
+        return before + f"${seq}:{i}" + (f" {eos_token}:{i}" if eos_token else "")
+
+    single, pair = around("A", 0), f"{around('A', 0)} {around('B', 1)}"
+    names = dict.fromkeys(t for t in (bos_token, eos_token) if t)
+    specials = [(t, tok.token_to_id(t)) for t in names]
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
