@@ -23,6 +23,8 @@ TORCH_FREE = (
     "pastry.engine.tokenizer",
     "pastry.engine.config",
     "pastry.engine.checkpoint",
+    "pastry.engine.gguf",
+    "pastry.engine.default_model",
     "pastry.runtime.wasm",
 )
 

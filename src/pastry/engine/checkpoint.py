@@ -1,11 +1,12 @@
-"""Loading a Hugging Face checkpoint directory (Llama family, safetensors).
+"""Loading a checkpoint: a Hugging Face directory (Llama family, safetensors) or a GGUF file.
 
 :func:`load_checkpoint` reads what the control layer needs without touching the weights:
 the normalised :class:`~pastry.engine.config.ModelConfig` (with BOS/EOS resolved) and the
-:class:`~pastry.engine.tokenizer.Tokenizer`. :func:`load_state_dict` reads and validates the
-weights against the shapes the config implies (:func:`expected_shapes`). Every error is a
-:class:`~pastry.engine.config.CheckpointError` naming the file and the field or tensor.
-Importing this module does not import torch.
+:class:`~pastry.engine.tokenizer.Tokenizer`; :meth:`Checkpoint.load_state_dict` then reads the
+weights by HF name, validated against the shapes the config implies (:func:`expected_shapes`).
+A ``.gguf`` file is handed to :mod:`pastry.engine.gguf`, which converts it once into a cached
+directory of the same form. Every error is a :class:`~pastry.engine.config.CheckpointError`
+naming the file and the field or tensor. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -114,9 +115,20 @@ def load_state_dict(
     Every tensor of :func:`expected_shapes` must be present with that shape; other tensors
     are ignored (with a warning, except rotary ``inv_freq`` buffers and a tied ``lm_head``).
     The result holds exactly the expected tensors, in model order."""
-    model_dir = Path(model_dir)
+    source, files = weight_files(Path(model_dir))
+    return read_weights(source, files, cfg, dtype, device)
+
+
+def read_weights(
+    source: Path,
+    files: dict[str, Path],
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """:func:`load_state_dict` over ``files`` (tensor name -> safetensors file), which
+    ``source`` (the file listing them, named in errors) describes."""
     expected = _expected(cfg)
-    source, files = weight_files(model_dir)
     for name in expected:
         if name not in files:
             raise CheckpointError(_missing(source, name))
@@ -179,8 +191,8 @@ def _missing(source: Path, name: str) -> str:
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """A checkpoint directory with its config and tokenizer; weights come from
-    :func:`load_state_dict`."""
+    """A checkpoint (``path``: its directory, or its GGUF file) with its config and tokenizer;
+    weights come from :meth:`load_state_dict`."""
 
     path: Path
     config: ModelConfig
@@ -195,13 +207,23 @@ class Checkpoint:
 
 
 def load_checkpoint(model_dir: str | Path) -> Checkpoint:
-    """Read ``config.json``, the tokenizer and ``generation_config.json`` of ``model_dir``.
+    """Read ``config.json``, the tokenizer and ``generation_config.json`` of ``model_dir``,
+    or the metadata of a GGUF file (:func:`pastry.engine.gguf.load_gguf`).
 
     BOS/EOS ids: ``generation_config.json`` wins, then ``config.json``, then the tokenizer's
     ``bos_token`` / ``eos_token``. The name is ``_name_or_path`` or the directory name."""
     model_dir = Path(os.path.abspath(model_dir))  # keeps a symlinked directory's own name
+    if model_dir.is_file():
+        from pastry.engine.gguf import is_gguf, load_gguf
+
+        if is_gguf(model_dir):
+            return load_gguf(model_dir)
+        raise CheckpointError(
+            f"{model_dir}: not a checkpoint (give a Hugging Face checkpoint directory or a "
+            ".gguf file)"
+        )
     if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a directory")
+        raise CheckpointError(f"{model_dir}: not a directory or a .gguf file")
     cfg = ModelConfig.from_file(model_dir / "config.json")
     tokenizer = Tokenizer.from_dir(model_dir)
     if tokenizer.vocab_size > cfg.vocab_size:

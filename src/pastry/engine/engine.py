@@ -159,15 +159,15 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
-        """Load a Hugging Face checkpoint directory onto ``config.device``."""
-        from pastry.engine.checkpoint import load_checkpoint, load_state_dict
+        """Load a Hugging Face checkpoint directory or a GGUF file onto ``config.device``."""
+        from pastry.engine.checkpoint import load_checkpoint
 
         config = config or EngineConfig()
         t0 = time.perf_counter()
         ckpt = load_checkpoint(model_dir)
         dtype = resolve_dtype(config.dtype, ckpt.config)
         device = torch.device(config.device)
-        weights = load_state_dict(ckpt.path, ckpt.config, dtype=dtype, device=device)
+        weights = ckpt.load_state_dict(dtype, device)
         model = build_model(ckpt.config, dtype, device, weights)
         del weights
         tok = ckpt.tokenizer
