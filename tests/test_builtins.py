@@ -81,7 +81,7 @@ def test_greedy_matches_the_fused_reference(ckpt, tok):
 
 
 def test_plain_words_stream_greedy_text(ckpt, tok):
-    text, _, _ = expected(tok, ckpt, tok.encode("Once upon a time"), 32)
+    text, _, _ = expected(tok, ckpt, tok.encode("Once upon a time", True), 32)
     [(messages, result)] = run(ckpt, (TEXT, "Once upon a time"))
     assert result is None
     assert "".join(messages) == text and len(messages) > 16  # about one message per token

@@ -111,7 +111,7 @@ def test_three_line_context_matches_transformers(make_tiny):
     from pastry.engine.tokenizer import Tokenizer
 
     t = Tokenizer.from_json(tok.tokenizer_json, tok.chat_template, tok.special_tokens)
-    prompt = t.encode("Hello,")
+    prompt = t.encode("Hello,", True)
     ref = hf_greedy(path, prompt, 10)
     eos = set(tok.eos_token_ids)
     if any(x in eos for x in ref):

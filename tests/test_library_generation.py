@@ -282,7 +282,7 @@ def test_text_prompts_equal_token_prompts(path):
     info = load_engine(path).info
     tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
     text = "The quick brown fox"
-    ids = tok.encode(text)
+    ids = tok.encode(text, True)
     cases = [
         ("beam_search", {"width": 2, "max_tokens": 3}),
         ("speculative_ngram", {"max_tokens": 6}),

@@ -60,17 +60,17 @@ def test_models(served):
 
 
 def test_completion_greedy_equals_the_engine(served):
-    text, finish = served.greedy(served.tok.encode(PROMPT), 12)
+    text, finish = served.greedy(served.tok.encode(PROMPT, True), 12)
     r = served.client.completions.create(
         model=served.model, prompt=PROMPT, max_tokens=12, temperature=0
     )
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == served.model
     assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(0, text, finish)]
-    assert r.usage.prompt_tokens == len(served.tok.encode(PROMPT))
+    assert r.usage.prompt_tokens == len(served.tok.encode(PROMPT, True))
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
     # several prompts (text and token ids), n choices each: index = prompt * n + choice
-    other = served.tok.encode("Once upon a time")
+    other = served.tok.encode("Once upon a time", True)
     r = served.client.completions.create(
         model=served.model, prompt=[PROMPT, "Once upon a time"], max_tokens=12, n=2, temperature=0
     )
@@ -83,7 +83,7 @@ def test_completion_greedy_equals_the_engine(served):
 
 
 def test_completion_stream(served):
-    text, finish = served.greedy(served.tok.encode(PROMPT), 12)
+    text, finish = served.greedy(served.tok.encode(PROMPT, True), 12)
     chunks = list(
         served.client.completions.create(
             model=served.model,
@@ -148,7 +148,7 @@ def test_n_and_seed(served):
 
 
 def test_stop_strings(served):
-    full, _ = served.greedy(served.tok.encode(PROMPT), 24)
+    full, _ = served.greedy(served.tok.encode(PROMPT, True), 24)
     stop = full[10:13]
     want = full[: full.find(stop)]
     kw = dict(model=served.model, prompt=PROMPT, max_tokens=24, temperature=0)
@@ -160,7 +160,7 @@ def test_stop_strings(served):
 
 def test_concurrent_requests_batch_together(served):
     prompts = [f"{PROMPT} {word}" for word in ("not", "Paris", "a", "the", "big", "old")]
-    want = [served.greedy(served.tok.encode(p), 8)[0] for p in prompts]
+    want = [served.greedy(served.tok.encode(p, True), 8)[0] for p in prompts]
 
     def complete(p):
         r = served.client.completions.create(
@@ -235,7 +235,7 @@ def test_bad_requests_are_rejected_and_named(served):
         c.chat.completions.create(model="no-such-model", messages=MESSAGES)
     # and the server still serves
     r = c.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
-    assert r.choices[0].text == served.greedy(served.tok.encode(PROMPT), 3)[0]
+    assert r.choices[0].text == served.greedy(served.tok.encode(PROMPT, True), 3)[0]
 
 
 def post_and_leave(url: str, path: str, body: dict, first_chunk: bool) -> None:

@@ -187,7 +187,10 @@ class InferletApi(Protocol):
     ) -> Awaitable[None]:
         """Queued: embed ``tokens`` at ``positions`` into ``embeds``."""
 
-    def tokenize(self, q: int, text: str) -> list[int]: ...
+    def tokenize(self, q: int, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. ``add_special_tokens``: as the start of a sequence, with
+        the special tokens the model's tokenizer adds there (a BOS for models that want one,
+        e.g. Llama; none for SmolLM2 or Qwen). ``Context.fill`` sets it on an empty context."""
 
     def detokenize(self, q: int, tokens: list[int]) -> str: ...
 

@@ -407,12 +407,12 @@ class Session:
         except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(str(e)) from None
 
-    def tokenize(self, q: int, text: str) -> list[int]:
+    def tokenize(self, q: int, text: str, add_special_tokens: bool = False) -> list[int]:
         ref = self._queue(q)
         if not isinstance(text, str):
             raise ApiError(f"tokenize takes a string, got {type(text).__name__}")
         try:
-            return ref.model.tokens.encode(text)
+            return ref.model.tokens.encode(text, bool(add_special_tokens))
         except TokenizeTooLarge as e:
             raise ApiError(str(e)) from None
 

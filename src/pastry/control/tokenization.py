@@ -58,9 +58,10 @@ class Tokenization:
         self._large = threading.Semaphore(1)  # one large text at a time (memory)
         self.hits = 0
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added), on the calling thread."""
-        if len(text) >= self.cache_min_chars:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` on the calling thread; ``add_special_tokens`` as in
+        :meth:`Tokenizer.encode` (e.g. a BOS for a text that starts a sequence)."""
+        if len(text) >= self.cache_min_chars and not add_special_tokens:
             with self._lock:
                 ids = self._cache.get(text)
                 if ids is not None:
@@ -74,7 +75,7 @@ class Tokenization:
                     f"tokenize takes at most {self.max_bytes} bytes of text at once (the "
                     f"server's tokenize quota), got {n}: split the text"
                 )
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens)
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = False

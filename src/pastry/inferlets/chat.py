@@ -31,11 +31,15 @@ async def main(args: list[str]) -> str | None:
         user = {"role": "user", "content": " ".join(args)}
         opts = {**CHAT_OPTIONS, "messages": [user], "temperature": 0.0}
     ctx = Context(opts["model"])
+    # a rendered template writes its own BOS (if the model has one): no special tokens
     if opts["prompt"] is not None:
         prompt = opts["prompt"]
-        ctx.fill(prompt) if isinstance(prompt, str) else ctx.fill_tokens(prompt)
+        if isinstance(prompt, str):
+            ctx.fill(prompt, add_special_tokens=False)
+        else:
+            ctx.fill_tokens(prompt)
     else:
         messages = [(m["role"], m["content"]) for m in opts["messages"]]
-        ctx.fill(px.apply_chat_template(ctx.queue, messages))
+        ctx.fill(px.apply_chat_template(ctx.queue, messages), add_special_tokens=False)
     result = await complete(ctx, opts, plain)
     return None if plain else json.dumps(result)

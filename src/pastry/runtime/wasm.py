@@ -189,7 +189,7 @@ HOST: dict[str, Callable] = {
     "get-adapters": lambda g, q: _s(g).get_adapters(q),
     "mask-kvpage": _queued(lambda g, q, p, m: _s(g).mask_kvpage(q, p, m)),
     "embed-txt": _queued(lambda g, *a: _s(g).embed_txt(*a)),
-    "tokenize": lambda g, q, t: _s(g).tokenize(q, t),
+    "tokenize": lambda g, q, t, s=False: _s(g).tokenize(q, t, s),
     "detokenize": lambda g, q, t: _s(g).detokenize(q, t),
     "get-vocabs": lambda g, q: _s(g).get_vocabs(q),
     "get-eos-token-ids": lambda g, q: _s(g).get_eos_token_ids(q),

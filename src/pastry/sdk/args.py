@@ -29,10 +29,11 @@ def options(
 
 
 def prompt_tokens(ctx: Context, opts: Mapping[str, Any]) -> list[int]:
-    """The prompt as token ids: ``prompt_tokens``, or ``prompt`` as text or ids."""
+    """The prompt as token ids: ``prompt_tokens``, or ``prompt`` as text (tokenized as the
+    start of a sequence: with a BOS if the model wants one) or ids."""
     prompt = opts.get("prompt_tokens", opts.get("prompt"))
     if isinstance(prompt, str) and prompt:
-        return ctx.api.tokenize(ctx.queue, prompt)
+        return ctx.api.tokenize(ctx.queue, prompt, True)
     if isinstance(prompt, list) and prompt:
         return [int(t) for t in prompt]
     raise ValueError('give a non-empty prompt as "prompt" (text or token ids) or "prompt_tokens"')

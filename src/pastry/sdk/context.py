@@ -61,8 +61,13 @@ class Context:
 
     # ------------------------------------------------------------------ filling
 
-    def fill(self, text: str) -> None:
-        self.fill_tokens(self.api.tokenize(self.queue, text))
+    def fill(self, text: str, add_special_tokens: bool | None = None) -> None:
+        """Append ``text``. ``add_special_tokens`` (default: whether the context is still
+        empty) tokenizes it as the start of a sequence, with a BOS if the model wants one;
+        pass False for text that carries its own, such as a rendered chat template."""
+        if add_special_tokens is None:
+            add_special_tokens = not self.tokens
+        self.fill_tokens(self.api.tokenize(self.queue, text, add_special_tokens))
 
     def fill_tokens(self, tokens: Sequence[int]) -> None:
         self._check_live()

@@ -91,7 +91,8 @@ class Microserving:
     def prompt(self, body: dict, model: str) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return self.server.controller.models[model].tokenizer.encode(prompt)
+            tok = self.server.controller.models[model].tokenizer
+            return tok.encode(prompt, add_special_tokens=bool(prompt))  # a sequence start
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         raise _Error("'prompt' must be text or a list of token ids")

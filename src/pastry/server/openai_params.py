@@ -425,7 +425,8 @@ def _prompts(prompt: Any, model) -> list[list[int]]:
         )
     out = []
     # issue 17: called off the event loop; texts too long to fit are not even tokenized
-    texts = iter(_encode(model, [p for p in prompts if isinstance(p, str)], "prompt"))
+    # text starts a sequence: with a BOS if the model has one (an empty text stays empty)
+    texts = iter(_encode(model, [p for p in prompts if isinstance(p, str)], "prompt", True))
     for p in prompts:
         if isinstance(p, str):
             p = next(texts)
@@ -483,10 +484,11 @@ def check_messages(messages: Any) -> list[dict]:
     return out
 
 
-def _encode(model, texts: list[str], what: str) -> list[list[int]]:
+def _encode(model, texts: list[str], what: str, start: bool = False) -> list[list[int]]:
     """Token ids of ``texts``, tokenized without the global lock (``control/tokenization.py``;
     parsing runs in a worker thread); a text that cannot fit the context by its length alone
-    is refused without being tokenized."""
+    is refused without being tokenized. ``start``: each non-empty text starts a sequence
+    (the tokenizer's special tokens, e.g. a BOS, are added)."""
     limit = model.info.max_position
     for text in texts:
         least = model.tokens.fewest_tokens(text)
@@ -496,7 +498,13 @@ def _encode(model, texts: list[str], what: str) -> list[list[int]]:
                 f"at least {least}: shorten the {what}",
                 what,
             )
-    return model.tokens.encode_batch(texts) if texts else []
+    if not start:
+        return model.tokens.encode_batch(texts) if texts else []
+    full = [i for i, t in enumerate(texts) if t]
+    out: list[list[int]] = [[] for _ in texts]
+    for i, ids in zip(full, model.tokens.encode_batch([texts[i] for i in full], True), strict=True):
+        out[i] = ids
+    return out
 
 
 def _check_length(length: int, max_tokens: int, max_position: int, what: str, name: str) -> None:

@@ -260,8 +260,8 @@ class GuestApi:
     def embed_txt(self, q, tokens, positions, embeds):
         return self._queued(host.embed_txt, q, list(tokens), list(positions), list(embeds))
 
-    def tokenize(self, q, text):
-        return list(_call(host.tokenize, q, text))
+    def tokenize(self, q, text, add_special_tokens=False):
+        return list(_call(host.tokenize, q, text, bool(add_special_tokens)))
 
     def detokenize(self, q, tokens):
         return _call(host.detokenize, q, list(tokens))
