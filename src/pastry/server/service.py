@@ -158,10 +158,10 @@ class PastryServer:
                 ", ".join(operators) or "the local user",
             )
         model = cfg.model
-        if model is None:  # writing the default model needs torch: imported only then
-            from pastry.engine.tiny import ensure_default_model
+        if model is None:  # SmolLM2 if fetched, else a random model (written with torch)
+            from pastry.engine.default_model import default_model
 
-            model = ensure_default_model()
+            model = default_model()
         self._handles = await start_engines(self, model)
         self.controller = Controller(
             self._handles,
