@@ -1,6 +1,6 @@
 """Engine decode/prefill/serving throughput vs HF transformers on the same weights.
 
-    python benchmarks/engine_decode.py [--quick] [--model DIR] [--device cpu|cuda]
+    python benchmarks/engine_decode.py [--quick] [--model DIR|FILE.gguf] [--device cpu|cuda]
 
 Without --model, writes the random-weight ``small`` llama checkpoint (hidden 768, 12
 layers, vocab 32000, ~134M params) into ~/.cache/pastry/bench/ once. Both engines run the
@@ -179,7 +179,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="reduced run (same JSON keys)")
-    ap.add_argument("--model", type=Path, help="checkpoint directory (default: the small one)")
+    ap.add_argument(
+        "--model", type=Path, help="checkpoint directory or .gguf file (default: the small one)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", default="1,8,32,128")
     args = ap.parse_args()
@@ -202,7 +204,11 @@ def main() -> None:
     )
     bw = read_bandwidth(device)  # first, in a fresh process, before any model is loaded
     engine = Engine.load(path, cfg)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    gguf = {"gguf_file": path.name} if path.is_file() else {}  # transformers reads it too
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent if gguf else path, dtype=torch.bfloat16, **gguf
+    )
+    hf = hf.to(device).eval()
     vocab = engine.info.vocab_size
     mc = engine.cfg
     streamed = mc.num_params - (0 if mc.tie_word_embeddings else mc.vocab_size * mc.hidden_size)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The main job: set up (scripts/setup.sh), start `pastry serve` on the embedded default
-# model (created once in ~/.cache/pastry; random weights, so the text is gibberish, the
-# machinery is real), run the built-in `text-completion` inferlet and the example
-# examples/hello.py through it, then stop the server.
+# The main job: set up (scripts/setup.sh, which also fetches the embedded default model,
+# SmolLM2-135M-Instruct), start `pastry serve` on it, and show real behaviour through
+# built-in inferlets: a chat answer, an answer constrained to a JSON schema, a beam search,
+# then examples/hello.py uploaded (uploads run sandboxed); then stop the server.
 #
-#   scripts/demo.sh [--model DIR] [other `pastry serve` options]
+#   scripts/demo.sh [--model DIR|FILE.gguf] [other `pastry serve` options]
 #
-# The port is 8080 if free, else any free one; PASTRY_DEMO_PROMPT sets the prompt.
+# The port is 8080 if free, else any free one; PASTRY_DEMO_PROMPT sets the chat question.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -59,11 +59,46 @@ then
 fi
 grep -E "model .* KV pages" "$LOG" | sed 's/^/   /' || true
 
-echo "== pastry run text-completion --server $URL -- \"${PASTRY_DEMO_PROMPT:-Hello,}\""
-pastry run text-completion --server "$URL" -- "${PASTRY_DEMO_PROMPT:-Hello,}"
+QUESTION=${PASTRY_DEMO_PROMPT:-What is the capital of France?}
+echo "== chat: pastry run chat -- \"$QUESTION\""
+pastry run chat --server "$URL" -- "$QUESTION"
+echo
 
-echo "== pastry run examples/hello.py --server $URL -- Pastry   (uploaded, then launched)"
+echo "== an answer constrained to a JSON schema: pastry run constrained -- '{\"grammar\": {\"json_schema\": ...}, ...}'"
+python - "$URL" <<'PY'
+import json, subprocess, sys
+schema = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "capital": {"type": "string"},
+        "continent": {"enum": ["Africa", "Asia", "Europe", "North America", "South America",
+                               "Oceania"]},
+    },
+    "required": ["name", "capital", "continent"],
+}
+question = "Describe France as JSON with its name, capital and continent."
+prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+args = {"prompt": prompt, "grammar": {"json_schema": schema}, "max_tokens": 48}
+cmd = ["pastry", "run", "constrained", "--server", sys.argv[1], "--", json.dumps(args)]
+result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+print("   question:", question)
+print("   schema:  ", json.dumps(schema))
+print("   answer:  ", result["text"], "(complete)" if result["complete"] else "(cut short)")
+PY
+
+echo "== beam search, 3 beams: pastry run beam-search -- '{\"prompt\": \"The three primary colors are\", ...}'"
+python - "$URL" <<'PY'
+import json, subprocess, sys
+args = {"prompt": "The three primary colors are", "width": 3, "max_tokens": 10}
+cmd = ["pastry", "run", "beam-search", "--server", sys.argv[1], "--", json.dumps(args)]
+for beam in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["beams"]:
+    print(f"   log-prob {beam['logprob']:6.2f}: {args['prompt']}{beam['text']!r}")
+PY
+
+echo "== pastry run examples/hello.py --server $URL -- Pastry   (uploaded: it runs sandboxed)"
 pastry run examples/hello.py --server "$URL" -- Pastry
+echo
 
 echo "== pastry ls --server $URL"
 pastry ls --server "$URL"
