@@ -158,7 +158,10 @@ def test_select_scores_equal_transformers(eng, path):
     out, _ = run(eng, SELECT, [args])
     hf = hf_model(path)
     scored = out["meta"]["input_token_logprobs"]
-    encode = tok.encode
+
+    def encode(text: str) -> list[int]:  # the prompt starts a sequence: BOS as a server adds
+        return tok.encode(text, True)
+
     first = max(len(encode(prompt)) - 1, 1)
     means = []
     for choice, got in zip(choices, scored, strict=True):

@@ -45,7 +45,7 @@ async def main(args: list[str]) -> str:
         )
     check(p)
     ctx = Context(req.get("model"))
-    tokens = req.get("input_ids") or px.tokenize(ctx.queue, req["text"])
+    tokens = req.get("input_ids") or px.tokenize(ctx.queue, req["text"], True)  # BOS if any
     if not tokens:
         raise ValueError("the prompt is empty: give at least one token")
     text_of = (lambda t: px.detokenize(ctx.queue, [t])) if p.return_text_in_logprobs else (

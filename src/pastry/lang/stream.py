@@ -182,7 +182,8 @@ class Stream:
         return self.ctx
 
     def _tokenize(self, ctx: Context, text: str) -> list[int]:
-        return ctx.api.tokenize(ctx.queue, text)
+        # the whole text from its start: with the model's BOS, as a server tokenizes a prompt
+        return ctx.api.tokenize(ctx.queue, text, True)
 
     async def _synced(self) -> Context:
         """The context holding exactly the tokens of the text (the last one pending)."""
