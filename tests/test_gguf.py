@@ -461,3 +461,12 @@ def test_truncated_and_foreign_files(written, tmp_path):
         load_checkpoint(other)
     with pytest.raises(CheckpointError, match="not a GGUF file"):
         pgguf.load_gguf(other)
+
+
+def test_generate_cli_takes_a_gguf_file(written, capsys):
+    from pastry.cli import main
+
+    f, _ = written("qwen2", QType.F16)
+    assert main(["generate", "--model", str(f), "--max-tokens", "5", "Hello,"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("Hello,") and "engine: qwen2-F16 (qwen2" in out.err

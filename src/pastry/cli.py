@@ -185,7 +185,8 @@ def _generate(args: argparse.Namespace) -> int:
             ]
             reqs = [
                 Request(
-                    prompt=tok.encode(t, add_special_tokens=True),
+                    # a chat template writes its own BOS, if the model has one
+                    prompt=tok.encode(t, add_special_tokens=not args.chat),
                     max_new_tokens=args.max_tokens,
                     temperature=args.temperature,
                     seed=args.seed,

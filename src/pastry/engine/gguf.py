@@ -221,7 +221,7 @@ class _Metadata:
             )
         return self.get(key)
 
-    def int(self, key: str, default: int | None = None) -> int:
+    def integer(self, key: str, default: int | None = None) -> int:
         value = self.need(key) if default is None else self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | np.integer):
             raise CheckpointError(
@@ -230,7 +230,7 @@ class _Metadata:
             )
         return int(value)
 
-    def float(self, key: str, default: float) -> float:
+    def number(self, key: str, default: float) -> float:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float | np.number):
             raise CheckpointError(f"{self.path}: metadata field '{key}' is {value!r:.60}, "
@@ -275,21 +275,21 @@ def hf_config(meta: _Metadata, tensors: dict[str, Any], name: str) -> dict[str, 
     def key(k: str) -> str:
         return f"{arch}.{k}"
 
-    hidden = meta.int(key("embedding_length"))
-    heads = meta.int(key("attention.head_count"))
-    kv_heads = meta.int(key("attention.head_count_kv"), heads)
-    head_dim = meta.int(key("attention.key_length"), hidden // heads)
+    hidden = meta.integer(key("embedding_length"))
+    heads = meta.integer(key("attention.head_count"))
+    kv_heads = meta.integer(key("attention.head_count_kv"), heads)
+    head_dim = meta.integer(key("attention.key_length"), hidden // heads)
     for k in ("attention.value_length", "rope.dimension_count"):
-        if meta.int(key(k), head_dim) != head_dim:
+        if meta.integer(key(k), head_dim) != head_dim:
             raise CheckpointError(
-                f"{path}: {key(k)} is {meta.int(key(k))}, but the head size is {head_dim} "
+                f"{path}: {key(k)} is {meta.integer(key(k))}, but the head size is {head_dim} "
                 "(partial rotary embeddings and distinct value sizes are not supported)"
             )
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing")
-    vocab = meta.int(key("vocab_size"), int(embed.shape[-1]))
-    rope: dict[str, Any] = {"rope_theta": meta.float(key("rope.freq_base"), 10000.0)}
+    vocab = meta.integer(key("vocab_size"), int(embed.shape[-1]))
+    rope: dict[str, Any] = {"rope_theta": meta.number(key("rope.freq_base"), 10000.0)}
     rope |= _rope_scaling(meta, tensors, key, head_dim)
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = [
@@ -309,14 +309,14 @@ def hf_config(meta: _Metadata, tensors: dict[str, Any], name: str) -> dict[str, 
         "hidden_act": "silu",
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": meta.int(key("feed_forward_length")),
-        "num_hidden_layers": meta.int(key("block_count")),
+        "intermediate_size": meta.integer(key("feed_forward_length")),
+        "num_hidden_layers": meta.integer(key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": meta.float(key("attention.layer_norm_rms_epsilon"), 1e-6),
+        "rms_norm_eps": meta.number(key("attention.layer_norm_rms_epsilon"), 1e-6),
         "rope_parameters": rope,
-        "max_position_embeddings": meta.int(key("context_length"), 4096),
+        "max_position_embeddings": meta.integer(key("context_length"), 4096),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "sliding_window": int(window) if window and arch in ("llama", "mistral") else None,
@@ -333,7 +333,7 @@ def _rope_scaling(
 ) -> dict[str, Any]:
     """The ``rope_parameters`` entries besides ``rope_theta``."""
     kind = meta.get(key("rope.scaling.type"), "none")
-    linear = meta.float(key("rope.scale_linear"), 1.0)  # older files
+    linear = meta.number(key("rope.scale_linear"), 1.0)  # older files
     if kind == "none" and linear != 1.0:
         return {"rope_type": "linear", "factor": linear}
     freqs = tensors.get(_ROPE_FREQS)
@@ -351,7 +351,7 @@ def _rope_scaling(
             )
         return {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
     if kind == "linear":
-        return {"rope_type": "linear", "factor": meta.float(key("rope.scaling.factor"), 1.0)}
+        return {"rope_type": "linear", "factor": meta.number(key("rope.scaling.factor"), 1.0)}
     if kind != "none":
         raise CheckpointError(
             f"{meta.path}: {key('rope.scaling.type')} is '{kind}', which is not supported "
