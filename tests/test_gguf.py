@@ -307,13 +307,15 @@ def test_sentencepiece_vocabulary(make_tiny, tmp_path):
 # -- the cache -------------------------------------------------------------------------------
 
 
-def test_second_start_reads_only_the_cache(written, pastry_home, monkeypatch, tmp_path):
+def test_second_start_reads_only_the_cache(written, pastry_home, monkeypatch, tmp_path, capfd):
     _, src = written("qwen2", QType.Q8_0)
     config, weights = hf_weights(src)
     f = write_gguf(tmp_path / "fresh.gguf", config, weights, src, QType.Q4_0)
     first = load_checkpoint(f)
     w16 = first.load_state_dict(torch.bfloat16)
     cache = first.cache
+    err = capfd.readouterr().err  # a progress bar, then where the result went
+    assert "converting fresh.gguf to bfloat16" in err and f"cached: {cache}" in err
     assert cache.parent == pastry_home / "models" / "gguf-cache"
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         ["config.json", "generation_config.json", "gguf.json", "model.bfloat16.safetensors",
