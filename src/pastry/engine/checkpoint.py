@@ -216,8 +216,8 @@ def load_checkpoint(model_dir: str | Path) -> Checkpoint:
     if model_dir.is_file():
         from pastry.engine.gguf import is_gguf, load_gguf
 
-        if is_gguf(model_dir):
-            return load_gguf(model_dir)
+        if is_gguf(model_dir) or model_dir.suffix.lower() == ".gguf":
+            return load_gguf(model_dir)  # (which says what is wrong with a broken .gguf)
         raise CheckpointError(
             f"{model_dir}: not a checkpoint (give a Hugging Face checkpoint directory or a "
             ".gguf file)"
