@@ -93,7 +93,7 @@ import json, subprocess, sys
 args = {"prompt": "The three primary colors are", "width": 3, "max_tokens": 10}
 cmd = ["pastry", "run", "beam-search", "--server", sys.argv[1], "--", json.dumps(args)]
 for beam in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["beams"]:
-    print(f"   log-prob {beam['logprob']:6.2f}: {args['prompt']}{beam['text']!r}")
+    print(f"   log-prob {beam['logprob']:6.2f}: {json.dumps(args['prompt'] + beam['text'])}")
 PY
 
 echo "== pastry run examples/hello.py --server $URL -- Pastry   (uploaded: it runs sandboxed)"
