@@ -545,7 +545,10 @@ def convert_weights(
     ) as bar:  # fmt: skip
         for hf, name, shape in plan:
             t = tensors[name]
-            w = torch.from_numpy(_dequantize(t, path).copy())
+            values = _dequantize(t, path)
+            if not values.flags.writeable:  # F32: a view of the read-only mapped file
+                values = values.copy()
+            w = torch.from_numpy(values)
             if tuple(w.shape) != shape:
                 raise CheckpointError(
                     f"{path}: tensor '{name}' has shape {tuple(w.shape)}, expected {shape} from "
@@ -607,6 +610,7 @@ def _write_text(target: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # $PASTRY_HOME may be shared
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -689,6 +693,7 @@ class GgufCheckpoint(Checkpoint):
         tmp = self.cache / f".{file.name}-{os.getpid()}"
         try:
             save_file(weights, tmp, metadata={"format": "pt", "source": self.path.name})
+            tmp.chmod(0o644)
             os.replace(tmp, file)
         except OSError as e:
             tmp.unlink(missing_ok=True)
