@@ -46,10 +46,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import gguf
 import numpy as np
 import tokenizers
-from gguf import GGMLQuantizationType as QType
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
 from pastry.engine.checkpoint import Checkpoint, expected_shapes, load_checkpoint, read_weights
@@ -57,21 +55,19 @@ from pastry.engine.config import SUPPORTED_ARCHS, CheckpointError, ModelConfig
 from pastry.engine.tokenizer import set_special_post_processor
 from pastry.paths import models_dir
 
-if TYPE_CHECKING:  # torch loads only when weights are converted
+if TYPE_CHECKING:  # torch and gguf load only when a file is converted (not from the cache)
+    import gguf
     import torch
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"GGUF"
 CONVERTER_VERSION = 1  # part of the cache key: bump when the conversion's output changes
-# Tensor types the gguf package dequantizes (F32 and F16 are plain arrays).
-SUPPORTED_TYPES = tuple(
-    QType[n]
-    for n in (
-        "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-        "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-        "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
-    )
+# Tensor types (GGMLQuantizationType names) the gguf package dequantizes.
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+    "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
 )  # fmt: skip
 _PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp rotates their q/k rows pairwise
 _TORCH_DTYPES = ("float32", "bfloat16", "float16")
@@ -243,6 +239,8 @@ def _read(path: Path) -> gguf.GGUFReader:
     _read_magic(path)
     size = path.stat().st_size
     try:
+        import gguf
+
         reader = gguf.GGUFReader(path, "r")
     except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as e:
         raise CheckpointError(
@@ -299,8 +297,8 @@ def hf_config(meta: _Metadata, tensors: dict[str, Any], name: str) -> dict[str, 
     ]
     window = meta.get(key("attention.sliding_window"))
     big = Counter(t.tensor_type for t in tensors.values() if len(t.shape) > 1)
-    main = big.most_common(1)[0][0] if big else QType.F32
-    dtype = {QType.F32: "float32", QType.F16: "float16"}.get(main, "bfloat16")
+    main = big.most_common(1)[0][0].name if big else "F32"
+    dtype = {"F32": "float32", "F16": "float16"}.get(main, "bfloat16")
     cfg = {
         "architectures": [
             {"qwen2": "Qwen2", "qwen3": "Qwen3"}.get(arch, arch.title()) + "ForCausalLM"
@@ -503,10 +501,12 @@ def _sentencepiece_bpe(
 
 def _dequantize(t: Any, path: Path) -> np.ndarray:
     """float32 values of a reader tensor, shaped (rows, columns) as transformers has them."""
-    if t.tensor_type not in SUPPORTED_TYPES:
+    import gguf.quants
+
+    if t.tensor_type.name not in SUPPORTED_TYPES:
         raise CheckpointError(
             f"{path}: tensor '{t.name}' has type {t.tensor_type.name}, which cannot be "
-            f"dequantized (supported: {', '.join(q.name for q in SUPPORTED_TYPES)})"
+            f"dequantized (supported: {', '.join(SUPPORTED_TYPES)})"
         )
     return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
 
@@ -565,7 +565,7 @@ def convert_weights(
 
 
 def _check_type(t: Any, path: Path) -> None:
-    if t.tensor_type not in SUPPORTED_TYPES:
+    if t.tensor_type.name not in SUPPORTED_TYPES:
         _dequantize(t, path)  # raises, naming the tensor and its type
 
 
