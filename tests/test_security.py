@@ -691,12 +691,13 @@ def test_prompts_are_tokenized_off_the_event_loop(make_tiny, tmp_path):
         assert status == 400 and "maximum context length" in body["error"]["message"]
         assert seen == []  # never tokenized: it cannot fit
         long = "hello " * 40_000  # 80,000 tokens, yet it might fit by its length alone
+        bos = int(tokens.tokenizer.add_bos_token)  # a prompt starts a sequence (issue 9)
         status, body = http(url, "/v1/completions", {"model": model, "prompt": long})
-        assert status == 400 and "has 80000" in body["error"]["message"], body
+        assert status == 400 and f"has {80000 + bos}" in body["error"]["message"], body
         fits = " " * 16 * 1500  # 1,500 tokens of 16 spaces (24,000 characters)
         status, body = http(url, "/v1/completions", {"model": model, "prompt": fits,
                                                       "max_tokens": 2})  # fmt: skip
-        assert status == 200 and body["usage"]["prompt_tokens"] == 1500
+        assert status == 200 and body["usage"]["prompt_tokens"] == 1500 + bos
         before = tokens.hits  # SGLang's built-in tokenizes the text itself: found ready
         body = {"text": fits + " ", "sampling_params": {"max_new_tokens": 2}}
         assert http(url, "/generate", body)[0] == 200

@@ -52,7 +52,8 @@ class Tokenization:
         self.max_bytes = max_bytes
         self.cache_min_chars = cache_min_chars
         self.cache_chars = cache_chars
-        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        # (text, add_special_tokens) -> ids
+        self._cache: OrderedDict[tuple[str, bool], np.ndarray] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()  # encode_batch runs in worker threads
         self._large = threading.Semaphore(1)  # one large text at a time (memory)
@@ -61,11 +62,12 @@ class Tokenization:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` on the calling thread; ``add_special_tokens`` as in
         :meth:`Tokenizer.encode` (e.g. a BOS for a text that starts a sequence)."""
-        if len(text) >= self.cache_min_chars and not add_special_tokens:
+        if len(text) >= self.cache_min_chars:
+            key = (text, bool(add_special_tokens))
             with self._lock:
-                ids = self._cache.get(text)
+                ids = self._cache.get(key)
                 if ids is not None:
-                    self._cache.move_to_end(text)
+                    self._cache.move_to_end(key)
                     self.hits += 1
                     return ids.tolist()
         if self.max_bytes is not None and len(text) > self.max_bytes:
@@ -91,16 +93,18 @@ class Tokenization:
             if large:
                 self._large.release()
         for text, ids in zip(texts, out, strict=True):
-            if not add_special_tokens and self.cache_min_chars <= len(text) <= self.cache_chars:
-                self._remember(text, np.asarray(ids, dtype=np.int32))
+            if self.cache_min_chars <= len(text) <= self.cache_chars:
+                self._remember((text, bool(add_special_tokens)), np.asarray(ids, np.int32))
         if large:
             _give_memory_back()
         return out
 
-    def count(self, texts: Sequence[str], limit: int | None = None) -> list[int]:
-        """How many tokens each text has (worker thread, like :meth:`encode_batch`). A text
-        that certainly has more than ``limit`` is not tokenized: its count is then a lower
-        bound, already over ``limit``."""
+    def count(
+        self, texts: Sequence[str], limit: int | None = None, add_special_tokens: bool = False
+    ) -> list[int]:
+        """How many tokens each text has (worker thread, like :meth:`encode_batch`, with the
+        same ``add_special_tokens``). A text that certainly has more than ``limit`` is not
+        tokenized: its count is then a lower bound, already over ``limit``."""
         counts: list[int | None] = [None] * len(texts)
         if limit is not None:
             for i, text in enumerate(texts):
@@ -109,7 +113,8 @@ class Tokenization:
                     counts[i] = least
         todo = [i for i, c in enumerate(counts) if c is None]
         if todo:
-            for i, ids in zip(todo, self.encode_batch([texts[i] for i in todo]), strict=True):
+            encoded = self.encode_batch([texts[i] for i in todo], add_special_tokens)
+            for i, ids in zip(todo, encoded, strict=True):
                 counts[i] = len(ids)
         return counts  # type: ignore[return-value]
 
@@ -121,15 +126,15 @@ class Tokenization:
     def longest_token_bytes(self) -> int:
         return max(1, max(len(b) for b in self.tokenizer.get_vocabs()))
 
-    def _remember(self, text: str, ids: np.ndarray) -> None:
+    def _remember(self, key: tuple[str, bool], ids: np.ndarray) -> None:
         with self._lock:
-            if text in self._cache:
-                self._cache.move_to_end(text)
+            if key in self._cache:
+                self._cache.move_to_end(key)
                 return
-            self._cache[text] = ids
-            self._cached_chars += len(text)
+            self._cache[key] = ids
+            self._cached_chars += len(key[0])
             while self._cached_chars > self.cache_chars:
-                old, _ = self._cache.popitem(last=False)
+                (old, _), _ = self._cache.popitem(last=False)
                 self._cached_chars -= len(old)
 
 

@@ -110,14 +110,18 @@ def _encodes(s: str) -> bool:
 
 
 def token_counts(
-    tokens: Tokenization, prompts: list[str | list[int]], limit: int | None = None
+    tokens: Tokenization,
+    prompts: list[str | list[int]],
+    limit: int | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token counts of prompts given as text or token ids. Meant for a worker thread: the
     texts are tokenized without the global lock (and remembered for the built-in inferlet
-    that tokenizes them again, ``control/tokenization.py``); a text that cannot have
-    ``limit`` tokens or fewer is not tokenized (its count is a lower bound over ``limit``)."""
+    that tokenizes them again, with the same ``add_special_tokens``,
+    ``control/tokenization.py``); a text that cannot have ``limit`` tokens or fewer is not
+    tokenized (its count is a lower bound over ``limit``)."""
     texts = [p for p in prompts if isinstance(p, str)]
-    counts = iter(tokens.count(texts, limit) if texts else [])
+    counts = iter(tokens.count(texts, limit, add_special_tokens) if texts else [])
     return [len(p) if isinstance(p, list) else next(counts) for p in prompts]
 
 

@@ -305,7 +305,8 @@ def _check_texts(server: PastryServer, body: dict) -> None:
         return
     m = server.controller.models[body.get("model") or server.models[0]]
     texts = text if isinstance(text, list) else [text]
-    for n in token_counts(m.tokens, texts, m.info.max_position):
+    # as the built-in tokenizes them: each text starts a sequence (a BOS if the model has one)
+    for n in token_counts(m.tokens, texts, m.info.max_position, add_special_tokens=True):
         if n > m.info.max_position:
             raise ApiError(
                 f"'text' has {n} tokens or more, over this model's context of "
