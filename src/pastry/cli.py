@@ -306,7 +306,7 @@ def add_engine(subparsers: argparse._SubParsersAction) -> None:
         "on this host can write K/V into it; --kv-recv also takes K/V from other hosts.",
     )
     p.add_argument("--listen", required=True, metavar="tcp://HOST:PORT", help="address to bind")
-    p.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", type=Path, help=MODEL_HELP)
     p.add_argument(
         "--token", default=os.environ.get("PASTRY_ENGINE_TOKEN") or None,
         help="the token clients must hold (default: $PASTRY_ENGINE_TOKEN; printed when new)",
@@ -338,10 +338,10 @@ def _engine(args: argparse.Namespace) -> int:
         token = new_token()
         print(f"engine token (give it to `pastry serve --engine-token`): {token}",
               file=sys.stderr, flush=True)  # fmt: skip
-    if args.model is None:
-        from pastry.engine.tiny import ensure_default_model
+    if args.model is None:  # the one `pastry serve` would serve (SmolLM2 if fetched)
+        from pastry.engine.default_model import default_model
 
-        args.model = ensure_default_model()
+        args.model = default_model()
     shm = f"/dev/shm/pastry-kv-{os.getpid()}-{secrets.token_hex(3)}"
     argv = ["--model", str(args.model), "--endpoint", args.listen, "--dtype", args.dtype,
             "--num-pages", str(args.num_pages), "--num-embeds", str(args.num_embeds),
