@@ -9,8 +9,9 @@ adaptive batching); each fills a seeded random 32-token prompt, then generates `
 tokens greedily, one forward per token (no fast-forward of forced tokens, so every
 variant samples every token), in three variants:
 
-- ``device``: ``sdk.grammar.generate`` — llguidance's bitmask goes with ``sample`` and is
-  applied on the device (one sample call per token; only the token id comes back);
+- ``device``: ``sdk.grammar.generate`` — the host's llguidance matcher gives its bitmask to
+  ``sample(..., constraint=)``, applied on the device (one sample call per token; only the
+  token id comes back);
 - ``pull``: the previous path — ``get_next_dist`` with k = the whole vocabulary, the pick
   among the allowed tokens made on the host (``device_mask=False``);
 - ``unconstrained``: ``Context.generate`` with a greedy sampler, the same number of tokens.
@@ -23,7 +24,7 @@ The variants run interleaved, rounds of (device, pull, unconstrained); each repo
 best round.
 
 Per-token cost of the mask, measured apart: the host time llguidance takes per
-``compute_bitmask`` during the device runs (in the inferlets), and the engine time to apply
+``compute_bitmask`` during the device runs (``pastry.control.constraints.STATS``), and the engine time to apply
 ``--concurrent`` masks: one batch of that many ``Sample`` rows with a mask vs without, on
 the same hidden states, best of many.
 
@@ -46,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pastry.control import constraints
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.engine.calls import EmbedTxt, Forward, Sample, ids, mask_words
@@ -82,7 +84,6 @@ async def main(args):
     n, variant = opts["tokens"], opts["variant"]
     async with Context() as ctx:
         ctx.fill_tokens(opts["prompt"])
-        mask_s = 0.0
         if variant == "unconstrained":
             await ctx.generate(Sampler(), MaxTokens(1))
             first = time.perf_counter()
@@ -90,24 +91,13 @@ async def main(args):
             made = n
         else:
             c = Constraint(ctx, {"json_schema": opts["schema"]})
-            if variant == "device":  # time llguidance's bitmask per token
-                inner = c.bitmask
-
-                def timed():
-                    nonlocal mask_s
-                    t0 = time.perf_counter()
-                    bits = inner()
-                    mask_s += time.perf_counter() - t0
-                    return bits
-
-                c.bitmask = timed
             device = variant == "device"
             out = await generate(ctx, c, 1, fast_forward=False, device_mask=device)
             first = time.perf_counter()
             rest = await generate(ctx, c, n - 1, fast_forward=False, device_mask=device)
             made = len(out.tokens) + len(rest.tokens)
         end = time.perf_counter()
-    return json.dumps({"first": first, "end": end, "tokens": made, "mask_s": mask_s})
+    return json.dumps({"first": first, "end": end, "tokens": made})
 """
 
 VARIANTS = ("device", "pull", "unconstrained")
@@ -122,8 +112,11 @@ async def run_variant(engine: Engine, variant: str, batch: list[list[int]], toke
         json.dumps({"prompt": p, "tokens": tokens, "variant": variant, "schema": SCHEMA})
         for p in batch
     ]
+    masks0, mask_ns0 = constraints.STATS.masks, constraints.STATS.ns  # the host's bitmasks
     insts = [rt.launch(program, [a]) for a in args]
     ends = [await i.wait() for i in insts]
+    masks = constraints.STATS.masks - masks0
+    mask_us = (constraints.STATS.ns - mask_ns0) / max(masks, 1) / 1e3
     stats = next(iter(controller.models.values())).scheduler.stats
     await controller.close()
     handle.close()
@@ -136,7 +129,6 @@ async def run_variant(engine: Engine, variant: str, batch: list[list[int]], toke
     if made != [tokens] * len(outs):
         raise RuntimeError(f"{variant}: generated {set(made)} tokens, not {tokens}")
     tpot = float(np.mean([(o["end"] - o["first"]) / (tokens - 1) for o in outs]))
-    mask_us = float(np.mean([o["mask_s"] / tokens for o in outs])) * 1e6
     return {
         "tpot_ms": tpot * 1e3,
         "tok_s": len(batch) / tpot,

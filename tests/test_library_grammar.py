@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from engine_util import hf_model
-from inferlet_util import load_engine, result, run_all
+from inferlet_util import load_engine, result, run_all, start
 from pastry.control.events import Failed
 from pastry.engine.tokenizer import Tokenizer
 
@@ -128,11 +128,40 @@ def lltok(tok):
     return llg.LLTokenizer(llg.TokenizerWrapper(Wrapped()), eos_token=tok.eos_token_ids)
 
 
-def run(path, launches: list[dict]) -> list[dict]:
-    """Run ``constrained`` with each options dict, concurrently; the parsed results.
-    Checks that everything was released."""
+def sandbox_or_skip() -> None:
+    pytest.importorskip("wasmtime")
+    from pastry.runtime import build_pyrt
+
+    try:
+        build_pyrt.build()
+    except build_pyrt.BuildError as e:
+        pytest.skip(f"cannot build the Python runtime component: {e}")
+
+
+async def run_sandboxed(engine, launches):
+    """``run_all``, with every source in the WebAssembly sandbox."""
+    from pastry.runtime.wasm import sandboxed_program
+
+    controller, rt, handle = await start(engine)
+    insts = [rt.launch(sandboxed_program("test", src), args) for src, args in launches]
+
+    async def collect(inst):
+        return [ev async for ev in inst.events()]
+
+    events = await asyncio.gather(*(collect(i) for i in insts))
+    await controller.close()
+    handle.close()
+    return events, controller
+
+
+def run(path, launches: list[dict], sandboxed: bool = False) -> list[dict]:
+    """Run ``constrained`` with each options dict, concurrently (in the sandbox when
+    ``sandboxed``); the parsed results. Checks that everything was released."""
+    if sandboxed:
+        sandbox_or_skip()
+    go = run_sandboxed if sandboxed else run_all
     events, controller = asyncio.run(
-        run_all(load_engine(path), [(SRC, [json.dumps(o)]) for o in launches])
+        go(load_engine(path), [(SRC, [json.dumps(o)]) for o in launches])
     )
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
@@ -202,11 +231,13 @@ def reparses(lltok, grammar: str, text: str) -> bool:
 # ---------------------------------------------------------------------------------- every output parses
 
 
-def test_json_schema_outputs_always_parse(path):
+@pytest.mark.parametrize("sandboxed", [False, True])
+def test_json_schema_outputs_always_parse(path, sandboxed):
+    """Trusted or sandboxed (the guest has no llguidance: the grammar lives on the host)."""
     prompts = ["A person: ", [101, 202, 303, 404, 505]]
     schemas = [PERSON, NUMBERS, NESTED]
     todo = [o for s in schemas for o in launches({"json_schema": s}, 96, prompts)]
-    outs = run(path, todo)
+    outs = run(path, todo, sandboxed)
     for o, out in zip(todo, outs, strict=True):
         assert out["complete"] and out["finish_reason"] == "stop", (o, out)
         validate(json.loads(out["text"]), o["grammar"]["json_schema"])
@@ -218,9 +249,10 @@ def test_json_schema_outputs_always_parse(path):
     assert len(texts) > len(schemas) * 3  # sampling made different outputs
 
 
-def test_regex_outputs_always_match(path):
+@pytest.mark.parametrize("sandboxed", [False, True])
+def test_regex_outputs_always_match(path, sandboxed):
     todo = [o for rx in REGEXES for o in launches({"regex": rx}, 32, ["Answer: "])]
-    for o, out in zip(todo, run(path, todo), strict=True):
+    for o, out in zip(todo, run(path, todo, sandboxed), strict=True):
         assert out["complete"], (o, out)
         assert re.fullmatch(o["grammar"]["regex"], out["text"]), (o, out)
 
@@ -291,6 +323,7 @@ def test_sampling_is_reproducible_per_seed(path):
     outs = run(path, todo)
     assert outs[0] == outs[1]
     assert len({json.dumps(o["tokens"]) for o in outs[1:]}) > 2
+    assert run(path, todo[:3], sandboxed=True) == outs[:3]  # the same draws in the sandbox
 
 
 # ---------------------------------------------------------------------------------- padded vocabulary
@@ -351,16 +384,21 @@ async def main(args):
         (None, 'give "grammar"'),
     ],
 )
-def test_bad_grammars_fail_with_a_message(path, grammar, message):
+@pytest.mark.parametrize("sandboxed", [False, True])
+def test_bad_grammars_fail_with_a_message(path, grammar, message, sandboxed):
     opts = {"prompt": "x", "grammar": grammar}
-    events, _ = asyncio.run(run_all(load_engine(path), [(SRC, [json.dumps(opts)])]))
+    if sandboxed:
+        sandbox_or_skip()
+    go = run_sandboxed if sandboxed else run_all
+    events, _ = asyncio.run(go(load_engine(path), [(SRC, [json.dumps(opts)])]))
     end = events[0][-1]
     assert isinstance(end, Failed) and message in end.error, end
 
 
-def test_device_mask_equals_the_pull_path(path):
+@pytest.mark.parametrize("sandboxed", [False, True])
+def test_device_mask_equals_the_pull_path(path, sandboxed):
     """Greedy decoding with the mask applied on the device gives exactly the tokens of the
-    host-side pick over the pulled distribution, with the same number of steps; sampled
+    inferlet-side pick over the pulled distribution, with the same number of steps; sampled
     outputs from the device path still parse."""
     grammars = [{"json_schema": PERSON}, {"regex": REGEXES[2]}, {"lark": PAIRS}]
     todo = [
@@ -368,10 +406,10 @@ def test_device_mask_equals_the_pull_path(path):
         for g in grammars
         for d in (True, False)
     ]
-    outs = run(path, todo)
+    outs = run(path, todo, sandboxed)
     for device, pulled in zip(outs[::2], outs[1::2], strict=True):
         assert device["tokens"] == pulled["tokens"]
         assert device["forward_calls"] == pulled["forward_calls"]
-    hot = run(path, [{**todo[0], "temperature": 1.3, "seed": s} for s in range(4)])
+    hot = run(path, [{**todo[0], "temperature": 1.3, "seed": s} for s in range(4)], sandboxed)
     for o in hot:
         json.loads(o["text"])

@@ -301,12 +301,45 @@ def test_terminate_and_syntax_error(eng, box):
 
 
 def test_the_guest_gets_the_whole_sdk():
-    """Every SDK module but grammar (which needs numpy) is built into the Python runtime."""
+    """Every SDK module is built into the Python runtime."""
     from pastry.runtime import build_pyrt
 
     sdk = Path(build_pyrt.PKG / "sdk")
-    modules = {f"sdk/{p.name}" for p in sdk.glob("*.py")} - {"sdk/grammar.py"}
+    modules = {f"sdk/{p.name}" for p in sdk.glob("*.py")}
     assert modules <= set(build_pyrt.GUEST_SOURCES)
+
+
+IMPORTS = """
+import json
+import sys
+
+async def main(args):
+    out = {}
+    for name in args:
+        try:
+            __import__(name)
+            out[name] = "ok" if name in sys.modules else "missing"
+        except BaseException as e:
+            out[name] = repr(e)
+    return json.dumps(out)
+"""
+
+
+def test_the_guest_imports_every_sdk_and_lang_module(eng, box):
+    """Not only built in: every module of pastry.sdk and of pastry.lang's inferlet side
+    imports in the guest (the client-side modules endpoint and ship are left out)."""
+    from pastry.runtime import build_pyrt
+
+    pkg = Path(build_pyrt.PKG)
+    names = [
+        f"pastry.{p.parent.name}" + ("" if p.stem == "__init__" else f".{p.stem}")
+        for p in [*(pkg / "sdk").glob("*.py"), *(pkg / "lang").glob("*.py")]
+        if p.stem not in ("endpoint", "ship")
+    ]
+    events, controller = run(eng, [(sandboxed_program("imports", IMPORTS, box=box), names)])
+    out = json.loads(result(events[0]))
+    assert out == dict.fromkeys(names, "ok")
+    _released(controller)
 
 
 def test_logit_processing_and_logprobs_in_the_sandbox(eng, box):

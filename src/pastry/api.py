@@ -242,6 +242,7 @@ class InferletApi(Protocol):
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         logprobs: int | None = None,
+        constraint: int | None = None,
     ) -> Awaitable[int | tuple[int, float, list[int], list[float]]]:
         """Queued: sample a token on the device (greedy at temperature 0).
 
@@ -258,7 +259,35 @@ class InferletApi(Protocol):
 
         ``logprobs``: None resolves to the token id; ``n`` (0 to 20) to ``(token,
         logprob, top_ids, top_logprobs)``: the token's log-probability and the ``n`` most
-        likely tokens' under the model's raw distribution (before any processing)."""
+        likely tokens' under the model's raw distribution (before any processing).
+
+        ``constraint`` (a handle of ``create_constraint``): only the tokens its grammar
+        allows next can be sampled (its mask, taken when ``sample`` is called, is combined
+        with ``mask``), and the grammar advances with the sampled token when the call
+        completes. One sample at a time per constraint: a second one while the first is in
+        flight is an error."""
+
+    # ------------------------------------------------------------------ grammar constraints
+    def create_constraint(self, q: int, grammar: str) -> int:
+        """A grammar constraint for one output on the queue's model, held by the host
+        (immediate). ``grammar`` is JSON text: ``{"json_schema": {...}}``, ``{"regex":
+        "..."}`` or ``{"lark": "..."}``. Pass the handle to ``sample``; free it when done:
+        an instance may hold a limited number at once. JSON schemas give compact JSON (no
+        optional whitespace) unless the schema's ``"x-guidance"`` asks otherwise."""
+
+    def constraint_state(self, c: int) -> tuple[bool, bool, list[int]]:
+        """(complete: the output so far is a word of the grammar; stopped: nothing but
+        end-of-sequence may follow; the tokens the grammar forces next, possibly none)."""
+
+    def constraint_consume(self, c: int, tokens: list[int]) -> None:
+        """Advance the grammar with ``tokens`` appended without ``sample`` (forced ones,
+        say); a token the grammar does not allow is an error."""
+
+    def constraint_mask(self, c: int) -> bytes:
+        """The tokens the grammar allows next as a packed bitmask (``sample``'s ``mask``
+        format, one bit per output row)."""
+
+    def free_constraint(self, c: int) -> None: ...
 
     # ------------------------------------------------------------------ messaging
     def broadcast(self, topic: str, message: str) -> int:

@@ -26,6 +26,7 @@ import jinja2
 import numpy as np
 
 from pastry.api import ApiError
+from pastry.control.constraints import MAX_CONSTRAINTS, HostConstraint
 from pastry.control.events import Message
 from pastry.control.outbox import Inbox, Outbox
 from pastry.control.resources import Kind, QuotaExceeded, ResourceError
@@ -113,6 +114,8 @@ class Session:
     _ids: itertools.count = field(default_factory=itertools.count)
     closed: bool = False
     user: str = LOCAL
+    _constraints: dict[int, HostConstraint] = field(default_factory=dict)
+    max_constraints: int = MAX_CONSTRAINTS  # live grammar constraints (runners may lower it)
 
     # ------------------------------------------------------------------ runtime
 
@@ -469,9 +472,11 @@ class Session:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         logprobs: int | None = None,
+        constraint: int | None = None,
     ) -> asyncio.Future:
         """Sample a token on the device (greedy at temperature 0), after the logit
-        processing; with ``logprobs``, also log-probabilities (see the API)."""
+        processing; with ``logprobs``, also log-probabilities; with ``constraint``, among
+        the tokens its grammar allows, advancing it with the token (see the API)."""
         ref = self._queue(q)
         proc = self._processing(
             ref, mask, logit_bias, penalty_tokens, penalty_prompt,
@@ -480,6 +485,18 @@ class Session:
         if logprobs is not None:
             _check_top(logprobs, "logprobs")
             proc["logprobs"] = int(logprobs)
+        grammar = None
+        if constraint is not None:
+            grammar = self._constraint(constraint)
+            if grammar.rows != ref.model.info.vocab_size:
+                raise ApiError(f"constraint {constraint} was made for another model")
+            if grammar.busy:
+                raise ApiError(
+                    f"constraint {constraint} is already used by a sample in flight; await "
+                    "it first (the grammar advances with its token)"
+                )
+            words = grammar.mask()
+            proc["mask"] = words & proc["mask"] if "mask" in proc else words
 
         def prepare():
             return Sample(
@@ -490,6 +507,22 @@ class Session:
         cmd = Command(Stage.OUTPUT, prepare=prepare)
         if logprobs is not None:
             cmd.finish = _sampled
+        if grammar is not None:
+            inner = cmd.finish
+
+            def finish(r):
+                grammar.busy = False
+                grammar.advance(r if isinstance(r, int) else r.token)
+                return inner(r)
+
+            def settled(_fut) -> None:
+                grammar.busy = False
+
+            cmd.finish = finish
+            grammar.busy = True
+            fut = self._submit(q, cmd)
+            fut.add_done_callback(settled)
+            return fut
         return self._submit(q, cmd)
 
     @staticmethod
@@ -532,6 +565,51 @@ class Session:
             if value != off:
                 proc[name] = float(value)
         return proc
+
+    # ------------------------------------------------------------------ grammar constraints
+
+    def create_constraint(self, q: int, grammar: str) -> int:
+        """A grammar constraint on the queue's model (see :mod:`pastry.control.constraints`)."""
+        ref = self._queue(q)
+        if len(self._constraints) >= self.max_constraints:
+            raise QuotaError(
+                f"this inferlet holds {len(self._constraints)} grammar constraints, the most it "
+                "may at once: free those it is done with (free_constraint)"
+            )
+        info = ref.model.info
+        try:
+            c = HostConstraint(ref.model.tokenizer, info.vocab_size, info.eos_token_ids, grammar)
+        except ImportError as e:
+            raise ApiError(f"this server cannot constrain output: {e}") from None
+        cid = next(self._ids)
+        self._constraints[cid] = c
+        return cid
+
+    def constraint_state(self, c: int) -> tuple[bool, bool, list[int]]:
+        return self._constraint(c).state()
+
+    def constraint_consume(self, c: int, tokens: list[int]) -> None:
+        grammar = self._constraint(c)
+        if grammar.busy:
+            raise ApiError(f"constraint {c} is used by a sample in flight; await it first")
+        grammar.consume(list(tokens))
+
+    def constraint_mask(self, c: int) -> bytes:
+        return self._constraint(c).mask().astype("<i4").tobytes()
+
+    def free_constraint(self, c: int) -> None:
+        self._constraint(c)
+        del self._constraints[c]
+
+    def _constraint(self, c: int) -> HostConstraint:
+        self._check_open()
+        grammar = self._constraints.get(c)
+        if grammar is None:
+            raise ApiError(
+                f"constraint {c} does not exist in this inferlet (create one with "
+                "create_constraint; a freed one is gone)"
+            )
+        return grammar
 
     # ------------------------------------------------------------------ messaging, store, http
 
@@ -696,6 +774,7 @@ class Session:
         for sub in self._subs.values():
             sub.close()
         self._subs.clear()
+        self._constraints.clear()
 
     def _model(self, name: str) -> Model:
         try:

@@ -238,6 +238,8 @@ async def generate(
         if stops and StopStrings(stops).should_stop(out, tail):
             finish = "stop"
             break
+    if constraint is not None:
+        constraint.free()
     shown = out[:-1] if out and out[-1] in stop_ids else out
     text = StopStrings(stops).trim(a.detokenize(q, shown)) if stops else a.detokenize(q, shown)
     if deltas is not None:

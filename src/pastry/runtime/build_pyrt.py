@@ -35,6 +35,7 @@ GUEST_SOURCES = (
     "sdk/args.py",
     "sdk/context.py",
     "sdk/router.py",
+    "sdk/grammar.py",
     "sdk/sampling.py",
     "sdk/steps.py",
     "sdk/stop.py",

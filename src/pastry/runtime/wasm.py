@@ -159,6 +159,18 @@ def _sample_with(g: Guest, q, embed, t, top_k, top_p, min_p, seed, mask, bias, *
     return g.session.sample(q, embed, t, top_k, top_p, min_p, seed, _words(mask), bias, *rest)
 
 
+def _sample_constrained(g: Guest, q, embed, t, top_k, top_p, min_p, seed, mask, bias, *rest):
+    *rest, top, constraint = rest
+    s = g.session
+    return s.sample(
+        q, embed, t, top_k, top_p, min_p, seed, _words(mask), bias, *rest, top, constraint
+    )
+
+
+def _constraint_mask(g: Guest, c: int) -> list[int]:
+    return np.frombuffer(g.session.constraint_mask(c), dtype="<u4").tolist()
+
+
 # name -> (handler(guest, *args), blocking). Handlers return the import's result; a
 # blocking one (``wait``) is completed by the continuation.
 HOST: dict[str, Callable] = {
@@ -221,6 +233,12 @@ HOST: dict[str, Callable] = {
     "start-generate": lambda g, q, p, b, r: _s(g).start_generate(q, p, b, r),
     "next-request": lambda g: _variant(g, "request", _s(g).next_request()),
     "reject-request": lambda g, r, why: _s(g).reject_request(r, why),
+    "sample-constrained": _queued(_sample_constrained),
+    "create-constraint": lambda g, q, grammar: _s(g).create_constraint(q, grammar),
+    "constraint-state": lambda g, c: _s(g).constraint_state(c),
+    "constraint-consume": lambda g, c, tokens: _s(g).constraint_consume(c, tokens),
+    "constraint-mask": _constraint_mask,
+    "free-constraint": lambda g, c: _s(g).free_constraint(c),
 }
 
 

@@ -36,13 +36,16 @@ class SandboxLimits:
     max_kv_pages: int | None = None  # KV pages held at once (None: only the pool limits)
     max_embeds: int | None = None  # embedding slots held at once (None: only the pool)
     max_message_bytes: int = 1 << 20  # one send / broadcast / store value
+    max_constraints: int = 32  # grammar constraints held by the host at once
 
     def apply(self, session: Session) -> None:
-        """Set the resource limits (KV pages, embeddings) on the instance's session."""
+        """Set the resource limits (KV pages, embeddings, grammar constraints) on the
+        instance's session."""
         if self.max_kv_pages is not None:
             session.set_limit("kv", self.max_kv_pages, "SandboxLimits.max_kv_pages")
         if self.max_embeds is not None:
             session.set_limit("embed", self.max_embeds, "SandboxLimits.max_embeds")
+        session.max_constraints = self.max_constraints
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
-"""Grammar-constrained decoding on a :class:`Context`, with llguidance.
+"""Grammar-constrained decoding on a :class:`Context`; the grammar lives on the host.
 
-A grammar (a JSON schema, a Lark grammar, or a regular expression) is compiled by
-llguidance against the model's vocabulary, read through the API (``get_vocabs``,
-``get_eos_token_ids``, ``get_vocab_size``). Every step, the grammar's matcher gives the set
-of tokens that keep the output a prefix of some word of the grammar, as llguidance's packed
-bitmask; ``sample`` applies it on the device (``mask``), so a constrained step costs one
-``sample`` call like an unconstrained one and only the token id comes back. Greedy or
-temperature sampling (reproducible for a seed); an end-of-sequence token is allowed exactly
-when the output is complete. Ids past the tokenizer's vocabulary (a model's padded rows)
-are never allowed. ``generate(..., device_mask=False)`` keeps the older path that pulls the
-model's whole distribution back each step and picks on the host (for comparison:
+A grammar (a JSON schema, a Lark grammar, or a regular expression) is compiled by the host
+with llguidance against the model's vocabulary (``create_constraint``); a
+:class:`Constraint` is the handle. Each step ``sample(..., constraint=handle)`` samples
+among the tokens the grammar allows (its mask applied on the device) and advances the
+grammar with the sampled token, so a constrained step costs one ``sample`` call like an
+unconstrained one and only the token id comes back. It works the same in trusted and
+sandboxed inferlets: the inferlet itself needs no llguidance. Greedy or temperature
+sampling (reproducible for a seed); an end-of-sequence token is allowed exactly when the
+output is complete. Ids past the tokenizer's vocabulary (a model's padded rows) are never
+allowed. ``generate(..., device_mask=False)`` keeps the older path that pulls the model's
+whole distribution back each step and picks on the inferlet's side (for comparison:
 ``benchmarks/constrained.py``).
 
 Tokens the grammar forces (e.g. ``{"name":`` of a JSON object with one required key) are
@@ -19,120 +20,43 @@ appended without sampling (fast-forward) and forwarded together with the next st
 
     ctx = Context()
     ctx.fill("A person: ")
-    out = await generate(ctx, Constraint(ctx, {"json_schema": schema}), max_tokens=64)
+    with Constraint(ctx, {"json_schema": schema}) as c:
+        out = await generate(ctx, c, max_tokens=64)
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
-import weakref
+import random
 from collections.abc import Mapping
-from functools import lru_cache
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from pastry.sdk import api
+from pastry.api import ApiError
 from pastry.sdk.context import Context
 from pastry.sdk.steps import next_dist, sample_next
 
-# JSON output without optional whitespace unless the schema's "x-guidance" asks for it:
-# a random or weak model otherwise tends to emit whitespace forever.
-JSON_DEFAULTS = {"whitespace_flexible": False}
-# Added tokens spelled like ``<|endoftext|>`` are matched as special tokens, not as text.
-_SPECIAL = re.compile(rb"<\|[^|]*\|>")
-
-
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError:
-        raise ImportError(
-            "grammar-constrained decoding needs llguidance: pip install 'llguidance>=1.9,<2'"
-        ) from None
-    return llguidance
-
 
 def compile_grammar(spec: Mapping[str, Any] | str) -> str:
-    """An llguidance grammar from ``{"json_schema": {...}}``, ``{"lark": "..."}`` or
-    ``{"regex": "..."}`` (a string is a Lark grammar). Raises ``ValueError`` naming the
-    problem for an unknown kind or an invalid grammar."""
-    llg = _llguidance()
-    if isinstance(spec, str):
-        spec = {"lark": spec}
-    kinds = ("json_schema", "lark", "regex")
-    if not isinstance(spec, Mapping) or len(spec) != 1 or next(iter(spec)) not in kinds:
+    """(Host side only: needs llguidance.) The llguidance grammar of a spec, or
+    ``ValueError`` naming what is wrong with it; see
+    :func:`pastry.control.constraints.compile_grammar`."""
+    from pastry.control.constraints import compile_grammar as compile_
+
+    return compile_(spec)
+
+
+def grammar_text(grammar: Mapping[str, Any] | str) -> str:
+    """The JSON text ``create_constraint`` takes: ``{"json_schema": ...}``, ``{"regex":
+    ...}`` or ``{"lark": ...}`` (a string is a Lark grammar)."""
+    if isinstance(grammar, str):
+        grammar = {"lark": grammar}
+    if not isinstance(grammar, Mapping):
         raise ValueError(
-            f"grammar must be one of {{'json_schema': {{...}}}}, {{'lark': '...'}}, "
-            f"{{'regex': '...'}}; got {spec!r}"
+            "grammar must be one of {'json_schema': {...}}, {'lark': '...'}, {'regex': '...'}; "
+            f"got {grammar!r:.200}"
         )
-    ((kind, body),) = spec.items()
-    if kind == "json_schema":
-        if isinstance(body, str):
-            body = json.loads(body)
-        if not isinstance(body, dict):
-            raise ValueError(f"json_schema must be a JSON object, got {body!r}")
-        grammar = llg.LLMatcher.grammar_from_json_schema(body, defaults=JSON_DEFAULTS)
-    elif not isinstance(body, str):
-        raise ValueError(f"{kind} must be a string, got {body!r}")
-    elif kind == "lark":
-        grammar = llg.LLMatcher.grammar_from_lark(body)
-    else:
-        grammar = llg.LLMatcher.grammar_from_regex(body)
-    error = llg.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(f"invalid {kind} grammar: {error}")
-    return grammar
-
-
-class _Vocab:
-    """What llguidance's ``TokenizerWrapper`` reads: the bytes of every id, the special ids,
-    and an encoder. llguidance encodes text (to fast-forward forced bytes) on the caller's
-    thread, so the encoder tokenizes through the API of the inferlet instance that calls,
-    and one cached tokenizer serves every instance."""
-
-    def __init__(self, model: str, tokens: list[bytes], eos: list[int]) -> None:
-        self.model = model
-        self.tokens = tokens
-        self.eos_token_id = eos[0]
-        self.bos_token_id = None
-        specials = (i for i, b in enumerate(tokens) if _SPECIAL.fullmatch(b))
-        self.special_token_ids = sorted({*eos, *specials})
-
-    def __call__(self, text: str) -> list[int]:
-        if not isinstance(text, str):  # so that llguidance hands over str, never bytes
-            raise TypeError("pass text as str")
-        a = api()
-        queues = _queues.setdefault(a, {})
-        if self.model not in queues:
-            queues[self.model] = a.create_queue(self.model)
-        return a.tokenize(queues[self.model], text)
-
-
-# A queue per instance and model for the encoder's tokenize calls.
-_queues: weakref.WeakKeyDictionary[object, dict[str, int]] = weakref.WeakKeyDictionary()
-
-
-@lru_cache(maxsize=8)
-def _tokenizer(model: str, tokens: tuple[bytes, ...], eos: tuple[int, ...]):
-    llg = _llguidance()
-    wrapper = llg.TokenizerWrapper(_Vocab(model, list(tokens), list(eos)))
-    return llg.LLTokenizer(wrapper, n_vocab=len(tokens), eos_token=list(eos))
-
-
-def ll_tokenizer(ctx: Context):
-    """llguidance's tokenizer for the context's model, over the model's output rows: the
-    tokenizer's bytes for each id, ``b""`` (never allowed) for padded rows. Cached per
-    model and vocabulary (building one for a large vocabulary takes about a second)."""
-    a, q = ctx.api, ctx.queue
-    rows = a.get_vocab_size(q)
-    tokens = tuple(a.get_vocabs(q))[:rows]  # ids past the model's rows cannot come out
-    eos = tuple(a.get_eos_token_ids(q))
-    if not eos:
-        raise ValueError(f"model {ctx.model!r} names no end-of-sequence token")
-    return _tokenizer(ctx.model, tokens + (b"",) * (rows - len(tokens)), eos)
+    return json.dumps(dict(grammar))
 
 
 class Generated(NamedTuple):
@@ -142,54 +66,73 @@ class Generated(NamedTuple):
 
 
 class Constraint:
-    """One grammar's matcher for one output on ``ctx``'s model (build a new one per output).
-
-    ``allowed()`` is the mask of tokens that may come next (over the model's output rows),
-    ``forced()`` the tokens that must come next, ``consume(tokens)`` advances the grammar.
-    """
+    """One grammar for one output on ``ctx``'s model (make a new one per output), held by
+    the host. ``handle`` goes to ``sample(..., constraint=)``; ``forced()`` are the tokens
+    that must come next, ``consume(tokens)`` advances the grammar past tokens appended
+    without sampling; ``free()`` (or ``with``) gives the handle back: an instance may hold
+    only a limited number at once."""
 
     def __init__(self, ctx: Context, grammar: Mapping[str, Any] | str) -> None:
-        llg = _llguidance()
-        self.tokenizer = ll_tokenizer(ctx)
-        self.n_vocab = self.tokenizer.vocab_size
-        self.matcher = llg.LLMatcher(self.tokenizer, compile_grammar(grammar), log_level=0)
-        self._check()
+        self.api, self.queue = ctx.api, ctx.queue
+        self.handle: int | None = self.api.create_constraint(ctx.queue, grammar_text(grammar))
+        self.n_vocab = self.api.get_vocab_size(ctx.queue)
+        self._state: tuple[bool, bool, list[int]] | None = None
+
+    def state(self) -> tuple[bool, bool, list[int]]:
+        """(complete, done, forced tokens), asked of the host once per grammar position."""
+        if self._state is None:
+            self._state = self.api.constraint_state(self._live())
+        return self._state
 
     @property
     def done(self) -> bool:
         """No token but end-of-sequence can follow (the output is complete or failed)."""
-        return self.matcher.is_stopped()
+        return self.state()[1]
 
     @property
     def complete(self) -> bool:
         """The output so far is a word of the grammar."""
-        return self.matcher.is_accepting()
-
-    def bitmask(self) -> bytes:
-        """The tokens the grammar allows next as llguidance's packed bitmask (bit ``t % 32``
-        of 32-bit word ``t // 32``), what ``sample``'s ``mask`` takes."""
-        bits = self.matcher.compute_bitmask()
-        self._check()
-        return bytes(bits)
-
-    def allowed(self) -> np.ndarray:
-        """Boolean mask over the model's output rows of the tokens the grammar allows next
-        (end-of-sequence tokens exactly when the output is complete)."""
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        self._check()
-        return np.unpackbits(bits, bitorder="little")[: self.n_vocab].astype(bool)
+        return self.state()[0]
 
     def forced(self) -> list[int]:
         """Tokens the grammar forces next (possibly none)."""
-        return self.matcher.compute_ff_tokens()
+        return list(self.state()[2])
+
+    def bitmask(self) -> bytes:
+        """The tokens the grammar allows next as a packed bitmask (bit ``t % 32`` of 32-bit
+        word ``t // 32``), what ``sample``'s ``mask`` takes."""
+        return self.api.constraint_mask(self._live())
+
+    def allowed(self) -> list[bool]:
+        """Over the model's output rows, whether the grammar allows each token next
+        (end-of-sequence tokens exactly when the output is complete)."""
+        bits = self.bitmask()
+        return [bool(bits[t >> 3] >> (t & 7) & 1) for t in range(self.n_vocab)]
 
     def consume(self, tokens: list[int]) -> None:
-        self.matcher.consume_tokens(tokens)
-        self._check()
+        """Advance past ``tokens`` appended without a constrained ``sample``."""
+        self._state = None
+        self.api.constraint_consume(self._live(), list(tokens))
 
-    def _check(self) -> None:
-        if self.matcher.is_error():
-            raise ValueError(f"grammar error: {self.matcher.get_error()}")
+    def sampled(self) -> None:
+        """A ``sample`` with this constraint completed: the host advanced the grammar."""
+        self._state = None
+
+    def free(self) -> None:
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            self.api.free_constraint(handle)
+
+    def __enter__(self) -> Constraint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    def _live(self) -> int:
+        if self.handle is None:
+            raise ApiError("this constraint was freed")
+        return self.handle
 
 
 async def generate(
@@ -212,12 +155,15 @@ async def generate(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    rng = np.random.default_rng(seed)
+    rng = random.Random(seed)
     eos = set(ctx.eos_ids)
     out: list[int] = []
     forwards = 0
-    while len(out) < max_tokens and not constraint.done:
-        forced = constraint.forced()[: max_tokens - len(out)] if fast_forward else []
+    while len(out) < max_tokens:
+        _, done, forced = constraint.state()
+        if done:
+            break
+        forced = forced[: max_tokens - len(out)] if fast_forward else []
         if forced:
             constraint.consume(forced)
             ctx.fill_tokens(forced)
@@ -225,13 +171,16 @@ async def generate(
             continue
         if device_mask:
             step_seed = None if seed is None else _step_seed(seed, forwards)
-            tok = await sample_masked(ctx, constraint.bitmask(), temperature, step_seed)
+            tok = await sample_next(
+                ctx, temperature=temperature, seed=step_seed, constraint=constraint.handle
+            )
+            constraint.sampled()
         else:
-            allowed = constraint.allowed()
+            mask = constraint.bitmask()
             ids, probs = await next_dist(ctx, constraint.n_vocab)
-            tok = _pick(ids, probs, allowed, temperature, rng)
+            tok = _pick(ids, probs, mask, temperature, rng)
+            constraint.consume([tok])
         forwards += 1
-        constraint.consume([tok])
         if tok in eos:
             break
         ctx.fill_tokens([tok])
@@ -253,19 +202,16 @@ def _step_seed(seed: int, step: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9) % (1 << 62)
 
 
-def _pick(ids: list[int], probs: list[float], allowed: np.ndarray, temperature: float, rng) -> int:
+def _pick(ids: list[int], probs: list[float], mask: bytes, temperature: float, rng) -> int:
     """The most likely allowed token, or one sampled at ``temperature`` among the allowed."""
-    ids_a = np.asarray(ids)
-    ok = allowed[ids_a]
-    if not ok.any():
+    ok = [(t, p) for t, p in zip(ids, probs, strict=True) if mask[t >> 3] >> (t & 7) & 1]
+    if not ok:
         raise RuntimeError("the grammar allows no token of the distribution")
-    ids_a, p = ids_a[ok], np.asarray(probs, dtype=np.float64)[ok]
     if temperature == 0:
-        return int(ids_a[0])  # ids come by decreasing probability
-    with np.errstate(divide="ignore"):
-        logits = np.log(p) / temperature
-    top = logits.max()
+        return ok[0][0]  # ids come by decreasing probability
+    logits = [math.log(p) / temperature if p > 0 else -math.inf for _, p in ok]
+    top = max(logits)
     if not math.isfinite(top):  # every allowed token underflowed to probability 0
-        return int(ids_a[0])
-    w = np.exp(logits - top)
-    return int(rng.choice(ids_a, p=w / w.sum()))
+        return ok[0][0]
+    weights = [math.exp(x - top) for x in logits]
+    return rng.choices([t for t, _ in ok], weights)[0]

@@ -42,6 +42,8 @@ from wit_world.imports import api as host
 
 import pastry.lang  # in the snapshot, so that inferlets can import it
 import pastry.sdk
+import pastry.sdk.args  # only what the snapshot imported can be imported later
+import pastry.sdk.grammar
 import pastry.sdk.router  # routers run sandboxed too (uploaded routers)
 from pastry.api import ApiError
 
@@ -294,7 +296,7 @@ class GuestApi:
     def sample(self, q, embed, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
                mask=None, logit_bias=None, penalty_tokens=None, penalty_prompt=None,
                repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
-               logprobs=None):  # fmt: skip
+               logprobs=None, constraint=None):  # fmt: skip
         args = (
             q, embed, float(temperature), int(top_k), float(top_p), float(min_p),
             None if seed is None else int(seed),
@@ -303,11 +305,30 @@ class GuestApi:
             mask, logit_bias, penalty_tokens, penalty_prompt, repetition_penalty,
             frequency_penalty, presence_penalty,
         )  # fmt: skip
-        if proc is None and logprobs is None:
+        if proc is None and logprobs is None and constraint is None:
             return self._queued(host.sample, *args)
         proc = proc or (None, [], [], [], 1.0, 0.0, 0.0)
         top = None if logprobs is None else int(logprobs)
+        if constraint is not None:
+            return self._queued(host.sample_constrained, *args, *proc, top, int(constraint))
         return self._queued(host.sample_with, *args, *proc, top)
+
+    # grammar constraints
+    def create_constraint(self, q, grammar):
+        return _call(host.create_constraint, q, grammar)
+
+    def constraint_state(self, c):
+        complete, stopped, forced = _call(host.constraint_state, c)
+        return complete, stopped, list(forced)
+
+    def constraint_consume(self, c, tokens):
+        _call(host.constraint_consume, c, [int(t) for t in tokens])
+
+    def constraint_mask(self, c):
+        return b"".join(w.to_bytes(4, "little") for w in _call(host.constraint_mask, c))
+
+    def free_constraint(self, c):
+        _call(host.free_constraint, c)
 
     # messaging
     def broadcast(self, topic, message):
