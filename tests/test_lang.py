@@ -326,20 +326,20 @@ async def main(args):
 """
 
 
-def test_regex_and_json_schema_gen_always_match(eng):
+@pytest.mark.parametrize("sandboxed", [False, True])
+def test_regex_and_json_schema_gen_always_match(eng, sandboxed):
+    """The grammar lives on the host: a sandboxed program (no llguidance in the guest)
+    gets the same constrained output as a trusted one."""
     import re
 
-    out, _ = run(eng, GRAMMAR)
+    if sandboxed:
+        sandbox_or_skip()
+    out, _ = run(eng, GRAMMAR, sandboxed=sandboxed)
     assert re.fullmatch(r" [0-9]{2,4}", out["n"])
     assert isinstance(json.loads(out["j"])["a"], int)
     assert re.fullmatch(r"[-+]?[0-9]+", out["i"].strip()) or out["i"] == ""
-
-
-def test_regex_in_the_sandbox_says_what_to_do(eng):
-    sandbox_or_skip()
-    end, _ = run(eng, GRAMMAR, sandboxed=True)
-    assert isinstance(end, Failed)
-    assert "llguidance" in end.error and "--trusted-uploads" in end.error
+    if sandboxed:
+        assert out == run(eng, GRAMMAR)[0]
 
 
 ERRORS = """
@@ -349,7 +349,7 @@ def p(s, which):
     if which == "missing":
         s["nope"]
     elif which == "penalty":
-        s += gen("g", max_tokens=2, frequency_penalty=1.0)
+        s += gen("g", max_tokens=2, frequency_penalty=3.0)
         s["g"]
     elif which == "raise":
         raise ValueError("from the body")

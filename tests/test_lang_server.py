@@ -40,7 +40,7 @@ PROGRAM = textwrap.dedent(
 
     @function
     def broken(s):
-        s += "x" + gen("g", max_tokens=2, presence_penalty=0.5)
+        s += "x" + gen("g", max_tokens=2, presence_penalty=5.0)
         s["g"]
 
 
@@ -242,7 +242,8 @@ def test_native_stream(server):
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
+        ({"text": "x", "sampling_params": {"frequency_penalty": 2.5}}, "frequency_penalty"),
+        ({"text": "x", "top_logprobs_num": 21, "return_logprob": True}, "top_logprobs_num"),
         ({"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),
         ({"text": "x", "image_data": "abc"}, "image_data"),
         ({"text": "x", "what": 1}, "what"),
@@ -264,3 +265,157 @@ def test_native_info_and_flush(server):
     srv = requests.get(url + "/get_server_info", timeout=10).json()
     assert srv["version"].startswith("pastry") and srv["page_size"] > 0
     assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------------- native sampling fields
+
+
+@pytest.fixture(scope="module")
+def reference(make_tiny):
+    """transformers on the server's checkpoint, and its tokenizer."""
+    import torch
+
+    from engine_util import hf_model
+    from pastry.engine.tokenizer import Tokenizer
+
+    ckpt = make_tiny("llama")
+    hf = hf_model(ckpt)
+
+    def logprobs(tokens: list[int]):
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), -1)
+
+    return Tokenizer.from_dir(ckpt), logprobs
+
+
+def reference_greedy(logprobs, prompt, n, rep=1.0, freq=0.0, pres=0.0, bias=None) -> list[int]:
+    """SGLang's (and vLLM's) penalties on transformers' logits, greedily: repetition over
+    prompt and output, frequency and presence over the output."""
+    import torch
+
+    out: list[int] = []
+    for _ in range(n):
+        x = logprobs(prompt + out)[-1].double()  # log-softmax: logits up to a constant
+        x = x - x.max() + 5.0  # positive and negative values, as logits have
+        for t, b in (bias or {}).items():
+            x[t] += b
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(x)).double()
+        seen = counts > 0
+        seen[prompt] = True
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - freq * counts - pres * (counts > 0).double()
+        out.append(int(x.argmax()))
+    return out
+
+
+def test_native_logprobs_equal_transformers(server, reference):
+    """Input and output log-probabilities (and top ones) come from the device and equal
+    transformers' log_softmax; SGLang's shapes: [logprob, token, text or null]."""
+    tok, logprobs = reference
+    prompt = tok.encode("The quick brown fox jumps over")
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 4,
+    }
+    r = post(server[0], body).json()
+    out, m = r["output_ids"], r["meta_info"]
+    ref = logprobs(prompt + out)
+    inp = m["input_token_logprobs"]
+    assert inp[0] == [None, prompt[0], None]
+    for i in range(1, len(prompt)):
+        lp, t, text = inp[i]
+        assert t == prompt[i] and text is None
+        assert lp == pytest.approx(float(ref[i - 1, t]), abs=1e-4)
+        top = m["input_top_logprobs"][i]
+        want = ref[i - 1].topk(4)
+        assert [t for _, t, _ in top] == want.indices.tolist()
+        assert [lp for lp, _, _ in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    for j, (lp, t, _) in enumerate(m["output_token_logprobs"]):
+        row = ref[len(prompt) - 1 + j]
+        assert t == out[j] == int(row.argmax())
+        assert lp == pytest.approx(float(row[t]), abs=1e-4)
+        assert [x[1] for x in m["output_top_logprobs"][j]] == row.topk(4).indices.tolist()
+    # from a later start: only the tokens from there on are scored, with the same values
+    later = post(server[0], {**body, "logprob_start_len": 3}).json()["meta_info"]
+    assert later["input_token_logprobs"][0] == [None, prompt[3], None]
+    got = later["input_token_logprobs"][1:]
+    assert [t for _, t, _ in got] == [t for _, t, _ in inp[4:]]
+    assert [lp for lp, _, _ in got] == pytest.approx([lp for lp, _, _ in inp[4:]], abs=1e-5)
+    # sampled: the chosen token's log-probability under the model (before processing)
+    hot = {**body, "sampling_params": {"max_new_tokens": 1, "temperature": 1.5, "top_k": 5,
+                                       "sampling_seed": 3}}  # fmt: skip
+    h = post(server[0], hot).json()
+    [(lp, t, _)] = h["meta_info"]["output_token_logprobs"]
+    assert lp == pytest.approx(float(ref[len(prompt) - 1, t]), abs=1e-4)
+
+
+def test_native_penalties_and_bias_match_a_reference(server, reference):
+    tok, logprobs = reference
+    prompt = tok.encode("The capital of France is")
+    first = reference_greedy(logprobs, prompt, 1)[0]
+    cases = [
+        dict(rep=1.8),
+        dict(freq=1.5),
+        dict(pres=1.2),
+        dict(rep=1.3, freq=0.5, pres=0.4, bias={first: -5.0}),
+    ]
+    for case in cases:
+        want = reference_greedy(logprobs, prompt, 8, **case)
+        sp = {
+            "max_new_tokens": 8,
+            "temperature": 0,
+            "repetition_penalty": case.get("rep", 1.0),
+            "frequency_penalty": case.get("freq", 0.0),
+            "presence_penalty": case.get("pres", 0.0),
+            "logit_bias": {str(t): b for t, b in (case.get("bias") or {}).items()},
+        }
+        r = post(server[0], {"input_ids": prompt, "sampling_params": sp}).json()
+        assert r["output_ids"] == want, case
+    assert want != reference_greedy(logprobs, prompt, 8)  # the penalties changed something
+
+
+def test_native_top_k_min_p_stop_tokens_ignore_eos_min_new_tokens(server, reference):
+    tok, logprobs = reference
+    url = server[0]
+    prompt = tok.encode("The capital of France is")
+    greedy = reference_greedy(logprobs, prompt, 6)
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):  # sampling hot, but only the top token is left
+        sp = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3, **extra}
+        assert post(url, {"input_ids": prompt, "sampling_params": sp}).json()["output_ids"] == (
+            greedy
+        ), extra
+    eos = tok.eos_token_ids[0]
+    sp = {"max_new_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 100}}
+    r = post(url, {"input_ids": prompt, "sampling_params": sp}).json()
+    assert r["output_ids"] == [eos] and r["text"] == ""
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    r = post(url, {"input_ids": prompt, "sampling_params": {**sp, "ignore_eos": True}}).json()
+    assert r["output_ids"] == [eos] * 5
+    assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    r = post(url, {"input_ids": prompt, "sampling_params": {**sp, "min_new_tokens": 3}}).json()
+    assert len(r["output_ids"]) == 4 and r["output_ids"][-1] == eos
+    assert eos not in r["output_ids"][:3]
+    # a stop token is banned before min_new_tokens too
+    sp = {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [greedy[0]]}
+    r = post(url, {"input_ids": prompt, "sampling_params": sp}).json()
+    assert r["output_ids"] == greedy[:1]
+    r = post(url, {"input_ids": prompt, "sampling_params": {**sp, "min_new_tokens": 2}}).json()
+    assert r["output_ids"][0] != greedy[0]
+
+
+def test_native_regex_with_logprobs_and_sampling(server):
+    """A grammar combines with every other field: the output matches, each token sampled
+    (no fast-forward) has its log-probability."""
+    import re
+
+    sp = {"max_new_tokens": 12, "temperature": 1.2, "top_p": 0.9, "sampling_seed": 5,
+          "regex": r"[a-c]{2}-[0-9]{3}", "frequency_penalty": 0.5}  # fmt: skip
+    body = {"text": "Code:", "sampling_params": sp, "return_logprob": True}
+    r = post(server[0], body).json()
+    assert re.fullmatch(r"[a-c]{2}-[0-9]{3}", r["text"]), r["text"]
+    lps = r["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == r["output_ids"] and all(lp <= 0 for lp, _, _ in lps)
+    assert r["meta_info"]["finish_reason"]["type"] == "stop"

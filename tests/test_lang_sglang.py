@@ -47,11 +47,21 @@ def make(lib):
     return review, judge
 
 
-@pytest.fixture(scope="module")
-def server(make_tiny, tmp_path_factory):
-    # regex gen runs llguidance, which uploads get only when the server runs them trusted
+@pytest.fixture(scope="module", params=["sandboxed", "trusted"])
+def server(request, make_tiny, tmp_path_factory):
+    # pastry.lang's programs are uploads: sandboxed by default (the regex gen's grammar is
+    # held by the host), or trusted
+    if request.param == "sandboxed":
+        from pastry.runtime import build_pyrt
+
+        try:
+            build_pyrt.build()
+        except build_pyrt.BuildError as e:
+            pytest.skip(f"cannot build the Python runtime component: {e}")
     with running_server(
-        make_tiny("llama"), tmp_path_factory.mktemp("sgl"), trusted_uploads=True
+        make_tiny("llama"),
+        tmp_path_factory.mktemp("sgl"),
+        trusted_uploads=request.param == "trusted",
     ) as s:
         yield s
 

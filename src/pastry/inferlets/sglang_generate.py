@@ -22,7 +22,6 @@ from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import check, generate_n
 from pastry.lang.scoring import score
 from pastry.sdk import Context
-from pastry.sdk.steps import truncate
 
 NAMES = {"sampling_seed": "seed"}  # SGLang's name -> pastry.lang's
 
@@ -55,6 +54,8 @@ async def main(args: list[str]) -> str:
         start = req.get("logprob_start_len")
         start = len(tokens) - 1 if start is None or start < 0 else min(start, len(tokens) - 1)
         ctx.fill_tokens(tokens[: start + 1])
+        # the prompt's log-probabilities on the device; the last token stays pending, so
+        # generation goes on from it
         scored = await score(ctx, tokens[start + 1 :], p.top_logprobs_num)
         meta["input_token_logprobs"] = [(None, tokens[start], text_of(tokens[start]))] + [
             (s.logprob, s.token, text_of(s.token)) for s in scored
@@ -63,8 +64,6 @@ async def main(args: list[str]) -> str:
             meta["input_top_logprobs"] = [None] + [
                 [(lp, t, text_of(t)) for t, lp in s.top] for s in scored
             ]
-        await truncate(ctx, len(tokens) - 1)  # generation starts from the last token again
-        ctx.fill_tokens(tokens[-1:])
     else:
         ctx.fill_tokens(tokens)
     if p.max_new_tokens == 0:

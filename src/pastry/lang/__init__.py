@@ -41,7 +41,6 @@ from pastry.lang.choices import (
 )
 from pastry.lang.expr import Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, Text, as_choices
 from pastry.lang.function import Function, function, get_default_backend, set_default_backend
-from pastry.lang.generation import Unsupported
 from pastry.lang.state import ProgramState, ProgramStateGroup
 from pastry.lang.stream import ProgramError
 
@@ -175,7 +174,6 @@ __all__ = [
     "ProgramState",
     "ProgramStateGroup",
     "RuntimeEndpoint",
-    "Unsupported",
     "assistant",
     "assistant_begin",
     "assistant_end",

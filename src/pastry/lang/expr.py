@@ -29,7 +29,8 @@ class SamplingParams:
     first one, which is not part of it); ``stop_token_ids`` end the output like an
     end-of-sequence token (not part of it either); ``ignore_eos`` keeps generating past the
     model's end-of-sequence tokens. ``regex`` / ``json_schema`` constrain the output to a
-    grammar. ``return_logprob`` adds the output tokens' log-probabilities (and
+    grammar. ``logit_bias`` ({token id: bias}, as SGLang's native API takes it) is added to
+    the logits. ``return_logprob`` adds the output tokens' log-probabilities (and
     ``top_logprobs_num`` alternatives) to the variable's meta info.
     """
 
@@ -47,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     regex: str | None = None
     json_schema: str | None = None
     return_logprob: bool = False
@@ -75,6 +77,9 @@ def _normal(name: str, value: Any) -> Any:
         return tuple(value)
     if name == "stop_token_ids":
         return tuple(int(t) for t in value)
+    if name == "logit_bias":
+        pairs = value.items() if isinstance(value, dict) else value
+        return tuple(sorted((int(t), float(b)) for t, b in pairs))
     if name == "json_schema" and not isinstance(value, str):
         import json
 

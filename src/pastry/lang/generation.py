@@ -1,40 +1,31 @@
 """One generation with SGLang's sampling parameters, on a :class:`pastry.sdk.Context`.
 
 Shared by the prompt states of :mod:`pastry.lang` (``gen``) and the native HTTP API
-(``POST /generate``). Sampling runs on the device (only the token id comes back) unless a
-parameter needs the distribution on the host: ``return_logprob`` (the chosen token's
-log-probability and alternatives), ``min_new_tokens`` (end tokens are excluded before it).
-``regex`` / ``json_schema`` decode through :mod:`pastry.sdk.grammar` (llguidance).
-
-Parameters this server cannot honour yet raise :class:`Unsupported` naming them — never
-silently ignored.
+(``POST /generate``). Every step is one ``sample`` call, with everything that shapes the
+distribution done on the device: temperature, top-k / top-p / min-p, the penalties
+(SGLang's: repetition over prompt and output, frequency and presence over the output),
+``min_new_tokens`` (end tokens get a -inf bias before it), ``regex`` / ``json_schema`` (a
+grammar constraint the host holds and advances, :mod:`pastry.sdk.grammar`; tokens it
+forces are appended without a step unless log-probabilities are asked for) and
+``return_logprob`` (the device returns the chosen token's log-probability and the top
+ones: the model's raw distribution, before processing). Stop strings and stop tokens are
+checked here, after ``min_new_tokens``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pastry.lang.expr import SamplingParams
-from pastry.sdk import EosTokens, MaxTokens, StopCondition, StopStrings
+from pastry.sdk import StopCondition, StopStrings
 from pastry.sdk.context import Context
-from pastry.sdk.sampling import Sampler
+from pastry.sdk.steps import sample_next
 
-# Parameters with the value that leaves them off, which this server does not implement.
-NOT_YET = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-HOST_K = 256  # alternatives read per step when sampling on the host
-
-
-class Unsupported(ValueError):
-    """A sampling parameter this server does not implement; ``param`` names it."""
-
-    def __init__(self, param: str, why: str) -> None:
-        super().__init__(f"{param!r} is not supported: {why}")
-        self.param = param
+MAX_LOGPROBS = 20  # the most top log-probabilities ``sample`` returns (the API's limit)
 
 
 @dataclass
@@ -48,10 +39,7 @@ class Generation:
 
 
 def check(params: SamplingParams) -> None:
-    """Raise ``ValueError`` (or :class:`Unsupported`) naming the first bad parameter."""
-    for name, off in NOT_YET.items():
-        if getattr(params, name) != off:
-            raise Unsupported(name, "penalties are not implemented by this server yet")
+    """Raise ``ValueError`` naming the first bad parameter."""
     p = params
     rules = [
         ("max_new_tokens", isinstance(p.max_new_tokens, int) and p.max_new_tokens >= 0,
@@ -65,21 +53,24 @@ def check(params: SamplingParams) -> None:
         ("top_k", isinstance(p.top_k, int) and (p.top_k == -1 or p.top_k >= 0),
          "-1 (off) or an integer >= 0"),
         ("min_p", _num(p.min_p) and 0 <= p.min_p <= 1, "a number in [0, 1]"),
-        ("top_logprobs_num", isinstance(p.top_logprobs_num, int) and p.top_logprobs_num >= 0,
-         "an integer >= 0"),
+        ("repetition_penalty", _num(p.repetition_penalty)
+         and 0 < p.repetition_penalty < math.inf, "a number > 0 (1: off)"),
+        ("frequency_penalty", _num(p.frequency_penalty) and abs(p.frequency_penalty) <= 2,
+         "a number from -2 to 2 (0: off)"),
+        ("presence_penalty", _num(p.presence_penalty) and abs(p.presence_penalty) <= 2,
+         "a number from -2 to 2 (0: off)"),
+        ("top_logprobs_num", isinstance(p.top_logprobs_num, int)
+         and 0 <= p.top_logprobs_num <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}"),
+        ("seed", p.seed is None or (isinstance(p.seed, int) and not isinstance(p.seed, bool)),
+         "an integer"),
+        ("logit_bias", all(t >= 0 and not math.isnan(b) and b != math.inf
+                           for t, b in p.logit_bias), "{token id: bias} (bias < +inf)"),
     ]  # fmt: skip
     for name, ok, what in rules:
         if not ok:
             raise ValueError(f"{name!r} must be {what}, got {getattr(p, name)!r}")
     if p.regex is not None and p.json_schema is not None:
         raise ValueError("give at most one of 'regex' and 'json_schema'")
-    if p.regex is not None or p.json_schema is not None:
-        which = "regex" if p.regex is not None else "json_schema"
-        for name, off in (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("min_new_tokens", 0)):
-            if getattr(p, name) != off and not (name == "top_k" and p.top_k == 0):
-                raise Unsupported(name, f"it cannot be combined with {which!r} here")
-        if p.return_logprob:
-            raise Unsupported("return_logprob", f"it cannot be combined with {which!r} here")
 
 
 def _num(v: Any) -> bool:
@@ -89,58 +80,126 @@ def _num(v: Any) -> bool:
 async def generate(
     ctx: Context, params: SamplingParams, on_text: Callable[[str], None] | None = None
 ) -> Generation:
-    """Generate once on ``ctx`` (which has a pending token); the tokens stay in ``ctx``.
-    ``on_text`` receives the text as it grows (pieces that can no longer change)."""
+    """Generate once on ``ctx`` (which has a pending token); the tokens stay in ``ctx`` (a
+    final end token is not added). ``on_text`` receives the text as it grows (pieces that
+    can no longer change)."""
     check(params)
-    if params.max_new_tokens == 0:
-        return Generation(
-            "", [], {"type": "length", "length": 0}, [] if params.return_logprob else None
-        )
-    if params.regex is not None or params.json_schema is not None:
-        return await _constrained(ctx, params)
-    start = len(ctx.tokens)
-    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(ctx.eos_ids))
-    stops = [s for s in params.stops if s]
-    cond: StopCondition = MaxTokens(params.max_new_tokens) | EosTokens(sorted(ends))
-    if stops:
-        cond = cond | StopStrings(stops)
-    if params.min_new_tokens:
-        cond = _AtLeast(params.min_new_tokens, cond)
+    p = params
+    if p.max_new_tokens == 0:
+        return Generation("", [], {"type": "length", "length": 0}, [] if p.return_logprob else None)
+    constraint = None
+    if p.regex is not None or p.json_schema is not None:
+        from pastry.sdk.grammar import Constraint
+
+        spec = {"regex": p.regex} if p.regex is not None else {"json_schema": p.json_schema}
+        constraint = Constraint(ctx, spec)
+    try:
+        return await _decode(ctx, p, on_text, constraint)
+    finally:
+        if constraint is not None:
+            constraint.free()
+
+
+async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Generation:
+    a, q = ctx.api, ctx.queue
+    prompt = list(ctx.tokens)
+    eos = set(ctx.eos_ids)
+    ends = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
+    stops = [s for s in p.stops if s]
+    stop = StopStrings(stops) if stops else None
     stream = None
     if on_text is not None:
-        stream = _Stream(on_text, lambda t: ctx.api.detokenize(ctx.queue, t), ends, stops)
-        cond = stream | cond  # first, so that it sees every step
-    host = params.return_logprob or params.min_new_tokens > 0
-    sampler: Any = (
-        _HostSampler(params, ends)
-        if host
-        else Sampler(
-            temperature=params.temperature,
-            top_k=max(params.top_k, 0),
-            top_p=params.top_p,
-            min_p=params.min_p,
-            seed=params.seed,
+        stream = _Stream(on_text, lambda t: a.detokenize(q, t), ends, stops)
+    bias = list(p.logit_bias)
+    banned = bias + [(t, -math.inf) for t in sorted(ends)]
+    penalties: dict[str, Any] = {}
+    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        penalties = dict(
+            penalty_prompt=prompt if p.repetition_penalty != 1.0 else None,
+            repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty,
         )
-    )
-    await ctx.generate(sampler, cond)
-    out = ctx.tokens[start:]
-    body = out
-    reason: dict[str, Any] = {"type": "length", "length": params.max_new_tokens}
-    if out and out[-1] in ends:
-        body = out[:-1]
-        reason = {"type": "stop", "matched": out[-1]}
-    text = ctx.api.detokenize(ctx.queue, body)
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
-    if cut >= 0:
-        matched = min((s for s in stops if s in text), key=text.find)
-        text, reason = text[:cut], {"type": "stop", "matched": matched}
+    fast_forward = not p.return_logprob  # a forced token has no log-probability
+    out: list[int] = []
+    chosen: list[tuple[float, int]] = []
+    tops: list[list[tuple[float, int]]] = []
+    reason: dict[str, Any] = {"type": "length", "length": p.max_new_tokens}
+    steps = 0
+    while len(out) < p.max_new_tokens:
+        if constraint is not None:
+            _, done, forced = constraint.state()
+            if done:  # the grammar admits nothing more: the output ends as at an end token
+                reason = {"type": "stop", "matched": ctx.eos_ids[0]}
+                break
+            if forced and fast_forward:
+                forced = forced[: p.max_new_tokens - len(out)]
+                constraint.consume(forced)
+                ctx.fill_tokens(forced)
+                out += forced
+                if _stopped(out, p, stop, stream, a, q):
+                    reason = {"type": "stop", "matched": _matched(a, q, out, stops)}
+                    break
+                continue
+        kw: dict[str, Any] = dict(
+            temperature=p.temperature,
+            top_k=max(p.top_k, 0),
+            top_p=p.top_p,
+            min_p=p.min_p,
+            seed=None if p.seed is None else p.seed + steps,
+        )
+        if len(out) < p.min_new_tokens and ends:
+            kw["logit_bias"] = banned
+        elif bias:
+            kw["logit_bias"] = bias
+        if penalties:
+            kw.update(penalties, penalty_tokens=out)
+        if p.return_logprob:
+            kw["logprobs"] = p.top_logprobs_num
+        if constraint is not None:
+            kw["constraint"] = constraint.handle
+        got = await sample_next(ctx, **kw)
+        steps += 1
+        if constraint is not None:
+            constraint.sampled()
+        if p.return_logprob:
+            tok, lp, ids, lps = got
+            chosen.append((lp, tok))
+            tops.append(list(zip(lps, ids, strict=True)))
+        else:
+            tok = got
+        out.append(tok)
+        if tok in ends or (constraint is not None and tok in eos):
+            reason = {"type": "stop", "matched": tok}
+            break
+        ctx.fill_tokens([tok])
+        if _stopped(out, p, stop, stream, a, q):
+            reason = {"type": "stop", "matched": _matched(a, q, out, stops)}
+            break
+    matched = reason.get("matched")
+    ended = isinstance(matched, int) and bool(out) and out[-1] == matched
+    text = a.detokenize(q, out[:-1] if ended else out)
+    if isinstance(matched, str):
+        text = text[: text.find(matched)]
     if stream is not None:
         stream.flush(text)
     gen = Generation(text, out, reason)
-    if host:
-        gen.logprobs = sampler.chosen
-        gen.top_logprobs = sampler.top
+    if p.return_logprob:
+        gen.logprobs, gen.top_logprobs = chosen, tops
     return gen
+
+
+def _stopped(out: list[int], p: SamplingParams, stop, stream, a, q) -> bool:
+    """Pass the new text on (streaming) and say whether a stop string ended the output."""
+    tail = a.detokenize(q, out[-stop.tail_tokens :]) if stop is not None else ""
+    if stream is not None:
+        stream.should_stop(out, tail)
+    return stop is not None and len(out) >= p.min_new_tokens and stop.should_stop(out, tail)
+
+
+def _matched(a, q, out: list[int], stops: list[str]) -> str:
+    text = a.detokenize(q, out)
+    return min((s for s in stops if s in text), key=text.find)
 
 
 async def generate_n(
@@ -154,107 +213,11 @@ async def generate_n(
         for i, b in enumerate(branches):
             p = params
             if p.seed is not None and i:
-                from dataclasses import replace
-
                 p = replace(p, seed=(p.seed + i * 0x9E3779B9) % (1 << 62))
             runs.append(generate(b, p, on_text[i] if on_text else None))
         return list(await asyncio.gather(*runs))
     finally:
         await asyncio.gather(*(b.release() for b in branches[1:]))
-
-
-async def _constrained(ctx: Context, params: SamplingParams) -> Generation:
-    try:
-        from pastry.sdk import grammar
-    except ImportError as e:  # the sandbox's runtime has no llguidance
-        which = "regex" if params.regex is not None else "json_schema"
-        raise Unsupported(
-            which,
-            f"grammar-constrained generation needs llguidance, which this runtime lacks ({e}); "
-            "run the program trusted (a built-in, or `pastry serve --trusted-uploads`)",
-        ) from None
-    spec = {"regex": params.regex} if params.regex is not None else {
-        "json_schema": params.json_schema}  # fmt: skip
-    constraint = grammar.Constraint(ctx, spec)
-    got = await grammar.generate(
-        ctx, constraint, params.max_new_tokens, params.temperature, params.seed
-    )
-    text = ctx.api.detokenize(ctx.queue, got.tokens)
-    if got.complete:
-        reason: dict[str, Any] = {"type": "stop", "matched": ctx.eos_ids[0]}
-    else:
-        reason = {"type": "length", "length": params.max_new_tokens}
-    stops = [s for s in params.stops if s]
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
-    if cut >= 0:
-        matched = min((s for s in stops if s in text), key=text.find)
-        text, reason = text[:cut], {"type": "stop", "matched": matched}
-    return Generation(text, list(got.tokens), reason)
-
-
-class _AtLeast(StopCondition):
-    """``inner``, but never before ``n`` tokens."""
-
-    def __init__(self, n: int, inner: StopCondition) -> None:
-        self.n, self.inner = n, inner
-        self.tail_tokens = inner.tail_tokens
-
-    def should_stop(self, tokens, text) -> bool:
-        return len(tokens) >= self.n and self.inner.should_stop(tokens, text)
-
-    def trim(self, text: str) -> str:
-        return self.inner.trim(text)
-
-
-class _HostSampler:
-    """Samples from the top-``HOST_K`` distribution on the host, recording the chosen
-    token's log-probability and the alternatives; excludes end tokens before
-    ``min_new_tokens``. Greedy at temperature 0; otherwise temperature, top-k, top-p and
-    min-p over those ``HOST_K`` tokens (the tail beyond them is not sampled)."""
-
-    on_device = False
-
-    def __init__(self, p: SamplingParams, ends: set[int]) -> None:
-        self.p, self.ends = p, ends
-        self.rng = random.Random(p.seed)
-        self.chosen: list[tuple[float, int]] = []
-        self.top: list[list[tuple[float, int]]] = []
-
-    def params(self, step: int) -> dict:  # not used: this sampler is on the host
-        raise AssertionError("host sampler")
-
-    def choose(self, ids: list[int], probs: list[float]) -> int:
-        p = self.p
-        cands = list(zip(ids, probs, strict=True))
-        if len(self.chosen) < p.min_new_tokens:
-            cands = [c for c in cands if c[0] not in self.ends] or cands
-        if p.temperature == 0:
-            tok, prob = cands[0]
-        else:
-            if p.top_k > 0:
-                cands = cands[: p.top_k]
-            if p.min_p > 0:
-                cands = [c for c in cands if c[1] >= p.min_p * cands[0][1]]
-            weights = [math.exp(math.log(max(q, 1e-45)) / p.temperature) for _, q in cands]
-            if p.top_p < 1:
-                total, acc, keep = sum(weights), 0.0, 0
-                for w in weights:
-                    keep += 1
-                    acc += w
-                    if acc >= p.top_p * total:
-                        break
-                cands, weights = cands[:keep], weights[:keep]
-            tok, prob = self.rng.choices(cands, weights)[0]
-        lp = math.log(prob) if prob > 0 else -math.inf
-        self.chosen.append((lp, tok))
-        n = p.top_logprobs_num
-        self.top.append(
-            [
-                (math.log(q) if q > 0 else -math.inf, i)
-                for i, q in zip(ids[:n], probs[:n], strict=False)
-            ]
-        )
-        return tok
 
 
 class _Stream(StopCondition):

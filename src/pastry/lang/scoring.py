@@ -1,11 +1,14 @@
 """Log-probabilities of given tokens: what ``select`` ranks choices by and what the native
 API returns as prompt log-probabilities. Everything that reads a token's probability
-goes through :func:`score`, so that it can move to on-device log-probabilities in one place.
+goes through :func:`score`.
 
-:func:`score` appends tokens to a context and forwards them, with every token pending
-before them, in *one* forward call whose outputs are read at each position: the
-top-``k`` distribution, and the full distribution only for a position whose token is not
-among the top ``k`` (exact, and cheap for the likely tokens a scored text is made of).
+:func:`score` appends tokens to a context and forwards them with the API's prompt
+log-probabilities (``forward(..., logprob_targets=...)``): the engine computes each
+token's log-probability under the model (and the top alternatives when asked) on the
+device, and only those numbers come back — one forward call, whatever the vocabulary.
+Tokens pending before the scored ones are forwarded in a call of their own without outputs,
+issued together with it (the two usually share an engine batch), so the output head runs
+only where a log-probability is wanted.
 
 ``select`` scores each choice on a fork of the prompt's context, so the prompt's K/V is
 computed once and shared by every choice (:func:`choice_logprobs`). Which tokens score a
@@ -17,14 +20,11 @@ that token is scored too.
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 from pastry.sdk.context import Context
-from pastry.sdk.steps import _forward_pending, truncate
-
-TOP_K = 64  # alternatives read at every position before falling back to the full row
+from pastry.sdk.steps import truncate
 
 
 @dataclass(frozen=True)
@@ -34,46 +34,51 @@ class Scored:
     top: tuple[tuple[int, float], ...] = ()  # (token, logprob) alternatives, most likely first
 
 
-def _log(p: float) -> float:
-    return math.log(p) if p > 0 else -math.inf
+def _forward(ctx: Context, tokens: list[int], slots: list[int], **kw) -> list[Awaitable]:
+    """Issue embed + forward of ``tokens`` after the context's K/V, storing theirs, with
+    ``slots`` as input embeddings and no output embedding; the tokens count as forwarded."""
+    a, q, ps = ctx.api, ctx.queue, ctx.page_size
+    n, start = len(tokens), ctx.kv_len
+    need = -(-(start + n) // ps) - len(ctx.pages)
+    if need > 0:
+        ctx._alloc_pages(need)
+    ctx_pages = ctx.pages[: -(-start // ps)]
+    last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
+    out_pages = ctx.pages[start // ps : -(-(start + n) // ps)]
+    ctx.kv_len += n
+    return [
+        a.embed_txt(q, list(tokens), list(range(start, start + n)), slots),
+        a.forward(q, ctx_pages, last, slots, out_pages, start % ps, [], None, **kw),
+    ]
 
 
 async def score(ctx: Context, tokens: Sequence[int], top_n: int = 0) -> list[Scored]:
-    """Append ``tokens`` to ``ctx`` and forward them with the tokens pending before them (at
-    least one); each appended token's log-probability given every token before it, with the
-    ``top_n`` most likely tokens at its position. Outputs are read only from the last
-    pending token on (the ones before are forwarded first, without). Afterwards nothing is
-    pending."""
+    """Append ``tokens`` to ``ctx`` and score them: each one's log-probability given every
+    token before it, with the ``top_n`` (at most 20) most likely tokens at its place. At
+    least one token must be pending before them. Afterwards, like after ``flush``, every
+    token but the last is in the KV cache and the last is pending (generation can go on
+    from it)."""
+    ctx._check_live()
     if not ctx.pending:
         raise ValueError("score needs a pending token before the scored ones: fill it first")
+    tokens = list(tokens)
     if not tokens:
         return []
-    await ctx.flush()  # the context before the last pending token: no outputs read there
-    before = len(ctx.pending)
+    head = ctx.pending[:-1]
+    ctx.pending = ctx.pending[-1:]
     ctx.fill_tokens(tokens)
-    n_out = len(ctx.pending)
-    k = max(TOP_K, top_n)
-    futs = _forward_pending(ctx, n_out, k)
-    slots = ctx._embed_slots(n_out * 2)[n_out:]  # where _forward_pending put the outputs
-    dists = (await asyncio.gather(*futs))[2:]
-    # the output at pending position i predicts pending token i + 1
-    wanted = [(before - 1 + j, t) for j, t in enumerate(tokens)]
-    rows = ctx.api.get_vocab_size(ctx.queue)
-    missing = [i for i, t in wanted if t not in dists[i][0]]
-    if missing:
-        full = await asyncio.gather(
-            *(ctx.api.get_next_dist(ctx.queue, slots[i], rows) for i in missing)
-        )
-        dists = list(dists)
-        for i, d in zip(missing, full, strict=True):
-            dists[i] = d
-    out = []
-    for i, t in wanted:
-        ids, probs = dists[i]
-        lp = _log(probs[ids.index(t)])
-        top = tuple((a, _log(p)) for a, p in zip(ids[:top_n], probs[:top_n], strict=False))
-        out.append(Scored(t, lp, top))
-    return out
+    seq = ctx.pending
+    slots = ctx._embed_slots(len(head) + len(seq) - 1)
+    futs: list[Awaitable] = []
+    if head:
+        futs += _forward(ctx, head, slots[: len(head)])
+    futs += _forward(ctx, seq[:-1], slots[len(head) :], logprob_targets=seq[1:], logprob_top=top_n)
+    ctx.pending = seq[-1:]
+    lps, ids, tops = (await asyncio.gather(*futs))[-1]
+    return [
+        Scored(t, lp, tuple(zip(i[:top_n], v[:top_n], strict=True)))
+        for t, lp, i, v in zip(tokens, lps, ids, tops, strict=True)
+    ]
 
 
 def scored_span(prompt_len: int) -> int:

@@ -30,7 +30,7 @@ import pastry
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
-from pastry.lang.generation import check
+from pastry.lang.generation import MAX_LOGPROBS, check
 from pastry.server.auth import tenant_session, user_of
 from pastry.server.limits import token_counts
 from pastry.server.service import LaunchQuotaError, PastryServer
@@ -53,13 +53,13 @@ OFF = {
 SAMPLING = {
     "max_new_tokens", "min_new_tokens", "n", "stop", "stop_token_ids", "temperature",
     "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-    "repetition_penalty", "ignore_eos", "regex", "json_schema", "sampling_seed",
+    "repetition_penalty", "ignore_eos", "regex", "json_schema", "sampling_seed", "logit_bias",
 }  # fmt: skip
 # sampling_params accepted only at the value that leaves them off (others: 400).
 SAMPLING_OFF = {
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "no_stop_trim": (None, False), "ebnf": (None,), "structural_tag": (None,),
-    "custom_params": (None,), "stop_regex": (None, [], ""), "logit_bias": (None, {}),
+    "custom_params": (None,), "stop_regex": (None, [], ""),
     "dtype": (None,),
 }  # fmt: skip
 MAX_N = 16
@@ -217,7 +217,7 @@ def parse(server: PastryServer, body: Any) -> Job:
         raise ApiError(f"'stream' must be true or false, got {stream!r}")
     args, ns = [], []
     for i, prompt in enumerate(prompts):
-        sp = _sampling(sampling[i])
+        sp = _sampling(sampling[i], vocab)
         req = {**prompt, "sampling_params": sp, "model": model, "stream": stream}
         for name, values in per.items():
             if values[i] is not None:
@@ -241,7 +241,7 @@ def _per_prompt(value: Any, k: int, name: str, default: Any) -> list[Any]:
     return [default if value is None else value] * k
 
 
-def _sampling(given: Any) -> dict[str, Any]:
+def _sampling(given: Any, vocab: int) -> dict[str, Any]:
     if not isinstance(given, dict):
         raise ApiError(f"'sampling_params' must be an object, got {given!r:.100}")
     out: dict[str, Any] = {}
@@ -259,6 +259,15 @@ def _sampling(given: Any) -> dict[str, Any]:
         out["stop"] = [out["stop"]]
     if "json_schema" in out and not isinstance(out["json_schema"], str):
         out["json_schema"] = json.dumps(out["json_schema"])
+    for name in ("stop_token_ids", "logit_bias"):
+        if name not in out:
+            continue
+        tokens = list(out[name]) if isinstance(out[name], dict) else out[name]
+        if not isinstance(tokens, list) or not all(_token(t, vocab) for t in tokens):
+            raise ApiError(
+                f"'sampling_params.{name}' must {'map' if name == 'logit_bias' else 'list'} "
+                f"token ids (0 to {vocab - 1}), got {out[name]!r:.100}"
+            )
     try:
         p = SamplingParams().override({("seed" if k == "sampling_seed" else k): v
                                        for k, v in out.items()})  # fmt: skip
@@ -272,6 +281,13 @@ def _sampling(given: Any) -> dict[str, Any]:
     if p.json_schema is not None:
         _check_grammar({"json_schema": p.json_schema})
     return out
+
+
+def _token(t: Any, vocab: int) -> bool:
+    """A token id, or its decimal text (JSON object keys, as in ``logit_bias``)."""
+    if isinstance(t, str) and t.isdigit():
+        t = int(t)
+    return type(t) is int and 0 <= t < vocab
 
 
 def _check_grammar(spec: dict) -> None:
@@ -289,8 +305,11 @@ def _check_logprob_args(req: dict) -> None:
         v = req.get(name)
         if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
             raise ApiError(f"'{name}' must be {'true or false' if kind is bool else 'an integer'}")
-    if (req.get("top_logprobs_num") or 0) < 0:
-        raise ApiError("'top_logprobs_num' must be >= 0")
+    if not 0 <= (req.get("top_logprobs_num") or 0) <= MAX_LOGPROBS:
+        raise ApiError(f"'top_logprobs_num' must be from 0 to {MAX_LOGPROBS}")
+    start = req.get("logprob_start_len")
+    if start is not None and start < -1:
+        raise ApiError("'logprob_start_len' must be -1 (the last prompt token) or >= 0")
 
 
 # ---------------------------------------------------------------------- tenant limits (issue 17)
