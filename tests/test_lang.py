@@ -440,3 +440,63 @@ def _hf_tokenizer(path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+# ---------------------------------------------------------------------- real weights
+
+REAL = """
+@function
+def quiz(s, question, choices):
+    s += "Q: " + question + "\\nA:" + select("answer", choices=choices)
+
+@function
+def fill(s, prompt, pattern):
+    s += prompt + gen("out", regex=pattern, max_tokens=24)
+
+async def main(args):
+    a = json.loads(args[0])
+    picks = [(await quiz.arun(question=q, choices=c))["answer"] for q, c in a["quiz"]]
+    outs = []
+    for prompt, pattern, temperature, seed in a["gen"]:
+        st = await fill.arun(prompt=prompt, pattern=pattern, temperature=temperature, seed=seed)
+        outs.append(st["out"])
+    return json.dumps({"picks": picks, "outs": outs})
+"""
+QUIZ = [
+    ("What is the capital of France?", [" London", " Paris", " Madrid"], " Paris"),
+    ("What color is the sky on a clear day?", [" Green", " Purple", " Blue"], " Blue"),
+    ("What is 2 + 2?", [" 4", " 7", " 9"], " 4"),
+    ("What is the opposite of hot?", [" Tall", " Green", " Cold"], " Cold"),
+    ("How many days are there in a week?", [" 3", " 20", " 7"], " 7"),
+]
+PATTERNS = [
+    ("Call me at ", r"\(\d{3}\) \d{3}-\d{4}"),
+    ("The meeting is on ", r"(Monday|Tuesday|Friday) at [1-9](am|pm)"),
+    ("My email address is ", r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)"),
+]
+
+
+def check_real_weights(engine, sandboxed: bool) -> None:
+    """On a real model: ``select`` over obvious choices picks the right one, and regex
+    ``gen`` always matches, greedy and sampled."""
+    import re
+
+    cases = [(p, rx, t, s) for p, rx in PATTERNS for t, s in ((0.0, None), (0.9, 1), (1.3, 2))]
+    args = json.dumps({"quiz": [(q, c) for q, c, _ in QUIZ], "gen": cases})
+    out, _ = run(engine, REAL, [args], sandboxed)
+    assert out["picks"] == [want for _, _, want in QUIZ], out
+    for (_, rx, _, _), text in zip(cases, out["outs"], strict=True):
+        assert re.fullmatch(rx, text), (rx, text)
+
+
+@pytest.mark.parametrize("sandboxed", [False, True])
+def test_real_weights_select_and_regex(smollm2_gguf, sandboxed):
+    from pastry.engine.config import CheckpointError
+
+    try:
+        engine = load_engine(smollm2_gguf, num_pages=512, page_size=16)
+    except CheckpointError as e:
+        pytest.skip(f"this build cannot load a GGUF file yet ({e})")
+    if sandboxed:
+        sandbox_or_skip()
+    check_real_weights(engine, sandboxed)
