@@ -453,6 +453,11 @@ def quiz(s, question, choices):
 def fill(s, prompt, pattern):
     s += prompt + gen("out", regex=pattern, max_tokens=24)
 
+@function
+def person(s, schema):
+    s += user("Describe a fictional person as JSON with a name and an age.")
+    s += assistant(gen("out", json_schema=schema, max_tokens=48))
+
 async def main(args):
     a = json.loads(args[0])
     picks = [(await quiz.arun(question=q, choices=c))["answer"] for q, c in a["quiz"]]
@@ -460,7 +465,11 @@ async def main(args):
     for prompt, pattern, temperature, seed in a["gen"]:
         st = await fill.arun(prompt=prompt, pattern=pattern, temperature=temperature, seed=seed)
         outs.append(st["out"])
-    return json.dumps({"picks": picks, "outs": outs})
+    people = []
+    for temperature, seed in a["json"]:
+        st = await person.arun(schema=a["schema"], temperature=temperature, seed=seed)
+        people.append(st["out"])
+    return json.dumps({"picks": picks, "outs": outs, "people": people})
 """
 QUIZ = [
     ("What is the capital of France?", [" London", " Paris", " Madrid"], " Paris"),
@@ -474,29 +483,44 @@ PATTERNS = [
     ("The meeting is on ", r"(Monday|Tuesday|Friday) at [1-9](am|pm)"),
     ("My email address is ", r"[a-z]{3,8}@[a-z]{3,8}\.(com|org)"),
 ]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"},
+        "age": {"type": "integer", "minimum": 1, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+SETTINGS = ((0.0, None), (0.9, 1), (1.3, 2))  # greedy and sampled
 
 
 def check_real_weights(engine, sandboxed: bool) -> None:
-    """On a real model: ``select`` over obvious choices picks the right one, and regex
-    ``gen`` always matches, greedy and sampled."""
+    """On a real model: ``select`` over obvious choices picks the right one; regex and
+    JSON-schema ``gen`` always give a match, greedy and sampled."""
     import re
 
-    cases = [(p, rx, t, s) for p, rx in PATTERNS for t, s in ((0.0, None), (0.9, 1), (1.3, 2))]
-    args = json.dumps({"quiz": [(q, c) for q, c, _ in QUIZ], "gen": cases})
-    out, _ = run(engine, REAL, [args], sandboxed)
+    cases = [(p, rx, t, s) for p, rx in PATTERNS for t, s in SETTINGS]
+    args = {"quiz": [(q, c) for q, c, _ in QUIZ], "gen": cases, "json": SETTINGS}
+    out, _ = run(engine, REAL, [json.dumps({**args, "schema": json.dumps(PERSON)})], sandboxed)
     assert out["picks"] == [want for _, _, want in QUIZ], out
     for (_, rx, _, _), text in zip(cases, out["outs"], strict=True):
         assert re.fullmatch(rx, text), (rx, text)
+    assert len(out["people"]) == len(SETTINGS)
+    for text in out["people"]:
+        person = json.loads(text)
+        assert set(person) == {"name", "age"}, text
+        assert re.fullmatch("[A-Z][a-z]{1,11}", person["name"]), text
+        assert type(person["age"]) is int and 1 <= person["age"] <= 120, text
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return load_engine(smollm2_gguf, num_pages=512, page_size=16)
 
 
 @pytest.mark.parametrize("sandboxed", [False, True])
-def test_real_weights_select_and_regex(smollm2_gguf, sandboxed):
-    from pastry.engine.config import CheckpointError
-
-    try:
-        engine = load_engine(smollm2_gguf, num_pages=512, page_size=16)
-    except CheckpointError as e:
-        pytest.skip(f"this build cannot load a GGUF file yet ({e})")
+def test_real_weights_select_regex_json(smollm2, sandboxed):
     if sandboxed:
         sandbox_or_skip()
-    check_real_weights(engine, sandboxed)
+    check_real_weights(smollm2, sandboxed)
