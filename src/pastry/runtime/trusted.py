@@ -47,6 +47,12 @@ class ProgramError(ValueError):
     """The program cannot be loaded (syntax error, no suitable ``main``)."""
 
 
+class InferletFailure(Exception):
+    """Raised by a program's ``main`` to end its instance with exactly this message as the
+    error, without the host's traceback (a sandboxed inferlet's own traceback, a trap, a
+    limit it went over)."""
+
+
 @dataclass(frozen=True)
 class Program:
     name: str
@@ -152,6 +158,8 @@ class TrustedRuntime:
             self._finish(inst, Finished(result))
         except asyncio.CancelledError:
             self._finish(inst, inst.end or Terminated("terminated"))
+        except InferletFailure as e:
+            self._finish(inst, Failed(str(e)))
         except Exception:
             log.debug("inferlet %d failed", inst.id, exc_info=True)
             self._finish(inst, Failed(tenant_traceback()))

@@ -1,30 +1,40 @@
 """The sandboxed runner: inferlets as WebAssembly components on Wasmtime fibers.
 
 A sandboxed program is Python source like a trusted one (``async def main(args)``), but
-it is never executed by the host: each launch instantiates the generic Python runtime
-component ("pyrt", :mod:`pastry.runtime.build_pyrt`) in its own Wasmtime ``Store`` and
-runs the source there, with ``pastry.sdk`` bound to the component's imports
-(``wit/pastry.wit``). The host side of every import is the instance's
-:class:`~pastry.control.session.Session`, the same object trusted inferlets call, so
-sandboxed and trusted inferlets share the batch scheduler and batch together.
+the host never executes it, nor even parses it: the generic Python runtime component
+("pyrt", :mod:`pastry.runtime.build_pyrt`) compiles it in an instance of its own
+(``compile-source``; :func:`sandboxed_program`, or :func:`sandboxed_program_async` off the
+event loop), and each launch runs the compiled code in a fresh instance, with
+``pastry.sdk`` bound to the component's imports (``wit/pastry.wit``). The host side of
+every import is the instance's :class:`~pastry.control.session.Session`, the same object
+trusted inferlets call, so sandboxed and trusted inferlets share the batch scheduler and
+batch together.
 
-How it is driven (one asyncio loop, no threads per guest):
+How it is driven (one asyncio loop, no thread per guest):
 
 - One :class:`WasmSandbox` per process: one Engine (epoch interruption; an epoch ticker
-  thread), one component Linker, the compiled pyrt component.
+  thread), one component Linker, the compiled pyrt component, and a :class:`GuestPool` of
+  pre-started instances (made on a background thread, each parked in ``next-inferlet``):
+  a launch binds one to its session and resumes it, so N simultaneous launches do not
+  queue behind N instantiations.
 - :func:`sandboxed_program` returns a :class:`~pastry.runtime.trusted.Program` whose
   ``main`` runs the guest, so :class:`~pastry.runtime.trusted.TrustedRuntime` launches,
   terminates and reports sandboxed instances exactly like trusted ones.
 - The guest runs as a Wasmtime *call future* (a fiber). The loop polls it; it runs until
-  it blocks in the host's ``wait`` import, finishes, or yields at an epoch tick. Host
-  imports are shallow: they translate values, call the Session and return (queued calls
-  return a ``pending`` handle at once). ``wait`` suspends the fiber until one of its
-  futures completes; that future's done-callback polls the guest again.
+  it blocks in a blocking import (``wait``, ``wait-take``, ``next-inferlet``), finishes,
+  or yields at an epoch tick. Other imports are synchronous host functions: they convert
+  values (:mod:`pastry.runtime.wasm_codec`), call the Session and return (queued calls
+  return a ``pending`` handle at once). A blocking import suspends the fiber until one of
+  its futures completes (or the host's timer fires: ``time.sleep`` and ``asyncio.sleep``
+  in the guest wait here); that future's done-callback polls the guest again.
+- WASI's own clock waits are refused (the guest traps): Wasmtime would block the whole
+  thread in them, and with it the server.
 - Limits per instance (:class:`SandboxLimits`): linear memory (store limits), CPU (thread
   time spent polling the guest, checked after every slice of at most one epoch tick),
-  message size, and KV pages and embeddings held (set on the instance's resource
-  managers at launch, ``ResourceManager.set_limit``). Over a limit, the instance ends with
-  an error naming it; the others go on.
+  wall-clock lifetime (a host timer), message size, and KV pages and embeddings held (set
+  on the instance's resource managers at launch). Over a limit, the instance ends with an
+  error naming it; the others go on. When an instance ends, its Store is closed at once
+  (its memory is returned then, not at the next garbage collection).
 - What component and core-module guests share (the Engine, limits, guest state, checks
   inside host calls) is :mod:`pastry.runtime.wasm_host`; core modules' Linker is
   :mod:`pastry.runtime.wasm_core`.
@@ -32,21 +42,24 @@ How it is driven (one asyncio loop, no threads per guest):
 Pitfalls handled here (see ``docs/sandbox.md``): the ctypes binding of
 ``wasmtime_context_epoch_deadline_async_yield_and_update`` declares a result the library
 does not return (restype fixed to None, or reading it segfaults); a finished call future
-is never polled again; every callback catches everything and reports through the error
-out-parameter; an async callback always fills its continuation.
+is never polled again; every callback catches everything and reports through its error
+result; an async callback always fills its continuation; a result value is never left
+half-written (:mod:`pastry.runtime.wasm_codec`).
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +72,7 @@ from wasmtime.component import _types as ctypes_
 
 from pastry.api import ApiError
 from pastry.control.session import Session
-from pastry.runtime import build_pyrt, wasm_core
+from pastry.runtime import build_pyrt, wasm_codec, wasm_core
 from pastry.runtime.trusted import Program, ProgramError
 from pastry.runtime.wasm_host import (
     Guest,
@@ -72,6 +85,7 @@ from pastry.runtime.wasm_host import (
     error_text,
     send,
 )
+from pastry.runtime.wasm_pool import GuestPool
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +94,12 @@ log = logging.getLogger(__name__)
 _bindings._wasmtime_context_epoch_deadline_async_yield_and_update.restype = None
 
 API = "pastry:inferlet/api@0.1.0"
+LAUNCHER = "pastry:inferlet/launcher@0.1.0"
+WASI_CLOCK = "wasi:clocks/monotonic-clock"
+POOL_SIZE = 64  # pre-started Python guests kept ready (WasmSandbox(pool_size=...))
+# A guest runs 1-2 epoch ticks per poll before it yields (so one that has just been
+# resumed is not sent to the back of the queue at the very next tick).
+SLICE_TICKS = 2
 
 
 # ---------------------------------------------------------------------------- host imports
@@ -114,14 +134,28 @@ def _value(v) -> ctypes_.Variant:
     return ctypes_.Variant("dist", (list(a), list(b)))
 
 
+def _outcome(g: Guest, pid: int, fut: asyncio.Future) -> tuple[bool, Any]:
+    """(ok, value or error message) of a completed call; its handle is freed."""
+    g.pending.pop(pid, None)
+    g.hooked.discard(pid)
+    if fut.cancelled():
+        return False, f"pending call {pid} was cancelled"
+    e = fut.exception()
+    if e is not None:
+        return False, error_text(e, "the call")
+    return True, _value(fut.result())
+
+
 def _take(g: Guest, pid: int):
-    fut = g.pending.pop(pid, None)
+    fut = g.pending.get(pid)
     if fut is None:
         raise ApiError(f"pending call {pid} does not exist in this inferlet")
     if not fut.done():
-        g.pending[pid] = fut
         raise ApiError(f"pending call {pid} has not completed (wait for it first)")
-    return _value(fut.result())  # an ApiError becomes the guest's err
+    ok, value = _outcome(g, pid, fut)
+    if not ok:
+        raise ApiError(value)
+    return value
 
 
 def _s(g: Guest):
@@ -171,8 +205,9 @@ def _constraint_mask(g: Guest, c: int) -> list[int]:
     return np.frombuffer(g.session.constraint_mask(c), dtype="<u4").tolist()
 
 
-# name -> (handler(guest, *args), blocking). Handlers return the import's result; a
-# blocking one (``wait``) is completed by the continuation.
+# name -> handler(guest, *args) returning the import's result (errors: ApiError). The
+# blocking imports (``wait``, ``wait-take``; the launcher's ``next-inferlet``) are the
+# callbacks' own: they suspend the fiber.
 HOST: dict[str, Callable] = {
     "take": _take,
     "get-arguments": lambda g: _s(g).get_arguments(),
@@ -241,6 +276,11 @@ HOST: dict[str, Callable] = {
     "free-constraint": lambda g, c: _s(g).free_constraint(c),
 }
 
+BLOCKING = ("wait", "wait-take")
+LAUNCHER_IMPORTS: dict[str, Callable] = {
+    "inferlet-source": lambda g: g.source or "",
+}
+
 
 def _variant(g: Guest, case: str, fut: asyncio.Future) -> int:
     """Track ``fut`` for the guest, its result taken as the ``value`` case ``case``."""
@@ -260,141 +300,186 @@ def _variant(g: Guest, case: str, fut: asyncio.Future) -> int:
 
 # ---------------------------------------------------------------------------- ctypes glue
 
+# The C callback types, with the context and function type as plain addresses (ctypes then
+# passes an int instead of building a pointer object on every call); cast to Wasmtime's
+# declared types when registered.
+_SyncFn = ctypes.CFUNCTYPE(
+    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+    ctypes.POINTER(ffi.wasmtime_component_val_t), ctypes.c_size_t,
+    ctypes.POINTER(ffi.wasmtime_component_val_t), ctypes.c_size_t,
+)  # fmt: skip
+_AsyncFn = ctypes.CFUNCTYPE(
+    None, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+    ctypes.POINTER(ffi.wasmtime_component_val_t), ctypes.c_size_t,
+    ctypes.POINTER(ffi.wasmtime_component_val_t), ctypes.c_size_t,
+    ctypes.POINTER(ctypes.POINTER(ffi.wasmtime_error_t)),
+    ctypes.POINTER(ffi.wasmtime_async_continuation_t),
+)  # fmt: skip
+
+
+@dataclass
+class _Sig:
+    """One import's compiled value conversions (built at its first call)."""
+
+    name: str
+    handler: Callable | None  # HOST entry (None: a blocking import)
+    params: list[Callable]
+    result: Callable | None  # write(ok, value, val); None: the import returns nothing
+    fallible: bool  # returns result<_, string>: errors go to the guest as err
+
 
 class _Callbacks:
-    """The ctypes callbacks shared by every guest (module-level so they outlive them)."""
+    """The ctypes callbacks shared by every guest (they outlive them)."""
 
     def __init__(self, sandbox: WasmSandbox) -> None:
         self.sandbox = sandbox
-        self.names: list[str] = []
-        self.types: dict[int, tuple[list, Any]] = {}  # function index -> (params, result)
-        self.host = ffi.wasmtime_component_func_async_callback_t(self._host_call)
+        self.guests = sandbox._guests
+        self.names: list[tuple[str, dict | None]] = [("", None)]  # index 0: a NULL env
+        self.sigs: dict[int, _Sig] = {}
+        self.sync = _SyncFn(self._sync_call)
+        self.async_ = _AsyncFn(self._async_call)
+        self.deny = _SyncFn(self._deny)
         self.done = ffi.wasmtime_func_async_continuation_callback_t(lambda env: True)
         self.resume = ffi.wasmtime_func_async_continuation_callback_t(self._resume)
         self.noop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
 
-    def _host_call(self, env, context, ty, args, nargs, results, nresults, err_ret, cont):
-        # Runs on the guest's fiber. Never raises: every failure becomes a trap.
-        cont.contents.callback = self.done
-        cont.contents.env = None
-        cont.contents.finalizer = self.noop
+    def define(self, inst, name: str, table: dict | None, blocking: bool) -> None:
+        """Add import ``name`` (its handler in ``table``) to linker instance ``inst``."""
+        self.names.append((name, table))
+        b = name.encode()
+        add = (
+            ffi.wasmtime_component_linker_instance_add_func_async
+            if blocking
+            else ffi.wasmtime_component_linker_instance_add_func
+        )
+        cb = ctypes.cast(
+            self.async_ if blocking else self.sync,
+            ffi.wasmtime_component_func_async_callback_t
+            if blocking
+            else ffi.wasmtime_component_func_callback_t,
+        )
+        err = add(inst.ptr(), ctypes.create_string_buffer(b), len(b), cb, len(self.names) - 1,
+                  self.noop)  # fmt: skip
+        if err:
+            raise wasmtime.WasmtimeError._from_ptr(err)
+
+    def _sig(self, idx: int, ty: int) -> _Sig:
+        sig = self.sigs.get(idx)
+        if sig is None:
+            name, table = self.names[idx]
+            fty = ctypes_.FuncType._from_ptr(
+                ctypes.cast(ty, ctypes.POINTER(ffi.wasmtime_component_func_type_t)), owner=self
+            )
+            rty = fty.result
+            fallible = isinstance(rty, ctypes_.ResultType)
+            if rty is None:
+                write = None
+            elif fallible:
+                write = wasm_codec.result_writer(rty)
+            else:
+                low = wasm_codec.lowerer(rty)
+
+                def write(ok, value, val, low=low):
+                    low(value, val)
+
+            sig = self.sigs[idx] = _Sig(
+                name,
+                None if table is None else table[name],
+                [wasm_codec.lifter(t) for _, t in fty.params],
+                write,
+                fallible,
+            )
+        return sig
+
+    def _fail(self, g: Guest | None, name: str, e: BaseException) -> int:
+        """The error pointer a callback returns for ``e`` (the guest traps)."""
+        msg = error_text(e, name)
+        if g is not None and isinstance(e, Kill):
+            g.kill_reason = str(e)
+        err = ffi.wasmtime_error_new(msg.encode("utf-8", "replace"))
+        return ctypes.cast(err, ctypes.c_void_p).value or 0
+
+    def _sync_call(self, env, context, ty, args, nargs, results, nresults) -> int:
+        # Runs on the guest's fiber. Never raises: a failure becomes a trap.
         g = None
+        sig = None
         try:
-            idx = env or 0
-            name = self.names[idx]
-            g = self.sandbox._guests.get(ctypes.cast(context, ctypes.c_void_p).value)
+            sig = self.sigs.get(env) or self._sig(env, ty)
+            g = self.guests.get(context)
             if g is None:
-                raise RuntimeError(f"host import {name} called by an unknown store")
-            params, rty = self._types(idx, ty)
-            pyargs = [t.convert_from_c(args[i]) for i, (_, t) in enumerate(params)]
-            if name == "wait":
-                self._wait(g, cont, results, rty, *pyargs)
-                return
+                raise RuntimeError(f"host import {sig.name} called by an unknown store")
+            pyargs = [lift(args[i]) for i, lift in enumerate(sig.params)]
             try:
-                value = call_host(HOST[name], g, *pyargs)
-                ok = True
+                value, ok = call_host(sig.handler, g, *pyargs), True
             except Kill:
                 raise
             except Exception as e:
-                if not isinstance(rty, ctypes_.ResultType):
+                if not sig.fallible:
                     raise
-                ok, value = False, error_text(e)
-            if rty is None:
-                return
-            if isinstance(rty, ctypes_.ResultType):
-                value = _result(rty, ok, value)
-            rty.convert_to_c(None, value, results)
+                value, ok = error_text(e, sig.name), False
+            if sig.result is not None:
+                sig.result(ok, value, results[0])
+            return 0
         except BaseException as e:
-            msg = error_text(e)
-            if g is not None:
-                if isinstance(e, Kill):
-                    g.kill_reason = str(e)
-                elif not isinstance(e, ApiError):
-                    log.warning("host import failed in inferlet %d:\n%s", g.id, msg)
-            err_ret[0] = ffi.wasmtime_error_new(msg.encode("utf-8", "replace"))
+            return self._fail(g, sig.name if sig else "a host import", e)
 
-    def _types(self, idx: int, ty) -> tuple[list, Any]:
-        t = self.types.get(idx)
-        if t is None:
-            fty = ctypes_.FuncType._from_ptr(ty, owner=self)
-            rty = fty.result  # a property: a new object each time
-            t = self.types[idx] = (fty.params, rty)
-            if isinstance(rty, ctypes_.ResultType):
-                _TAGGED[id(rty)] = rty._tagged()  # costly: once per import
-            for case in [rty, *(p for _, p in fty.params)]:
-                _freeze_cases(case)
-        return t
+    def _deny(self, env, context, ty, args, nargs, results, nresults) -> int:
+        name, _ = self.names[env]
+        e = Kill(
+            f"the inferlet called WASI's {name}: blocking waits outside time.sleep and "
+            "asyncio.sleep are not available in the sandbox (they would stop the server)"
+        )
+        return self._fail(self.guests.get(context), name, e)
 
-    def _wait(self, g: Guest, cont, results, rty, pids: list[int], timeout_ns: int | None):
-        for pid in pids:
-            if pid not in g.pending:
-                raise ApiError(f"pending call {pid} does not exist in this inferlet")
-        ready = [p for p in pids if g.pending[p].done()]
-        if ready or timeout_ns == 0:
-            rty.convert_to_c(None, ready, results)
-            return
-        g.waiting, g.wait_done, g.wait_out = pids, False, (results, rty)
-        for pid in pids:
-            g.pending[pid].add_done_callback(g.wake)
-        if timeout_ns is not None:
-            g.timer = asyncio.get_running_loop().call_later(timeout_ns / 1e9, g.wake, None)
-        cont.contents.callback = self.resume
-        cont.contents.env = g.ctx_addr
+    def _async_call(self, env, context, ty, args, nargs, results, nresults, err_ret, cont):
+        # Runs on the guest's fiber. Never raises; always fills the continuation.
+        c = cont.contents
+        c.callback = self.done
+        c.env = None
+        c.finalizer = self.noop
+        g = None
+        sig = None
+        try:
+            sig = self.sigs.get(env) or self._sig(env, ty)
+            g = self.guests.get(context)
+            if g is None:
+                raise RuntimeError(f"host import {sig.name} called by an unknown store")
+            pyargs = [lift(args[i]) for i, lift in enumerate(sig.params)]
+            if self.sandbox._block(g, sig, results, *pyargs):
+                c.callback = self.resume
+                c.env = context
+        except BaseException as e:
+            err_ret[0] = ctypes.cast(
+                self._fail(g, sig.name if sig else "a host import", e),
+                ctypes.POINTER(ffi.wasmtime_error_t),
+            )
 
     def _resume(self, env) -> bool:
-        # Polled (on the fiber) each time the loop polls a guest blocked in ``wait``.
+        # Polled (on the fiber) each time the loop polls a guest blocked in an import.
         try:
-            g = self.sandbox._guests.get(env or 0)
-            if g is None or g.waiting is None:
+            g = self.guests.get(env or 0)
+            if g is None or g.wait_out is None:
                 return True
-            ready = [p for p in g.waiting if p in g.pending and g.pending[p].done()]
-            if not ready and not g.wait_done:
-                return False
-            results, rty = g.wait_out
-            g.waiting = g.wait_out = None
-            if g.timer is not None:
-                g.timer.cancel()
-                g.timer = None
-            rty.convert_to_c(None, ready, results)
-            return True
+            return self.sandbox._unblock(g)
         except BaseException:
             log.exception("sandbox: resuming a guest failed")
             return True  # the unwritten result makes the call fail: a trap, not a crash
 
 
-def _result(rty, ok: bool, value):
-    tag = "ok" if ok else "err"
-    return ctypes_.Variant(tag, value) if _TAGGED[id(rty)] else value
-
-
-_TAGGED: dict[int, bool] = {}  # id(result type) -> does wasmtime-py want a Variant
-
-
-def _freeze_cases(ty) -> None:
-    """Compute once the cases of ``ty`` and of the variants, results and options in it.
-
-    wasmtime-py lowers a variant by listing its cases twice (``_tagged`` and ``_cases``),
-    building every case's type through ctypes each time: ~150 us per ``take`` (10 cases)
-    instead of ~12 us, most of a sandboxed inferlet's per-call cost. A host import's types
-    never change, so the lists are computed here once and returned from then on.
-    """
-    if not isinstance(ty, ctypes_.VariantLikeType) or "_cases" in vars(ty):
-        return
-    cases = ty._cases()
-    for _, case in cases:
-        _freeze_cases(case)
-    tagged = ty._tagged()
-    ty._cases = lambda: cases
-    ty._tagged = lambda: tagged
-
-
 # ---------------------------------------------------------------------------- the sandbox
+
+Val = ffi.wasmtime_component_val_t
+_poll = _bindings._wasmtime_call_future_poll
+_set_deadline = _bindings._wasmtime_context_set_epoch_deadline
 
 
 class WasmSandbox:
-    """Runs sandboxed inferlets in this process (use :func:`sandbox` for the shared one)."""
+    """Runs sandboxed inferlets in this process (use :func:`sandbox` for the shared one).
 
-    def __init__(self, pyrt: Path | None = None) -> None:
+    ``pool_size`` Python guests are kept pre-started (:class:`GuestPool`); 0 makes every
+    launch instantiate its own."""
+
+    def __init__(self, pyrt: Path | None = None, pool_size: int = POOL_SIZE) -> None:
         self.engine = engine()
         path = pyrt or build_pyrt.cached_path()
         if not path.exists():
@@ -405,28 +490,143 @@ class WasmSandbox:
         t0 = time.perf_counter()
         self.component = Component.deserialize_file(self.engine, str(path))
         self.load_ms = (time.perf_counter() - t0) * 1e3
+        self._guests: dict[int, Guest] = {}  # store context address -> guest
         self._cb = _Callbacks(self)
         self.linker = Linker(self.engine)
         self.linker.add_wasip2()
-        with self.linker.root() as root, root.add_instance(API) as inst:
-            self._cb.names.append("")  # index 0 is never used (a NULL env)
-            for name in ("wait", *HOST):
-                self._cb.names.append(name)
-                name_b = name.encode()
-                err = ffi.wasmtime_component_linker_instance_add_func_async(
-                    inst.ptr(),
-                    ctypes.create_string_buffer(name_b),
-                    len(name_b),
-                    self._cb.host,
-                    len(self._cb.names) - 1,
-                    self._cb.noop,
-                )
-                if err:
-                    raise wasmtime.WasmtimeError._from_ptr(err)
-        self._guests: dict[int, Guest] = {}
+        with self.linker.root() as root:
+            with root.add_instance(API) as inst:
+                for name in BLOCKING:
+                    self._cb.define(inst, name, None, blocking=True)
+                for name in HOST:
+                    self._cb.define(inst, name, HOST, blocking=False)
+            with root.add_instance(LAUNCHER) as inst:
+                self._cb.define(inst, "next-inferlet", None, blocking=True)
+                for name in LAUNCHER_IMPORTS:
+                    self._cb.define(inst, name, LAUNCHER_IMPORTS, blocking=False)
+        self._deny_wasi_waits()
         self._ids = itertools.count(1)
         self._core: wasm_core.CoreLinker | None = None
         self._components: dict[str, Component] = {}  # sha256 -> compiled inferlet component
+        self._lifts: dict[tuple, Callable] = {}  # (component, export) -> its result's lifter
+        self.pool_limits = SandboxLimits()  # what pooled guests are made under
+        self.pool = GuestPool(self._prestart, self._end, pool_size)
+        self.compiler = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pastry-wasm-compile"
+        )
+        self.pool.start()
+
+    def close(self) -> None:
+        """Stop the pool's thread and free its guests (running instances are not touched)."""
+        self.pool.close()
+        self.compiler.shutdown(wait=False, cancel_futures=True)
+
+    def _deny_wasi_waits(self) -> None:
+        """Replace WASI's clock subscriptions (what ``poll``, ``sleep`` and ``select``
+        wait on) by imports that end the instance: Wasmtime would block this thread in
+        them. ``time.sleep`` and ``asyncio.sleep`` in the guest use the host's timer."""
+        name = _wasi_instance_name(self.engine, WASI_CLOCK)
+        self.linker.allow_shadowing = True
+        with self.linker.root() as root, root.add_instance(name) as inst:
+            for fn in ("subscribe-duration", "subscribe-instant"):
+                self._cb.names.append((fn, None))
+                b = fn.encode()
+                cb = ctypes.cast(self._cb.deny, ffi.wasmtime_component_func_callback_t)
+                err = ffi.wasmtime_component_linker_instance_add_func(
+                    inst.ptr(), ctypes.create_string_buffer(b), len(b), cb,
+                    len(self._cb.names) - 1, self._cb.noop,
+                )  # fmt: skip
+                if err:
+                    raise wasmtime.WasmtimeError._from_ptr(err)
+        self.linker.allow_shadowing = False
+
+    # ------------------------------------------------------------------ compiling
+
+    def compile(self, name: str, source: str, limits: SandboxLimits = SandboxLimits()) -> bytes:
+        """Check and compile ``source`` in a fresh guest (``compile-source``): its code, to
+        hand to :meth:`launch`. Runs on the calling thread without holding the GIL while
+        the guest works, so from a worker thread it does not stop the event loop; limited
+        by ``limits`` (memory, ``cpu_seconds``). :class:`ProgramError` if it is not a valid
+        inferlet."""
+        store = self._store(limits)
+        params = (Val * 2)()
+        fut = None
+        try:
+            try:
+                instance = self._instantiate(store, self.component)
+            except SandboxError as e:
+                raise ProgramError(f"{name}: cannot compile: {e}") from None
+            func = instance.get_func(store, "compile-source")
+            fty = func.type(store)
+            for i, ((_, t), v) in enumerate(zip(fty.params, (name, source), strict=True)):
+                t.convert_to_c(store, v, ctypes.pointer(params[i]))
+            result = Val()
+            err = ctypes.POINTER(ffi.wasmtime_error_t)()
+            ctx = store._context()
+            fut = ffi.wasmtime_component_func_call_async(
+                ctypes.byref(func._func), ctx, params, 2, ctypes.byref(result), 1,
+                ctypes.byref(err),
+            )  # fmt: skip
+            t0 = time.thread_time()
+            while True:
+                _set_deadline(ctx, 1)
+                if _poll(fut):
+                    break
+                if time.thread_time() - t0 > limits.cpu_seconds:
+                    raise ProgramError(
+                        f"{name}: compiling took more than {limits.cpu_seconds:g} s of CPU "
+                        "(SandboxLimits.cpu_seconds)"
+                    )
+            if err:
+                trap = _trap_text(wasmtime.WasmtimeError._from_ptr(err))
+                raise ProgramError(f"{name}: cannot compile: {trap}")
+            out = fty.result.convert_from_c(result)
+            if out.tag != "ok":
+                raise ProgramError(out.payload)
+            return out.payload.encode()  # UTF-8 of the latin-1 text, as next-inferlet sends it
+        finally:
+            if fut is not None:
+                ffi.wasmtime_call_future_delete(fut)
+            for v in params:
+                ffi.wasmtime_component_val_delete(ctypes.byref(v))
+            store.close()
+
+    # ------------------------------------------------------------------ running a guest
+
+    async def launch(
+        self,
+        name: str,
+        code: bytes,
+        source: str,
+        args: list[str],
+        limits: SandboxLimits = SandboxLimits(),
+    ) -> str | None:
+        """Run compiled ``code`` (from :meth:`compile`; ``source`` is shown in its
+        tracebacks) with ``args`` in a fresh instance bound to the calling inferlet's
+        Session (call inside a runner task, e.g. :class:`TrustedRuntime`)."""
+        from pastry.sdk import api
+
+        session = api()
+        g = None
+        if limits.memory_bytes >= self.pool_limits.memory_bytes:
+            g = self.pool.take()
+        if g is None:
+            g = self._prestart(limits)
+        g.launch, g.source = (name, code, list(args)), source
+        self._bind(g, session, limits)
+        self._step(g)  # straight on: the guest runs until it first blocks
+        try:
+            return await g.result
+        finally:
+            self._end(g)
+
+    async def run(
+        self, name: str, source: str, args: list[str], limits: SandboxLimits = SandboxLimits()
+    ) -> str | None:
+        """Compile ``source`` (off the event loop) and :meth:`launch` it."""
+        loop = asyncio.get_running_loop()
+        code = await loop.run_in_executor(self.compiler, self.compile, name, source, limits)
+        return await self.launch(name, code, source, args, limits)
 
     def _core_linker(self) -> wasm_core.CoreLinker:
         if self._core is None:
@@ -441,28 +641,14 @@ class WasmSandbox:
         Session."""
         from pastry.sdk import api
 
-        g = self._new_guest(api(), limits, wasi=False)
+        g = self._new_guest(limits, wasi=False)
         try:
+            self._bind(g, api(), limits)
             wasm_core.start(self._core_linker(), g, name, wasm, args)
         except BaseException:
             self._end(g)
             raise
         self._schedule(g)
-        try:
-            return await g.result
-        finally:
-            self._end(g)
-
-    # ------------------------------------------------------------------ running a guest
-
-    async def run(
-        self, name: str, source: str, args: list[str], limits: SandboxLimits = SandboxLimits()
-    ) -> str | None:
-        """Run ``source``'s ``main(args)`` in a fresh instance bound to the calling
-        inferlet's Session (call inside a runner task, e.g. :class:`TrustedRuntime`)."""
-        from pastry.sdk import api
-
-        g = self._start(api(), limits, self.component, "run-source", (name, source, list(args)))
         try:
             return await g.result
         finally:
@@ -485,55 +671,86 @@ class WasmSandbox:
         from pastry.sdk import api
 
         comp = self.compile_component(wasm)
-        g = self._start(api(), limits, comp, "run", (list(args),))
+        g = self._new_guest(limits, wasi=True)
+        try:
+            self._bind(g, api(), limits)
+            self._call(g, comp, "run", (list(args),))
+        except BaseException:
+            self._end(g)
+            raise
+        self._schedule(g)
         try:
             return await g.result
         finally:
             self._end(g)
 
-    def _new_guest(self, session: Session, limits: SandboxLimits, wasi: bool) -> Guest:
-        """A registered guest with a fresh Store under ``limits`` (also set on the session:
-        KV pages and embeddings), yielding at every epoch tick; nothing runs yet."""
-        limits.apply(session)
+    # ------------------------------------------------------------------ guest lifecycle
+
+    def _store(self, limits: SandboxLimits) -> wasmtime.Store:
+        """A Store under ``limits``' memory, with an empty WASI context (no files, env,
+        args, sockets or stdio), yielding at every epoch tick."""
         store = wasmtime.Store(self.engine)
         store.set_limits(memory_size=limits.memory_bytes)
+        store.set_wasi(wasmtime.WasiConfig())
+        ffi.wasmtime_context_epoch_deadline_async_yield_and_update(store._context(), 1)
+        return store
+
+    def _new_guest(self, limits: SandboxLimits, wasi: bool) -> Guest:
+        """A registered guest with a fresh Store; nothing runs yet, nothing is bound."""
         if wasi:
-            store.set_wasi(wasmtime.WasiConfig())  # no files, env, args, sockets or stdio
-        ctx = store._context()
-        g = Guest(
-            session.instance, session, limits, store, asyncio.get_running_loop().create_future()
-        )
-        g.ctx_addr = ctypes.cast(ctx, ctypes.c_void_p).value
-        g.wake = functools.partial(self._wake, g)
+            store = self._store(limits)
+        else:
+            store = wasmtime.Store(self.engine)
+            store.set_limits(memory_size=limits.memory_bytes)
+            ffi.wasmtime_context_epoch_deadline_async_yield_and_update(store._context(), 1)
+        g = Guest(0, None, limits, store)
+        g.ctx = store._context()
+        g.ctx_addr = ctypes.cast(g.ctx, ctypes.c_void_p).value
         self._guests[g.ctx_addr] = g
-        ffi.wasmtime_context_epoch_deadline_async_yield_and_update(ctx, 1)
         return g
 
-    def _start(self, session, limits, component: Component, export: str, values) -> Guest:
-        g = self._new_guest(session, limits, wasi=True)
-        store, ctx = g.store, g.store._context()
+    def _prestart(self, limits: SandboxLimits | None = None) -> Guest:
+        """A Python guest parked in ``next-inferlet`` (warm, bound to nothing). Safe to
+        call on any thread: it touches only its own new Store."""
+        g = self._new_guest(limits or self.pool_limits, wasi=True)
         try:
-            instance = self._instantiate(store, component)
-            func = instance.get_func(store, export)
-            if func is None:
-                raise SandboxError(f"the component does not export `{export}`")
-            fty = func.type(store)
-            params = (ffi.wasmtime_component_val_t * len(values))()
-            for i, ((_, t), v) in enumerate(zip(fty.params, values, strict=True)):
-                t.convert_to_c(store, v, ctypes.pointer(params[i]))
-            result = ffi.wasmtime_component_val_t()
-            err = ctypes.POINTER(ffi.wasmtime_error_t)()
-            g.result_ty = fty.result
-            g.keep = [params, result, err, func]
-            g.future = ffi.wasmtime_component_func_call_async(
-                ctypes.byref(func._func), ctx, params, len(values), ctypes.byref(result), 1,
-                ctypes.byref(err),
-            )  # fmt: skip
+            self._call(g, self.component, "serve", ())
+            t0 = time.thread_time()
+            while not g.parked:
+                _set_deadline(g.ctx, 1)
+                if _poll(g.future):
+                    out = self._outcome(g)
+                    raise SandboxError(f"the Python runtime ended before its launch: {out}")
+                if time.thread_time() - t0 > 30:
+                    raise SandboxError("the Python runtime did not start within 30 s of CPU")
         except BaseException:
             self._end(g)
             raise
-        self._schedule(g)
         return g
+
+    def _call(self, g: Guest, component: Component, export: str, values: tuple) -> None:
+        """Instantiate ``component`` in ``g``'s store and start ``export(*values)`` as
+        ``g``'s call future (not polled yet)."""
+        store = g.store
+        instance = self._instantiate(store, component)
+        func = instance.get_func(store, export)
+        if func is None:
+            raise SandboxError(f"the component does not export `{export}`")
+        fty = func.type(store)
+        params = (Val * len(values))()
+        for i, ((_, t), v) in enumerate(zip(fty.params, values, strict=True)):
+            t.convert_to_c(store, v, ctypes.pointer(params[i]))
+        result = Val()
+        err = ctypes.POINTER(ffi.wasmtime_error_t)()
+        key = (id(component), export)
+        g.result_ty = self._lifts.get(key)
+        if g.result_ty is None:
+            g.result_ty = self._lifts[key] = wasm_codec.lifter(fty.result)
+        g.keep = [params, result, err, func]
+        g.future = ffi.wasmtime_component_func_call_async(
+            ctypes.byref(func._func), g.ctx, params, len(values), ctypes.byref(result), 1,
+            ctypes.byref(err),
+        )  # fmt: skip
 
     def _instantiate(self, store: wasmtime.Store, component: Component):
         from wasmtime.component._instance import Instance as CInstance
@@ -545,13 +762,27 @@ class WasmSandbox:
             ctypes.byref(err),
         )  # fmt: skip
         try:
-            while not ffi.wasmtime_call_future_poll(fut):
+            while not _poll(fut):
                 pass  # epoch yields only
         finally:
             ffi.wasmtime_call_future_delete(fut)
         if err:
             raise SandboxError(f"instantiation failed: {wasmtime.WasmtimeError._from_ptr(err)}")
         return CInstance._from_raw(raw)
+
+    def _bind(self, g: Guest, session: Session, limits: SandboxLimits) -> None:
+        """Give ``g`` to a launch: its session, limits (memory, wall clock) and result."""
+        loop = asyncio.get_running_loop()
+        limits.apply(session)
+        if limits.memory_bytes != g.limits.memory_bytes:
+            g.store.set_limits(memory_size=limits.memory_bytes)
+        g.id, g.session, g.limits = session.instance, session, limits
+        g.result = loop.create_future()
+        g.wake = functools.partial(self._wake, g)
+        g.cpu_ns = g.slices = 0
+        if limits.wall_seconds is not None:
+            g.wall_end = loop.time() + limits.wall_seconds
+            g.deadline = loop.call_at(g.wall_end, self._expire, g)
 
     def _schedule(self, g: Guest) -> None:
         if not g.scheduled and not g.finished:
@@ -560,7 +791,7 @@ class WasmSandbox:
 
     def _wake(self, g: Guest, _fut=None) -> None:
         """A future the guest waits on completed (or its timeout passed)."""
-        if g.finished or g.waiting is None:
+        if g.finished or g.wait_out is None:
             return
         if _fut is None:
             g.wait_done = True
@@ -572,12 +803,11 @@ class WasmSandbox:
         g.scheduled = False
         if g.finished or g.polling:
             return
-        ctx = g.store._context()
-        ffi.wasmtime_context_set_epoch_deadline(ctx, 1)
+        _set_deadline(g.ctx, SLICE_TICKS)
         t0 = time.thread_time_ns()
         g.polling = True
         try:
-            done = ffi.wasmtime_call_future_poll(g.future)
+            done = _poll(g.future)
         finally:
             g.polling = False
             g.cpu_ns += time.thread_time_ns() - t0
@@ -588,36 +818,119 @@ class WasmSandbox:
             self._fail(g, g.kill_reason)
         elif g.cpu_ns > g.limits.cpu_seconds * 1e9:
             self._fail(g, f"CPU budget of {g.limits.cpu_seconds:g} s exceeded")
-        elif g.waiting is None:
+        elif g.wait_out is None:
             self._schedule(g)  # yielded at an epoch tick: let the others run, then go on
 
-    def _complete(self, g: Guest) -> None:
-        if g.core:
-            try:
-                result = wasm_core.outcome(g)
-            except SandboxError as e:
-                return self._fail(g, str(e))
-            return self._finish(g, result)
-        _params, result, err, _func = g.keep[:4]
-        ffi.wasmtime_call_future_delete(g.future)
-        g.future = None
+    # ------------------------------------------------------------------ blocking imports
+
+    def _block(self, g: Guest, sig: _Sig, results, *args) -> bool:
+        """A blocking import was called: answer now (False) or suspend the fiber until
+        :meth:`_unblock` can (True)."""
+        g.wait_out = (results, sig)
+        if sig.name == "next-inferlet":
+            g.parked = g.launch is None
+            return self._complete_wait(g)
+        if sig.name == "wait":
+            pids, timeout_ns = args
+            for pid in pids:
+                if pid not in g.pending:
+                    g.wait_out = None
+                    raise ApiError(f"pending call {pid} does not exist in this inferlet")
+            g.waiting = list(pids)
+        else:  # wait-take: every pending call of the instance
+            (timeout_ns,) = args
+            g.waiting = list(g.pending)
+        g.wait_done = timeout_ns == 0 or (not g.waiting and timeout_ns is None)
+        if not self._complete_wait(g):
+            return False
+        if not g.waiting and timeout_ns is not None and g.wall_end:
+            loop = asyncio.get_running_loop()
+            if loop.time() + timeout_ns / 1e9 > g.wall_end:
+                g.wait_out = None
+                raise Kill(
+                    f"sleeping {timeout_ns / 1e9:g} s would go past the wall-clock limit of "
+                    f"{g.limits.wall_seconds:g} s (SandboxLimits.wall_seconds)"
+                )
+        for pid in g.waiting:
+            if pid not in g.hooked:
+                g.hooked.add(pid)
+                g.pending[pid].add_done_callback(g.wake)
+        if timeout_ns is not None:
+            g.timer = asyncio.get_running_loop().call_later(timeout_ns / 1e9, g.wake, None)
+        return True
+
+    def _unblock(self, g: Guest) -> bool:
+        """The continuation of a suspended blocking import: False while it must wait."""
+        return not self._complete_wait(g)
+
+    def _complete_wait(self, g: Guest) -> bool:
+        """Write the blocked import's result if it can be answered now; True if it must
+        wait instead."""
+        results, sig = g.wait_out
+        if sig.name == "next-inferlet":
+            if g.launch is None:
+                return True
+            g.parked = False
+            value = g.launch
+        else:
+            pending = g.pending
+            ready = [p for p in g.waiting if p in pending and pending[p].done()]
+            if not ready and not g.wait_done:
+                return True
+            if sig.name == "wait":
+                value = ready
+            else:
+                value = []
+                for pid in ready:
+                    ok, v = _outcome(g, pid, pending[pid])
+                    value.append((pid, ctypes_.Variant("ok" if ok else "err", v)))
+        g.waiting = g.wait_out = None
+        g.wait_done = False
+        if g.timer is not None:
+            g.timer.cancel()
+            g.timer = None
+        sig.result(True, value, results[0])
+        return False
+
+    # ------------------------------------------------------------------ ending
+
+    def _outcome(self, g: Guest) -> str:
+        """The finished call future's outcome (dropping it): the result, or raises."""
+        _params, result, err, _func = g.keep[:4]  # (the future is deleted by _free)
         if g.kill_reason is not None:
-            return self._fail(g, g.kill_reason)
+            raise SandboxError(g.kill_reason)
         if err:
             trap = wasmtime.WasmtimeError._from_ptr(err)
-            return self._fail(g, f"the inferlet trapped: {trap}")
-        out = g.result_ty.convert_from_c(result)
+            log.debug("inferlet %d trapped: %s", g.id, trap)
+            raise SandboxError(f"the inferlet trapped: {_trap_text(trap)}")
+        out = g.result_ty(result)
+        ffi.wasmtime_component_val_delete(ctypes.byref(result))  # read: ours to free
         tag, payload = (out.tag, out.payload) if isinstance(out, ctypes_.Variant) else ("ok", out)
-        if tag == "ok":
-            self._finish(g, payload)
-        else:
-            self._fail(g, payload)
+        if tag != "ok":
+            raise SandboxError(payload)
+        return payload
+
+    def _complete(self, g: Guest) -> None:
+        try:
+            result = wasm_core.outcome(g) if g.core else self._outcome(g)
+        except SandboxError as e:
+            return self._fail(g, str(e))
+        self._finish(g, result)
+
+    def _expire(self, g: Guest) -> None:
+        g.deadline = None
+        if not g.finished:
+            self._fail(
+                g,
+                f"wall-clock limit of {g.limits.wall_seconds:g} s exceeded "
+                "(SandboxLimits.wall_seconds)",
+            )
 
     def _fail(self, g: Guest, message: str) -> None:
         self._finish(g, SandboxError(message))
 
     def _finish(self, g: Guest, outcome) -> None:
-        if not g.result.done():
+        if g.result is not None and not g.result.done():
             if isinstance(outcome, BaseException):
                 g.result.set_exception(outcome)
             else:
@@ -625,7 +938,8 @@ class WasmSandbox:
         self._end(g)
 
     def _end(self, g: Guest) -> None:
-        """Drop the guest (its fiber, store and pending calls). Idempotent; deferred while
+        """Drop the guest now: its fiber, pending calls, timers and Store (its memory goes
+        back to the system here, not at a garbage collection). Idempotent; deferred while
         the guest is being polled."""
         if g.finished:
             return
@@ -633,67 +947,121 @@ class WasmSandbox:
             g.kill_reason = g.kill_reason or "terminated"
             return
         g.finished = True
-        if g.future is not None:
-            ffi.wasmtime_call_future_delete(g.future)
-            g.future = None
-        if g.timer is not None:
-            g.timer.cancel()
+        for handle in (g.timer, g.deadline):
+            if handle is not None:
+                handle.cancel()
+        g.timer = g.deadline = None
         for fut in g.pending.values():
-            fut.remove_done_callback(g.wake)
+            if g.wake is not None:
+                fut.remove_done_callback(g.wake)
             if not fut.done():
                 fut.cancel()
         g.pending.clear()
+        g.hooked.clear()
         self._guests.pop(g.ctx_addr, None)
-        if not g.result.done():
+        if g.result is not None and not g.result.done():
             g.result.set_exception(SandboxError(g.kill_reason or "terminated"))
-        if g.keep and not g.core:  # the call's arguments are ours to free
-            for v in g.keep[0]:
-                ffi.wasmtime_component_val_delete(ctypes.byref(v))
+        future, g.future = g.future, None
+        keep, store = g.keep, g.store
         g.keep = []
         g.wait_out = None
+        g.wake = None  # no cycle keeps the guest (and its Store) alive
+        g.launch = None
+        self.pool.retire(functools.partial(_free, future, keep, store, not g.core))
+
+
+def _free(future, keep: list, store: wasmtime.Store, component: bool) -> None:
+    """Delete an ended guest's call future (its fiber), call arguments and Store: its
+    memory goes back to the system now (any thread; nothing else refers to them)."""
+    if future is not None:
+        ffi.wasmtime_call_future_delete(future)
+    if keep and component:  # the call's arguments are ours to free
+        for v in keep[0]:
+            ffi.wasmtime_component_val_delete(ctypes.byref(v))
+    store.close()
+
+
+def _trap_text(trap: wasmtime.WasmtimeError) -> str:
+    """A trap's cause without Wasmtime's wasm backtrace (kept in the debug log)."""
+    text = str(trap)
+    if "Caused by:" in text:
+        cause = text.split("Caused by:", 1)[1].strip().splitlines()
+        return " ".join(line.strip().lstrip("0123456789: ").strip() or line for line in cause)
+    return text.splitlines()[0] if text else "unknown trap"
+
+
+_WASI_NAMES: dict[str, str] = {}
+
+
+def _wasi_instance_name(eng: wasmtime.Engine, interface: str) -> str:
+    """The exact name (with version) under which ``add_wasip2`` defines ``interface``:
+    shadowing a function must target that instance (another version would be a new
+    instance, hiding WASI's)."""
+    name = _WASI_NAMES.get(interface)
+    if name is None:
+        probe = Linker(eng)
+        probe.add_wasip2()
+        cb = ffi.wasmtime_component_func_callback_t(lambda *a: 0)
+        fin = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
+        with probe.root() as root:
+            for minor in range(64):
+                candidate = f"{interface}@0.2.{minor}"
+                with root.add_instance(candidate) as inst:
+                    err = ffi.wasmtime_component_linker_instance_add_func(
+                        inst.ptr(), ctypes.create_string_buffer(b"now"), 3, cb, None, fin
+                    )
+                if err:  # "defined twice": WASI's own instance
+                    wasmtime.WasmtimeError._from_ptr(err)  # frees it
+                    name = candidate
+                    break
+        if name is None:
+            raise SandboxError(
+                f"cannot find WASI's {interface} in Wasmtime's linker (wasmtime "
+                "changed?): refusing to run guests whose sleeps would block the server"
+            )
+        _WASI_NAMES[interface] = name
+    return name
 
 
 _shared: WasmSandbox | None = None
+_shared_lock = threading.Lock()
 
 
 def sandbox() -> WasmSandbox:
     """The process's sandbox (created on first use; needs the built pyrt)."""
     global _shared
-    if _shared is None:
-        _shared = WasmSandbox()
-    return _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = WasmSandbox()
+        return _shared
 
 
 def sandboxed_program(
     name: str, source: str, limits: SandboxLimits = SandboxLimits(), box: WasmSandbox | None = None
 ) -> Program:
-    """A :class:`Program` whose instances run ``source`` in the sandbox. The host only
-    compiles it (a syntax check, nothing runs); launch it with any runner."""
-    try:
-        tree = ast.parse(source, f"<inferlet {name}>")
-        compile(tree, f"<inferlet {name}>", "exec", dont_inherit=True)
-    except SyntaxError as e:
-        raise ProgramError(f"{name}: syntax error at line {e.lineno}: {e.msg}") from None
-    except (ValueError, RecursionError, MemoryError) as e:
-        raise ProgramError(f"{name}: cannot compile: {e}") from None
-    # The entry point, checked statically (the host never runs untrusted code).
-    mains = [
-        n
-        for n in tree.body
-        if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef) and n.name == "main"
-    ]
-    if not mains or not isinstance(mains[-1], ast.AsyncFunctionDef):
-        raise ProgramError(f"{name}: an inferlet must define `async def main(args)`")
-    a = mains[-1].args
-    if len(a.posonlyargs) + len(a.args) != 1 or a.vararg or a.kwonlyargs or a.kwarg:
-        raise ProgramError(f"{name}: main must take exactly one parameter (the argument list)")
-    digest = hashlib.sha256(source.encode()).hexdigest()
+    """A :class:`Program` whose instances run ``source`` in the sandbox. The source is
+    checked and compiled now, inside a guest (:meth:`WasmSandbox.compile`; nothing of it
+    runs): :class:`ProgramError` if it is not a valid inferlet. Blocks the calling thread
+    meanwhile, not the GIL: call it from a worker thread, or use
+    :func:`sandboxed_program_async`, to keep an event loop going."""
     box = box or sandbox()
+    code = box.compile(name, source, limits)
+    digest = hashlib.sha256(source.encode()).hexdigest()
 
     async def main(args: list[str]) -> str | None:
-        return await box.run(name, source, args, limits)
+        return await box.launch(name, code, source, args, limits)
 
     return Program(name, digest, main)
+
+
+async def sandboxed_program_async(
+    name: str, source: str, limits: SandboxLimits = SandboxLimits(), box: WasmSandbox | None = None
+) -> Program:
+    """:func:`sandboxed_program` on the sandbox's compile thread: the event loop goes on
+    while the guest compiles (a pathological source costs that thread its CPU budget)."""
+    loop = asyncio.get_running_loop()
+    box = box or await loop.run_in_executor(None, sandbox)
+    return await loop.run_in_executor(box.compiler, sandboxed_program, name, source, limits, box)
 
 
 def core_program(

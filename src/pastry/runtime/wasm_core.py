@@ -188,27 +188,49 @@ IMPORTS: dict[str, tuple[int, Callable]] = {
 }
 
 
+# The unchecked callback with plain integers for the caller and the value array (ctypes
+# builds no pointer objects per call); cast to Wasmtime's declared type when registered.
+_UncheckedFn = ctypes.CFUNCTYPE(
+    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t
+)
+_caller_context = ffi.dll["wasmtime_caller_context"]  # a private function object
+_caller_context.argtypes = [ctypes.c_size_t]
+_caller_context.restype = ctypes.c_size_t
+_RAW = ctypes.sizeof(ffi.wasmtime_val_raw_t)  # 16 bytes per parameter / result
+
+
 class CoreLinker:
     """The core-module Linker of a sandbox and its ctypes callbacks. ``guests`` is the
-    sandbox's table of running guests by store context address."""
+    sandbox's table of running guests by store context address.
+
+    Every import but ``wait`` is a synchronous *unchecked* host function: Wasmtime hands
+    it the raw ``i32`` values in place (no boxed ``wasmtime_val_t`` per value, no
+    continuation); ``wait`` is an async host function, because it suspends the fiber."""
 
     def __init__(self, engine: wasmtime.Engine, guests: dict[int, Guest]) -> None:
         self.engine = engine
         self.guests = guests
         self.names = [""]  # index 0: a NULL env, never used
         self.host = ffi.wasmtime_func_async_callback_t(self._host_call)
+        self.raw = _UncheckedFn(self._raw_call)
         self.done = ffi.wasmtime_func_async_continuation_callback_t(lambda env: True)
         self.resume = ffi.wasmtime_func_async_continuation_callback_t(self._resume)
         self.noop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
         self.linker = wasmtime.Linker(engine)
         i32 = wasmtime.ValType.i32()
         mod = MODULE.encode()
+        raw = ctypes.cast(self.raw, ffi.wasmtime_func_unchecked_callback_t)
         for name, (nparams, _) in IMPORTS.items():
             self.names.append(name)
             ty = wasmtime.FuncType([i32] * nparams, [i32])
-            err = ffi.wasmtime_linker_define_async_func(
+            define, cb = (
+                (ffi.wasmtime_linker_define_async_func, self.host)
+                if name == "wait"
+                else (ffi.wasmtime_linker_define_func_unchecked, raw)
+            )
+            err = define(
                 self.linker.ptr(), ctypes.create_string_buffer(mod), len(mod),
-                ctypes.create_string_buffer(name.encode()), len(name), ty.ptr(), self.host,
+                ctypes.create_string_buffer(name.encode()), len(name), ty.ptr(), cb,
                 len(self.names) - 1, self.noop,
             )  # fmt: skip
             if err:
@@ -222,38 +244,50 @@ class CoreLinker:
             mod = self.modules[key] = wasmtime.Module(self.engine, wasm)
         return mod
 
+    def _raw_call(self, env, caller, values, nvalues) -> int:
+        # Runs on the guest's fiber; never raises (a failure becomes a trap). ``values``
+        # holds the i32 parameters; the result goes into its first slot.
+        g = None
+        name = self.names[env or 0]
+        try:
+            g = self.guests.get(_caller_context(caller))
+            if g is None:
+                raise RuntimeError(f"host import {name} called by an unknown store")
+            nparams, handler = IMPORTS[name]
+            raw = ctypes.string_at(values, max(nvalues, 1) * _RAW)
+            params = memoryview(raw).cast("i")[:: _RAW // 4][:nparams].tolist()
+            try:
+                value = call_host(handler, g, _Mem(g), *params)
+            except ApiError as e:
+                g.core_error = str(e)
+                value = -1
+            ctypes.c_int32.from_address(values).value = int(value)
+            return 0
+        except BaseException as e:
+            return ctypes.cast(self._trap(g, e), ctypes.c_void_p).value or 0
+
+    def _trap(self, g: Guest | None, e: BaseException):
+        msg = error_text(e)
+        if g is not None and isinstance(e, Kill):
+            g.kill_reason = str(e)
+        data = msg.encode("utf-8", "replace")
+        return ffi.wasmtime_trap_new(ctypes.create_string_buffer(data), len(data))
+
     def _host_call(self, env, caller, args, nargs, results, nresults, trap_ret, cont):
-        # Runs on the guest's fiber; never raises (a failure becomes a trap).
+        # ``wait`` only. Runs on the guest's fiber; never raises (a failure becomes a trap).
         cont.contents.callback = self.done
         cont.contents.env = None
         cont.contents.finalizer = self.noop
         g = None
         try:
-            name = self.names[env or 0]
             ctx = ffi.wasmtime_caller_context(caller)
             g = self.guests.get(ctypes.cast(ctx, ctypes.c_void_p).value)
             if g is None:
-                raise RuntimeError(f"host import {name} called by an unknown store")
-            params = [args[i].of.i32 for i in range(nargs)]
+                raise RuntimeError("host import wait called by an unknown store")
             results[0].kind = ffi.WASMTIME_I32
-            if name == "wait":
-                self._wait(g, cont, results, params[0])
-                return
-            try:
-                value = call_host(IMPORTS[name][1], g, _Mem(g), *params)
-            except ApiError as e:
-                g.core_error = str(e)
-                value = -1
-            results[0].of.i32 = int(value)
+            self._wait(g, cont, results, args[0].of.i32)
         except BaseException as e:
-            msg = error_text(e)
-            if g is not None:
-                if isinstance(e, Kill):
-                    g.kill_reason = str(e)
-                else:
-                    log.warning("host import failed in inferlet %d:\n%s", g.id, msg)
-            data = msg.encode("utf-8", "replace")
-            trap_ret[0] = ffi.wasmtime_trap_new(ctypes.create_string_buffer(data), len(data))
+            trap_ret[0] = self._trap(g, e)
 
     def _wait(self, g: Guest, cont, results, pid: int) -> None:
         fut = g.pending.get(pid)

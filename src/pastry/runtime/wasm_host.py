@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import re
 import threading
 import time
 import traceback
@@ -22,11 +24,16 @@ import wasmtime
 from wasmtime import _ffi as ffi
 
 from pastry.api import ApiError
+from pastry.control.http import HttpError
 from pastry.control.session import QuotaError, Session
+from pastry.runtime.trusted import InferletFailure
+
+log = logging.getLogger(__name__)
 
 
-class SandboxError(Exception):
-    """A sandboxed inferlet failed: its traceback, a trap, or a limit it went over."""
+class SandboxError(InferletFailure):
+    """A sandboxed inferlet failed: its traceback, a trap, or a limit it went over (the
+    message is what its client sees; no host traceback)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class SandboxLimits:
     max_embeds: int | None = None  # embedding slots held at once (None: only the pool)
     max_message_bytes: int = 1 << 20  # one send / broadcast / store value
     max_constraints: int = 32  # grammar constraints held by the host at once
+    wall_seconds: float | None = 3600.0  # lifetime, sleeping and waiting included (None: none)
 
     def apply(self, session: Session) -> None:
         """Set the resource limits (KV pages, embeddings, grammar constraints) on the
@@ -90,18 +98,21 @@ class Kill(Exception):
 
 @dataclass(eq=False)
 class Guest:
-    """One running guest instance and its driving state."""
+    """One guest instance and its driving state. A pre-started one (``session`` None) is
+    parked in ``next-inferlet`` until a launch binds it (:meth:`WasmSandbox._bind`)."""
 
     id: int
-    session: Session
+    session: Session | None
     limits: SandboxLimits
     store: wasmtime.Store
-    result: asyncio.Future
+    result: asyncio.Future | None = None
+    ctx: Any = None  # its store's context pointer
     ctx_addr: int = 0
     future: Any = None  # the wasmtime_call_future_t of the guest's entry point
     keep: list = field(default_factory=list)  # ctypes buffers alive while the call runs
     result_ty: Any = None
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    hooked: set[int] = field(default_factory=set)  # pending calls whose future wakes us
     pids: itertools.count = field(default_factory=lambda: itertools.count(1))
     waiting: list[int] | None = None  # pids the fiber is blocked on
     wait_done: bool = False
@@ -118,6 +129,11 @@ class Guest:
     memory: Any = None  # its wasmtime_memory_t
     core_result: str | None = None
     core_error: str | None = None
+    parked: bool = False  # pre-started, blocked in next-inferlet
+    launch: tuple | None = None  # (name, code, args) for next-inferlet, set when bound
+    source: str | None = None  # the inferlet's source (for its tracebacks)
+    deadline: asyncio.TimerHandle | None = None  # the wall-clock limit's timer
+    wall_end: float = 0.0  # loop.time() when the wall-clock limit ends it
 
     def track(self, fut) -> int:
         pid = next(self.pids)
@@ -144,7 +160,23 @@ def send(g: Guest, message: str) -> None:
     g.session.send(message)
 
 
-def error_text(e: BaseException) -> str:
+def error_text(e: BaseException, where: str = "a host call") -> str:
+    """What the guest is told about ``e``: the message of an :class:`ApiError` or a
+    limit, else the exception's type and message. Never a host traceback or a server
+    path: an unexpected error is logged here in full and the guest gets its type only."""
     if isinstance(e, ApiError | Kill):
         return str(e)
-    return "".join(traceback.format_exception(e)).rstrip()
+    if isinstance(e, _TOLD):
+        return f"{where} failed: {type(e).__name__}: {_no_paths(str(e))}"
+    log.warning("sandbox: %s failed:\n%s", where, "".join(traceback.format_exception(e)))
+    return f"{where} failed: internal error ({type(e).__name__}; logged on the server)"
+
+
+# Errors whose message is about the guest's request (a bad value, a denied or failed URL):
+# the guest gets their message. Anything else is a host bug: logged, not shown.
+_TOLD = (ValueError, TypeError, LookupError, OSError, HttpError)
+
+
+def _no_paths(text: str) -> str:
+    """``text`` with absolute file paths cut to their last component."""
+    return re.sub(r"(?<![\w.:/])/(?:[\w.+-]+/)+([\w.+-]+)", r"\1", text)

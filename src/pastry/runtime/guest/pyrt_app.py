@@ -2,19 +2,33 @@
 
 Built into a component by :mod:`pastry.runtime.build_pyrt` together with the pure-Python
 parts of ``pastry`` (``pastry.api`` and ``pastry.sdk`` without ``grammar``), so inferlets
-run the *same* SDK as trusted ones. ``run_source`` compiles the inferlet's source and runs
-its ``async def main(args)`` on :class:`GuestLoop`, an asyncio event loop whose only way
-to wait is the host's blocking ``wait`` import: while the inferlet waits, its Wasmtime
-fiber is suspended and the host runs other inferlets and the batch scheduler.
+run the *same* SDK as trusted ones. Two exports (world ``python-runtime`` of
+``wit/pastry.wit``):
+
+- ``compile-source`` checks an inferlet's source (syntax, ``async def main(args)``) and
+  compiles it to a marshalled code object. The host runs it once per program, in its own
+  instance, so tenant source is never parsed by the host (a pathological source only burns
+  this instance's CPU and memory budget).
+- ``serve`` is what a pre-started instance runs: it warms up (touches what a launch
+  touches, so that work is done before a launch asks for it), then blocks in the host's
+  ``next-inferlet`` until the host assigns it an inferlet, and runs that inferlet's
+  ``main(args)`` on :class:`GuestLoop`, an asyncio event loop whose only way to wait is the
+  host's ``wait-take``: while the inferlet waits, its Wasmtime fiber is suspended and the
+  host runs other inferlets and the batch scheduler.
 
 Queued API calls return asyncio futures at once (the host returns a ``pending`` handle),
 so ``asyncio.gather`` over embed, forward and sample submits them all before waiting, as
-in the trusted runner. This module never runs on the host (it imports the generated
-``wit_world`` bindings).
+in the trusted runner. Every import is called through :func:`_call`, which checks the
+arguments against the WIT signature first (``pyrt_sigs``, generated from the WIT at build
+time): a value the import cannot take (a negative handle, a number over 32 bits, a string
+for a number) is an :class:`ApiError` naming it, not a trap of the whole instance.
+``time.sleep`` waits on the host's timer (the fiber is parked; the server goes on). This
+module never runs on the host (it imports the generated ``wit_world`` bindings).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import asyncio.base_events
 import collections
@@ -25,6 +39,7 @@ import heapq
 import itertools
 import json
 import linecache
+import marshal
 import math
 import random
 import re
@@ -37,8 +52,10 @@ import typing
 import weakref
 
 import wit_world
-from componentize_py_types import Err
+from componentize_py_types import Err, Ok
+from pyrt_sigs import SIGNATURES
 from wit_world.imports import api as host
+from wit_world.imports import launcher
 
 import pastry.lang  # in the snapshot, so that inferlets can import it
 import pastry.sdk
@@ -54,17 +71,114 @@ STDLIB = (
     random, re, string, time, typing, weakref,
 )  # fmt: skip
 
+U32 = 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _checker(ty):
+    """A predicate for values the binding of WIT type ``ty`` (a parsed type, see
+    ``build_pyrt.wit_signatures``) accepts without trapping."""
+    if isinstance(ty, str):
+        bounds = {"u8": (0, 0xFF), "u16": (0, 0xFFFF), "u32": (0, U32), "u64": (0, 2**64 - 1),
+                  "s8": (-(2**7), 2**7 - 1), "s16": (-(2**15), 2**15 - 1),
+                  "s32": (-(2**31), 2**31 - 1), "s64": (-(2**63), 2**63 - 1)}  # fmt: skip
+        if ty in bounds:
+            lo, hi = bounds[ty]
+            return lambda v: type(v) is int and lo <= v <= hi
+        if ty in ("f32", "f64"):
+            return lambda v: type(v) is float or type(v) is int
+        if ty == "bool":
+            return lambda v: type(v) is bool
+        if ty in ("string", "char"):
+            return lambda v: type(v) is str
+        return lambda v: True  # a named type (record, variant): left to the binding
+    kind, *parts = ty
+    if kind == "list":
+        if parts[0] == "u32":  # the common case (handles, tokens): kept cheap
+            return lambda v: type(v) is list and all(type(x) is int and 0 <= x <= U32 for x in v)
+        each = _checker(parts[0])
+        return lambda v: type(v) is list and all(each(x) for x in v)
+    if kind == "option":
+        inner = _checker(parts[0])
+        return lambda v: v is None or inner(v)
+    if kind == "tuple":
+        items = [_checker(p) for p in parts]
+        return lambda v: (
+            type(v) in (tuple, list)
+            and len(v) == len(items)
+            and all(c(x) for c, x in zip(items, v, strict=True))
+        )
+    return lambda v: True
+
+
+_SCALARS = {
+    "u8": ("an integer from 0 to 255", "integers from 0 to 255"),
+    "u16": ("an integer from 0 to 65535", "integers from 0 to 65535"),
+    "u32": ("an integer from 0 to 2**32-1", "integers from 0 to 2**32-1"),
+    "u64": ("an integer from 0 to 2**64-1", "integers from 0 to 2**64-1"),
+    "s32": ("an integer from -2**31 to 2**31-1", "integers from -2**31 to 2**31-1"),
+    "s64": ("an integer from -2**63 to 2**63-1", "integers from -2**63 to 2**63-1"),
+    "f32": ("a number", "numbers"),
+    "f64": ("a number", "numbers"),
+    "bool": ("a bool", "bools"),
+    "string": ("a string", "strings"),
+}
+
+
+def _describe(ty, plural: bool = False) -> str:
+    if isinstance(ty, str):
+        one, many = _SCALARS.get(ty, (ty, ty + "s"))
+        return many if plural else one
+    kind, *parts = ty
+    if kind == "list":
+        return ("lists of " if plural else "a list of ") + _describe(parts[0], True)
+    if kind == "option":
+        return f"None or {_describe(parts[0], plural)}"
+    inner = ", ".join(_describe(p) for p in parts)
+    return f"tuples ({inner})" if plural else f"a tuple ({inner})"
+
+
+def _checks(sig):
+    params = [(name.replace("-", "_"), ty, _checker(ty)) for name, ty in sig]
+
+    def check(fname: str, args: tuple) -> None:
+        for (name, ty, ok), v in zip(params, args, strict=False):
+            if not ok(v):
+                raise ApiError(
+                    f"{fname}: {name} must be {_describe(ty)}, got {_short(v)}"
+                ) from None
+
+    return check
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+CHECKS = {name.replace("-", "_"): _checks(sig) for name, sig in SIGNATURES.items()}
+
 
 def _call(fn, *args):
-    """Call a host import, turning its ``err`` into the SDK's :class:`ApiError`."""
+    """Call a host import: arguments checked against its WIT signature, its ``err``
+    turned into the SDK's :class:`ApiError`."""
+    name = fn.__name__
+    check = CHECKS.get(name)
+    if check is not None:
+        check(name, args)
     try:
         return fn(*args)
     except Err as e:
         raise ApiError(e.value) from None
 
 
+# ---------------------------------------------------------------------------- the event loop
+
+
 class _HostSelector:
-    """Stands in for the loop's selector: waiting = the host's blocking ``wait``."""
+    """Stands in for the loop's selector: waiting = the host's blocking ``wait-take``."""
 
     def __init__(self, loop: GuestLoop) -> None:
         self.loop = loop
@@ -73,25 +187,21 @@ class _HostSelector:
         loop = self.loop
         if timeout is not None and timeout <= 0:
             return []
-        if not loop.pending:
-            if timeout is None:
-                raise RuntimeError(
-                    "the inferlet waits for nothing: no API call is in flight and no task "
-                    "can make progress (a deadlock in the inferlet)"
-                )
-            time.sleep(timeout)  # only asyncio.sleep with nothing in flight gets here
-            return []
+        if not loop.pending and timeout is None:
+            raise RuntimeError(
+                "the inferlet waits for nothing: no API call is in flight and no task "
+                "can make progress (a deadlock in the inferlet)"
+            )
         ns = None if timeout is None else int(timeout * 1e9)
-        for pid in host.wait(list(loop.pending), ns):
-            fut = loop.pending.pop(pid)
-            try:
-                value = host.take(pid)
-            except Err as e:
-                if not fut.done():
-                    fut.set_exception(ApiError(e.value))
+        pending = loop.pending
+        for pid, outcome in host.wait_take(ns):
+            fut = pending.pop(pid, None)
+            if fut is None or fut.done():
                 continue
-            if not fut.done():
-                fut.set_result(_unwrap(value))
+            if isinstance(outcome, Ok):
+                fut.set_result(_unwrap(outcome.value))
+            else:
+                fut.set_exception(ApiError(outcome.value))
         return []
 
 
@@ -110,10 +220,10 @@ def _mapped(fut: asyncio.Future, fn) -> asyncio.Future:
 
 
 def _unwrap(v):
-    if isinstance(v, wit_world.imports.api.Value_Dist):
+    if isinstance(v, host.Value_Dist):
         ids, probs = v.value
         return list(ids), list(probs)
-    if isinstance(v, wit_world.imports.api.Value_Http):
+    if isinstance(v, host.Value_Http):
         return tuple(v.value)
     if isinstance(v, wit_world.imports.api.Value_Sampled):
         token, logprob, ids, lps = v.value
@@ -144,6 +254,17 @@ class GuestLoop(asyncio.base_events.BaseEventLoop):
         return fut
 
 
+def _sleep(seconds: float) -> None:
+    """``time.sleep`` in the sandbox: the host parks this instance on its own timer."""
+    seconds = float(seconds)
+    if not seconds >= 0:
+        raise ValueError("sleep length must be non-negative")
+    host.wait([], int(min(seconds, 1e9) * 1e9))
+
+
+time.sleep = _sleep
+
+
 class GuestApi:
     """:class:`pastry.api.InferletApi` over the host imports (see ``wit/pastry.wit``)."""
 
@@ -169,7 +290,7 @@ class GuestApi:
         _call(host.send, message)
 
     def receive(self):
-        return self.loop.track(host.receive())
+        return self.loop.track(_call(host.receive))
 
     def available_models(self):
         return list(host.available_models())
@@ -345,26 +466,26 @@ class GuestApi:
 
     # key-value store
     def store_get(self, key):
-        return host.store_get(key)
+        return _call(host.store_get, key)
 
     def store_set(self, key, value):
         _call(host.store_set, key, value)
 
     def store_delete(self, key):
-        return host.store_delete(key)
+        return _call(host.store_delete, key)
 
     def store_exists(self, key):
-        return host.store_exists(key)
+        return _call(host.store_exists, key)
 
     def store_list_keys(self, prefix=""):
-        return list(host.store_list_keys(prefix))
+        return list(_call(host.store_list_keys, prefix))
 
     # http
     def http_get(self, url):
-        return self.loop.track(host.http_get(url))
+        return self.loop.track(_call(host.http_get, url))
 
     def http_post(self, url, body):
-        return self.loop.track(host.http_post(url, body))
+        return self.loop.track(_call(host.http_post, url, body))
 
     # several engines
     def available_engines(self, model):
@@ -418,28 +539,98 @@ def _processing(mask, bias, penalty_tokens, penalty_prompt, rep, freq, pres):
     )  # fmt: skip
 
 
-def _load(name: str, source: str):
+# ---------------------------------------------------------------------------- compile and run
+
+
+class _Rejected(Exception):
+    """The source is not a valid inferlet (the message says why)."""
+
+
+def _check(name: str, source: str):
+    """Parse, check the entry point statically and compile; nothing of the source runs."""
     filename = f"<inferlet {name}>"
-    code = compile(source, filename, "exec")
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    module = types.ModuleType("inferlet")
-    module.__file__ = filename
-    sys.modules["inferlet"] = module
-    exec(code, module.__dict__)
-    main = module.__dict__.get("main")
-    if main is None or not asyncio.iscoroutinefunction(main):
-        raise ValueError(f"{name}: an inferlet must define `async def main(args)`")
-    return main
+    try:
+        tree = ast.parse(source, filename)
+        code = compile(tree, filename, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        raise _Rejected(f"{name}: syntax error at line {e.lineno}: {e.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as e:
+        raise _Rejected(f"{name}: cannot compile: {type(e).__name__}: {e}") from None
+    mains = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef) and n.name == "main"
+    ]
+    if not mains or not isinstance(mains[-1], ast.AsyncFunctionDef):
+        raise _Rejected(f"{name}: an inferlet must define `async def main(args)`")
+    a = mains[-1].args
+    if len(a.posonlyargs) + len(a.args) != 1 or a.vararg or a.kwonlyargs or a.kwarg:
+        raise _Rejected(f"{name}: main must take exactly one parameter (the argument list)")
+    return code
+
+
+async def _serve():
+    """The pre-started instance's task: warm up, wait for the inferlet, run it."""
+    try:
+        await _warm_up()
+    except Exception:
+        raise Err(f"the Python runtime failed to start:\n{traceback.format_exc()}") from None
+    name, code, args = launcher.next_inferlet()  # the fiber parks here until a launch
+    try:
+        module = types.ModuleType("inferlet")
+        module.__file__ = f"<inferlet {name}>"
+        sys.modules["inferlet"] = module
+        exec(marshal.loads(code.encode("latin-1")), module.__dict__)
+        main = module.__dict__.get("main")
+        if main is None or not asyncio.iscoroutinefunction(main):
+            raise ValueError(f"{name}: an inferlet must define `async def main(args)`")
+        result = await main(list(args))
+    except BaseException as e:
+        raise Err(_tenant_traceback(name, e)) from None
+    return None if result is None else str(result)
+
+
+_WARM = compile("async def main(args):\n    return args\n", "<warm-up>", "exec")
+
+
+async def _warm_up() -> None:
+    """Run what every launch runs once (marshal, exec, a task, futures, a loop turn), so
+    that its pages are written (copy-on-write of the snapshot) before a launch waits."""
+    space: dict = {}
+    exec(marshal.loads(marshal.dumps(_WARM)), space)
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.call_soon(fut.set_result, None)
+    await fut
+    await asyncio.gather(loop.create_task(space["main"](["warm"])), asyncio.sleep(0))
+
+
+def _tenant_traceback(name: str, exc: BaseException) -> str:
+    """``exc``'s traceback from the inferlet's own frames on (the runtime's frames and the
+    event loop's entry are left out), with the inferlet's source lines."""
+    tb = exc.__traceback__
+    mine = (__file__, asyncio.base_events.__file__, asyncio.events.__file__)
+    while tb is not None and tb.tb_frame.f_code.co_filename in mine:
+        tb = tb.tb_next
+    filename = f"<inferlet {name}>"
+    try:
+        source = launcher.inferlet_source()
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    except BaseException:  # the source is only decoration
+        pass
+    return "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
 
 
 class WitWorld(wit_world.WitWorld):
-    def run_source(self, name: str, source: str, args: list[str]) -> str | None:
+    def compile_source(self, name: str, source: str) -> str:
         try:
-            main = _load(name, source)
-            loop = GuestLoop()
-            asyncio.set_event_loop(loop)
-            pastry.sdk._current.set(GuestApi(loop))
-            result = loop.run_until_complete(main(list(args)))
-        except BaseException:
-            raise Err(traceback.format_exc()) from None
-        return None if result is None else str(result)
+            code = _check(name, source)
+        except _Rejected as e:
+            raise Err(str(e)) from None
+        return marshal.dumps(code).decode("latin-1")
+
+    def serve(self) -> str | None:
+        loop = GuestLoop()
+        asyncio.set_event_loop(loop)
+        pastry.sdk._current.set(GuestApi(loop))
+        return loop.run_until_complete(_serve())

@@ -1,0 +1,149 @@
+"""Pre-started guest instances, so that a launch does not wait for one to be made.
+
+Making a Python guest costs ~1-3 ms of CPU (a Store, instantiating the runtime component,
+its warm-up run that writes the copy-on-write pages every launch writes); a burst of N
+simultaneous launches would pay N of those one after another on the event loop.
+:class:`GuestPool` keeps up to ``size`` guests made ahead of time, each parked in
+``next-inferlet`` (its fiber suspended, nothing bound to it), and refills on a background
+thread: Wasmtime runs the guest without holding the GIL, so the server's event loop goes
+on meanwhile. A launch takes one (:meth:`take`), binds it to its session and resumes it.
+
+A pooled guest has never run tenant code and is used by one launch only, so pooling gives
+up no isolation. Its memory is the price: ``size`` × what one parked guest holds
+(``benchmarks/sandbox.py`` reports it), whether or not anything is launched.
+
+The same thread also frees ended guests (:meth:`retire`): deleting a Store and its fiber
+unmaps their memory (a few hundred µs), which need not delay the event loop either. It
+does that before making new guests, so memory is returned within milliseconds of the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+
+from pastry.runtime.wasm_host import Guest
+
+log = logging.getLogger(__name__)
+
+
+class GuestPool:
+    """Up to ``size`` pre-started guests, made by ``make`` on a background thread.
+
+    ``make`` must be safe to call on that thread (it only touches its own new Store) and
+    ``drop`` must free a guest the pool no longer wants. ``size`` 0 disables the pool.
+    """
+
+    def __init__(self, make: Callable[[], Guest], drop: Callable[[Guest], None], size: int):
+        if size < 0:
+            raise ValueError(f"pool size must be >= 0, got {size}")
+        self.size = size
+        self._make, self._drop = make, drop
+        self._ready: collections.deque[Guest] = collections.deque()
+        self._dead: collections.deque[Callable[[], None]] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.made = 0  # guests made by the pool thread
+        self.taken = 0  # launches served from the pool
+        self.missed = 0  # launches that found it empty
+        self.failures = 0
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def start(self) -> None:
+        """Start filling (idempotent)."""
+        with self._cond:
+            if self._thread is None and self.size > 0 and not self._closed:
+                self._thread = threading.Thread(
+                    target=self._fill, name="pastry-wasm-pool", daemon=True
+                )
+                self._thread.start()
+
+    def take(self) -> Guest | None:
+        """A pre-started guest, or None if none is ready (the caller makes one)."""
+        try:
+            g = self._ready.popleft()
+            self.taken += 1
+        except IndexError:
+            g = None
+            self.missed += self.size > 0
+        if self.size > 0:
+            with self._cond:
+                self._cond.notify()
+            self.start()
+        return g
+
+    def retire(self, free: Callable[[], None]) -> None:
+        """Run ``free`` (it releases an ended guest's Store) on the pool's thread, soon;
+        right here when the pool has no thread."""
+        if self.size == 0 or self._closed:
+            free()
+            return
+        with self._cond:
+            self._dead.append(free)
+            self._cond.notify()
+        self.start()
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """Block until every retired guest has been freed (tests measure memory after)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._dead or self._closed, timeout)
+
+    def wait_full(self, timeout: float | None = None) -> bool:
+        """Block until the pool holds ``size`` guests (benchmarks measure from there)."""
+        self.start()
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: len(self._ready) >= self.size or self._closed, timeout
+            )
+
+    def close(self) -> None:
+        """Stop filling and free the parked guests."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+        while self._ready:
+            self._drop(self._ready.popleft())
+        while self._dead:
+            self._dead.popleft()()
+
+    def _fill(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._closed or self._dead or len(self._ready) < self.size
+                )
+                if self._closed:
+                    return
+                dead = list(self._dead)
+            for free in dead:
+                try:
+                    free()
+                except Exception:
+                    log.exception("sandbox: freeing an ended guest failed")
+            if dead:
+                with self._cond:
+                    for _ in dead:
+                        self._dead.popleft()
+                    self._cond.notify_all()
+                continue
+            try:
+                g = self._make()
+            except Exception:
+                self.failures += 1
+                log.exception("sandbox: pre-starting a guest failed; the pool stops filling")
+                return
+            with self._cond:
+                if self._closed:
+                    self._drop(g)
+                    return
+                self._ready.append(g)
+                self.made += 1
+                self._cond.notify_all()
