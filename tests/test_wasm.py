@@ -367,3 +367,57 @@ def test_logit_processing_and_logprobs_in_the_sandbox(eng, box):
 
     assert rounded(list(boxed.values())) == rounded(list(trusted.values()))
     _released(controller)
+
+
+GROWS = """
+import pastry.sdk as px
+
+async def main(args):
+    data = b"x" * (int(args[0]) << 20)
+    px.send("ready")
+    return await px.receive() + str(len(data) > 0)
+"""
+
+
+def test_memory_per_instance_is_reported(eng, box):
+    prog = sandboxed_program("grows", GROWS, box=box)
+    trusted = Program.from_source("grows", GROWS)
+
+    async def go():
+        controller, rt, handle = await start(eng)
+        insts = [rt.launch(prog, ["1"]), rt.launch(prog, ["40"]), rt.launch(trusted, ["1"])]
+        streams = [i.events() for i in insts]
+        for s in streams:
+            assert await anext(s) == Message("ready")
+        sizes = [prog.memory(i.id) for i in insts[:2]]
+        for i in insts:
+            i.send("ok")
+        ends = [await i.wait() for i in insts]
+        after = prog.memory(insts[0].id)
+        await controller.close()
+        handle.close()
+        return sizes, ends, after
+
+    (small, big), ends, after = asyncio.run(go())
+    assert ends == [Finished("okTrue")] * 3
+    assert 1 << 20 < small < 64 << 20  # the runtime's image and heap, a few tens of MiB
+    assert big - small >= 39 << 20
+    assert after is None and trusted.memory is None
+
+
+def test_the_server_lists_sandboxed_memory(make_tiny, tmp_path):
+    from pastry.client import Client
+    from server_util import running_server
+
+    async def go(url):
+        async with await Client.connect(url) as c:
+            await c.upload(GROWS, name="grows")
+            inst = await c.launch("grows", ["8"])
+            assert (await anext(inst.events())).data == "ready"
+            rows = {i.id: i for i in await c.list_instances()}
+            await inst.send("bye")
+            return rows[inst.id]
+
+    with running_server(make_tiny("llama"), tmp_path) as (url, _):
+        row = asyncio.run(asyncio.wait_for(go(url), 60))
+    assert row.memory_bytes is not None and row.memory_bytes > 8 << 20

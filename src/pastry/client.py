@@ -96,6 +96,7 @@ class InstanceInfo:
     detached: bool
     mine: bool  # launched by this connection and owned by it
     attached: bool  # this connection receives its events
+    memory_bytes: int | None = None  # a sandboxed instance's linear memory (None: trusted)
 
 
 def ws_url(url: str) -> str:

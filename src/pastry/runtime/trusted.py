@@ -58,6 +58,9 @@ class Program:
     name: str
     digest: str  # sha256 of the source
     main: Callable[[list[str]], Awaitable[str | None]]
+    # bytes of memory an instance (by id) of it holds, where the runner can tell (the
+    # sandbox: its linear memory); None for trusted programs, which share the process's
+    memory: Callable[[int], int | None] | None = None
 
     @classmethod
     def from_source(cls, name: str, source: str) -> Program:

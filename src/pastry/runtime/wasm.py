@@ -85,6 +85,7 @@ from pastry.runtime.wasm_host import (
     error_text,
     send,
 )
+from pastry.runtime.wasm_memory import MemoryMap
 from pastry.runtime.wasm_pool import GuestPool
 
 log = logging.getLogger(__name__)
@@ -277,8 +278,16 @@ HOST: dict[str, Callable] = {
 }
 
 BLOCKING = ("wait", "wait-take")
+
+
+def _memory_probe(g: Guest, offset: int, marker: bytes) -> None:
+    if g.probe is None:  # the runtime's call, before the inferlet runs; later ones are ignored
+        g.probe = (offset, bytes(marker))
+
+
 LAUNCHER_IMPORTS: dict[str, Callable] = {
     "inferlet-source": lambda g: g.source or "",
+    "memory-probe": _memory_probe,
 }
 
 
@@ -509,6 +518,8 @@ class WasmSandbox:
         self._core: wasm_core.CoreLinker | None = None
         self._components: dict[str, Component] = {}  # sha256 -> compiled inferlet component
         self._lifts: dict[tuple, Callable] = {}  # (component, export) -> its result's lifter
+        self._bound: dict[int, Guest] = {}  # instance id -> its running guest
+        self._memory = MemoryMap()
         self.pool_limits = SandboxLimits()  # what pooled guests are made under
         self.pool = GuestPool(self._prestart, self._end, pool_size)
         self.compiler = concurrent.futures.ThreadPoolExecutor(
@@ -539,6 +550,16 @@ class WasmSandbox:
                 if err:
                     raise wasmtime.WasmtimeError._from_ptr(err)
         self.linker.allow_shadowing = False
+
+    def memory_bytes(self, instance: int) -> int | None:
+        """The linear memory size of a running Python guest (see
+        :mod:`pastry.runtime.wasm_memory`); None if ``instance`` has none or it cannot be
+        found."""
+        g = self._bound.get(instance)
+        if g is None or g.finished:
+            return None
+        g.mem_base, size = self._memory.size(g.mem_base, g.probe)
+        return size or None
 
     # ------------------------------------------------------------------ compiling
 
@@ -777,6 +798,7 @@ class WasmSandbox:
         if limits.memory_bytes != g.limits.memory_bytes:
             g.store.set_limits(memory_size=limits.memory_bytes)
         g.id, g.session, g.limits = session.instance, session, limits
+        self._bound[g.id] = g
         g.result = loop.create_future()
         g.wake = functools.partial(self._wake, g)
         g.cpu_ns = g.slices = 0
@@ -959,6 +981,8 @@ class WasmSandbox:
         g.pending.clear()
         g.hooked.clear()
         self._guests.pop(g.ctx_addr, None)
+        if self._bound.get(g.id) is g:
+            del self._bound[g.id]
         if g.result is not None and not g.result.done():
             g.result.set_exception(SandboxError(g.kill_reason or "terminated"))
         future, g.future = g.future, None
@@ -1051,7 +1075,7 @@ def sandboxed_program(
     async def main(args: list[str]) -> str | None:
         return await box.launch(name, code, source, args, limits)
 
-    return Program(name, digest, main)
+    return Program(name, digest, main, memory=box.memory_bytes)
 
 
 async def sandboxed_program_async(

@@ -134,6 +134,8 @@ class Guest:
     source: str | None = None  # the inferlet's source (for its tracebacks)
     deadline: asyncio.TimerHandle | None = None  # the wall-clock limit's timer
     wall_end: float = 0.0  # loop.time() when the wall-clock limit ends it
+    probe: tuple[int, bytes] | None = None  # (offset, marker) from memory-probe
+    mem_base: int | None = None  # where its linear memory is, once found
 
     def track(self, fut) -> int:
         pid = next(self.pids)

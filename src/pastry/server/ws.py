@@ -550,6 +550,7 @@ class Connection:
                     "detached": stream.detached if stream else owners.get(inst.id) is None,
                     "mine": owners.get(inst.id) is self,
                     "attached": stream is not None and self in stream.subscribers,
+                    "memory_bytes": inst.program.memory(inst.id) if inst.program.memory else None,
                 }
             )
         return sorted(rows, key=lambda r: (r["started"], r["id"]))

@@ -28,6 +28,7 @@ module never runs on the host (it imports the generated ``wit_world`` bindings).
 
 from __future__ import annotations
 
+import array
 import ast
 import asyncio
 import asyncio.base_events
@@ -41,6 +42,7 @@ import json
 import linecache
 import marshal
 import math
+import os
 import random
 import re
 import string
@@ -576,6 +578,8 @@ async def _serve():
     except Exception:
         raise Err(f"the Python runtime failed to start:\n{traceback.format_exc()}") from None
     name, code, args = launcher.next_inferlet()  # the fiber parks here until a launch
+    _PROBE.frombytes(os.urandom(16))
+    launcher.memory_probe(_PROBE.buffer_info()[0], bytes(_PROBE))
     try:
         module = types.ModuleType("inferlet")
         module.__file__ = f"<inferlet {name}>"
@@ -590,6 +594,7 @@ async def _serve():
     return None if result is None else str(result)
 
 
+_PROBE = array.array("B")  # the bytes memory-probe points at (kept alive, never moved)
 _WARM = compile("async def main(args):\n    return args\n", "<warm-up>", "exec")
 
 
