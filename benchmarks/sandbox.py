@@ -7,25 +7,28 @@ Without --model, uses the random-weight ``small`` llama checkpoint of ``engine_d
 controller and trusted runtime). Needs the Python runtime component (pyrt), built once by
 ``python -m pastry.runtime.build_pyrt`` (this script builds it if missing).
 
-(a) Launch latency of a trivial inferlet (``return "ok"``) at 1, 64 and 256 simultaneous
-    launches: from ``launch()`` to the instance's result event, mean and max over the
-    instances, and the round's wall time / N (launches run one after another on the one
-    event loop, so the mean grows with N). *Cold* = the first launches of a program in a fresh ``WasmSandbox`` (the
-    compiled pyrt is deserialised, the linker built and the source checked inside the
-    timed interval); *warm* = the same launches again (each launch still instantiates
-    pyrt in a new Store and ``exec``s the source; nothing is shared between instances).
-    Trusted rows: ``Program.from_source`` + launch (cold) and launch again (warm).
-(b) Per-call overhead, timed inside the inferlet with ``time.perf_counter``: a plain
-    call (``get_kv_page_size``, answered by the Session) and a queued call
-    (``await synchronize(q)``, a scheduler round trip without the engine); mean µs of
-    the timed iterations after a warm-up, one instance.
+(a) Launch latency as the Pie paper's Figure 9 measures it: N inferlets launched at once
+    (N = 1, 64, 256, 896), each sending an acknowledgement as its first action (then
+    returning); the *average* over the N of request -> acknowledgement, ms (and the
+    request -> end average, the older ``launch_*_ms`` keys). *Warm*: the program is
+    compiled already (Pie: its binary is cached) and the pool of pre-started guests
+    holds N (Pie: the pooling allocator is sized for 1,000). *Cold*: the upload is
+    compiled inside the timed interval (in a guest, off the event loop), then the N
+    launches. Also warm with the default pool (64) and with no pool (every launch
+    instantiates), and trusted inferlets (cold: ``Program.from_source`` in the interval).
+    Each round starts with the pool full and ended guests freed; median of the rounds.
+(b) Per-call overhead, timed inside the inferlet with ``time.perf_counter``: a host call
+    (``get_kv_page_size``, answered by the Session) and a queued call (``await
+    synchronize(q)``, a scheduler round trip without the engine); mean µs of the timed
+    iterations after a warm-up, one instance.
 (c) Time per output token of text completion (``Context`` + greedy ``Sampler``, the
-    inferlet of ``overhead.py``) at 1 and 64 concurrent inferlets, prefill excluded: from
-    the first instance's "first token" message to the last result, / (N-1). Sandboxed
-    and trusted alternate; fastest of the repeats; outputs must match.
-(d) Memory per instance: N instances parked in ``receive()`` (after sending "ready");
-    process RSS delta / N (trusted: Python allocations traced by tracemalloc / N, RSS
-    cannot resolve KiB per instance). Then each gets a message and ends.
+    inferlet of ``overhead.py``) at 1, 64 and 256 concurrent inferlets, prefill excluded:
+    from the first instance's "first token" message to the last result, / (N-1).
+    Sandboxed and trusted alternate; fastest of the repeats; outputs must match.
+(d) Memory: N instances parked in ``receive()``: process RSS delta / N (the older key;
+    RSS counts the runtime image's shared pages once per instance) and USS delta / N
+    (private memory: what an instance really costs), the linear memory each reports
+    (``Program.memory``), and the USS of one pre-started (pooled) guest.
 
 Prints tables, then as the last line one JSON object with the headline numbers.
 """
@@ -38,10 +41,10 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -59,9 +62,15 @@ from overhead import TEXT_COMPLETION, check, csv
 
 PROMPT = 32
 PAGE_SIZE = 16
+LAUNCH_COUNTS = (1, 64, 256, 896)
+TPOT_COUNTS = (1, 64, 256)
 
-TRIVIAL = """
+# Pie's launch experiment: text completion modified to acknowledge before generating.
+ACK = """
+import pastry.sdk as px
+
 async def main(args):
+    px.send("ack")
     return "ok"
 """
 
@@ -101,6 +110,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def uss_bytes() -> int:
+    """Private (unshared) resident memory of this process."""
+    total = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 class Server:
     def __init__(self, handle: InProcessEngine) -> None:
         self.handle = handle
@@ -130,67 +149,112 @@ def make(kind: str, name: str, source: str, box=None) -> Program:
 # --------------------------------------------------------------------------- (a) launch
 
 
-async def launch_round(server: Server, prog_fn, n: int) -> tuple[float, float, float]:
-    """Mean and max ms from launch to result over ``n`` simultaneous launches, and the
-    whole round's wall time / ``n`` (the cost of one launch when they queue)."""
+async def launch_round(server: Server, make_prog, n: int) -> tuple[float, float]:
+    """``n`` simultaneous launches of the program ``await make_prog()`` returns (made
+    inside the timed interval): mean ms from the request to the acknowledgement, and to
+    the end."""
     t0 = time.perf_counter()
-    prog = prog_fn()
+    prog = await make_prog()
     insts = [server.runtime.launch(prog, []) for _ in range(n)]
     events = await asyncio.gather(*(collect(i) for i in insts))
-    lat = [(evs[-1][0] - t0) * 1e3 for evs in events]
+    acks, ends = [], []
     for evs in events:
         assert check([ev for _, ev in evs]) == "ok"
-    return sum(lat) / n, max(lat), max(lat) / n
+        assert evs[0][1] == Message("ack"), evs[0]
+        acks.append((evs[0][0] - t0) * 1e3)
+        ends.append((evs[-1][0] - t0) * 1e3)
+    return sum(acks) / n, sum(ends) / n
 
 
-def section_launch(handle: InProcessEngine, counts: Sequence[int]) -> dict:
-    from pastry.runtime.wasm import WasmSandbox
+def section_launch(handle: InProcessEngine, counts, reps: int) -> dict:
+    from pastry.runtime.wasm import POOL_SIZE, WasmSandbox, sandboxed_program_async
 
     print(
-        "(a) launch latency of a trivial inferlet, launch -> result, ms "
-        "(mean / max / round wall per launch)"
+        "(a) launch latency, N simultaneous: average ms from request to acknowledgement "
+        f"(median of {reps} rounds)"
     )
-    print("| simultaneous | sandboxed cold | sandboxed warm | trusted cold | trusted warm |")
-    print("|---|---|---|---|---|")
-    out = {}
-    for n in counts:
-        row = {}
+    print(
+        "| N | sandboxed warm (pool N) | sandboxed cold (pool N) "
+        f"| sandboxed warm (pool {POOL_SIZE}) | sandboxed warm (no pool) "
+        "| trusted warm | trusted cold |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    box = WasmSandbox(pool_size=0)
+    serial = iter(range(1 << 30))
+    out: dict[str, object] = {}
 
-        async def go(n=n, row=row):
-            async with Server(handle) as server:
-                holder = {}
-
-                def cold_box():
-                    holder["box"] = WasmSandbox()  # deserialise pyrt, build the linker
-                    return make("sandboxed", "trivial", TRIVIAL, holder["box"])
-
-                row["s_cold"] = await launch_round(server, cold_box, n)
-                box = holder["box"]
-                row["s_warm"] = await launch_round(
-                    server, lambda: make("sandboxed", "trivial", TRIVIAL, box), n
-                )
-                row["t_cold"] = await launch_round(
-                    server, lambda: make("trusted", f"trivial{n}", TRIVIAL), n
-                )
-                row["t_warm"] = await launch_round(
-                    server, lambda: make("trusted", f"trivial{n}", TRIVIAL), n
-                )
-
-        asyncio.run(go())
+    def settle(pool: int | None) -> None:
+        if pool is not None:
+            box.pool.resize(pool)
+        box.pool.wait_full(600)
+        box.pool.idle(60)
         gc.collect()
-        cells = " | ".join(" / ".join(f"{x:.2f}" for x in row[k]) for k in row)
-        print(f"| {n} | {cells} |")
-        out[f"launch_cold_ms_{n}"] = round(row["s_cold"][0], 2)
-        out[f"launch_warm_ms_{n}"] = round(row["s_warm"][0], 2)
-        out[f"launch_warm_ms_per_launch_{n}"] = round(row["s_warm"][2], 2)
-        out[f"launch_trusted_ms_{n}"] = round(row["t_warm"][0], 3)
+
+    async def sandboxed_cold():
+        src = f"{ACK}\n# cold {next(serial)}\n"  # a new program: nothing cached
+        return await sandboxed_program_async("ack", src, box=box)
+
+    async def trusted_cold():
+        return Program.from_source(f"ack{next(serial)}", f"{ACK}\n# cold {next(serial)}\n")
+
+    for n in counts:
+        warm_prog = make("sandboxed", "ack", ACK, box)
+        trusted_prog = make("trusted", "ack", ACK)
+
+        async def ready(p):
+            return p
+
+        variants = {  # key: (pool size, or None to leave it; the program, made in the interval)
+            "s_warm": (n, lambda p=warm_prog: ready(p)),
+            "s_cold": (n, sandboxed_cold),
+            "t_warm": (None, lambda p=trusted_prog: ready(p)),
+            "t_cold": (None, trusted_cold),
+            "s_warm_default": (POOL_SIZE, lambda p=warm_prog: ready(p)),
+            "s_warm_nopool": (0, lambda p=warm_prog: ready(p)),
+        }
+        if n <= POOL_SIZE:  # the same as pool N
+            variants.pop("s_warm_default")
+        if n > 256:  # 896 launches without a pool: minutes, and nothing new to learn
+            variants.pop("s_warm_nopool")
+        rounds: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+        for _ in range(reps):
+            for key, (pool, make_prog) in variants.items():
+                settle(pool)
+
+                async def go(make_prog=make_prog, n=n):
+                    async with Server(handle) as server:
+                        return await launch_round(server, make_prog, n)
+
+                rounds[key].append(asyncio.run(go()))
+        row = {
+            k: tuple(statistics.median(x) for x in zip(*v, strict=True)) for k, v in rounds.items()
+        }
+        order = ("s_warm", "s_cold", "s_warm_default", "s_warm_nopool", "t_warm", "t_cold")
+        cells = [f"{row[k][0]:.2f}" if k in row else "-" for k in order]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+        out[f"launch_avg_warm_ms_{n}"] = round(row["s_warm"][0], 2)
+        out[f"launch_avg_cold_ms_{n}"] = round(row["s_cold"][0], 2)
+        if "s_warm_default" in row:
+            out[f"launch_avg_warm_ms_{n}_pool{POOL_SIZE}"] = round(row["s_warm_default"][0], 2)
+        if "s_warm_nopool" in row:
+            out[f"launch_avg_warm_ms_{n}_nopool"] = round(row["s_warm_nopool"][0], 2)
+        out[f"launch_avg_trusted_ms_{n}"] = round(row["t_warm"][0], 3)
+        # the older keys: request -> end, mean over the instances
+        out[f"launch_warm_ms_{n}"] = round(row["s_warm"][1], 2)
+        out[f"launch_cold_ms_{n}"] = round(row["s_cold"][1], 2)
+        out[f"launch_trusted_ms_{n}"] = round(row["t_warm"][1], 3)
+    print(
+        f"pool: {box.pool.made} guests made by its thread, {box.pool.taken} launches "
+        f"served from it, {box.pool.missed} found it empty"
+    )
+    box.close()
     return out
 
 
 # --------------------------------------------------------------------------- (b) calls
 
 
-def section_calls(handle: InProcessEngine, iters: int, warm: int) -> dict:
+def section_calls(handle: InProcessEngine, box, iters: int, warm: int) -> dict:
     print(f"(b) per-call overhead, µs per call, {iters} timed iterations, one instance")
     print("| call | sandboxed | trusted | sandboxed / trusted |")
     print("|---|---|---|---|")
@@ -199,28 +263,30 @@ def section_calls(handle: InProcessEngine, iters: int, warm: int) -> dict:
     async def go():
         async with Server(handle) as server:
             for kind in ("sandboxed", "trusted"):
-                inst = server.runtime.launch(make(kind, "calls", CALLS), [str(iters), str(warm)])
+                prog = make(kind, "calls", CALLS, box)
+                inst = server.runtime.launch(prog, [str(iters), str(warm)])
                 evs = await collect(inst)
                 res[kind] = json.loads(check([ev for _, ev in evs]))
 
     asyncio.run(go())
     out = {}
     for i, (label, key) in enumerate(
-        [("plain (get_kv_page_size)", "plain"), ("queued (await synchronize)", "queued")]
+        [("host call (get_kv_page_size)", "plain"), ("queued (await synchronize)", "queued")]
     ):
         s, t = res["sandboxed"][i], res["trusted"][i]
         print(f"| {label} | {s:.1f} | {t:.1f} | {s / t:.1f}x |")
         out[f"call_us_{key}_sandboxed"] = round(s, 1)
         out[f"call_us_{key}_trusted"] = round(t, 1)
+    out["host_call_us"] = out["call_us_plain_sandboxed"]
+    out["queued_call_us"] = out["call_us_queued_sandboxed"]
     return out
 
 
 # --------------------------------------------------------------------------- (c) TPOT
 
 
-async def tpot(handle: InProcessEngine, kind: str, ps: list[list[int]], n: int):
+async def tpot(handle: InProcessEngine, prog: Program, ps: list[list[int]], n: int):
     async with Server(handle) as server:
-        prog = make(kind, "tc", TEXT_COMPLETION)
         insts = [server.runtime.launch(prog, [csv(p), str(n)]) for p in ps]
         events = await asyncio.gather(*(collect(i) for i in insts))
     t0 = min(t for evs in events for t, ev in evs if isinstance(ev, Message))
@@ -229,19 +295,21 @@ async def tpot(handle: InProcessEngine, kind: str, ps: list[list[int]], n: int):
     return (t1 - t0) / (n - 1), outs
 
 
-def section_tpot(handle: InProcessEngine, n: int, reps: int, vocab: int) -> dict:
+def section_tpot(handle: InProcessEngine, box, n: int, reps: int, vocab: int) -> dict:
     print(f"(c) text completion, ms per output token, {n} new tokens, fastest of {reps}")
     print("| concurrent | sandboxed | trusted | **sandboxed / trusted** | same output |")
     print("|---|---|---|---|---|")
+    progs = {kind: make(kind, "tc", TEXT_COMPLETION, box) for kind in ("trusted", "sandboxed")}
     out = {}
-    for b in (1, 64):
+    for b in TPOT_COUNTS:
         ps = prompts(b, PROMPT, vocab, seed=10)
         for kind in ("trusted", "sandboxed"):  # warm-up on these shapes
-            asyncio.run(tpot(handle, kind, ps, 3))
+            asyncio.run(tpot(handle, progs[kind], ps, 3))
         best: dict[str, tuple] = {}
         for _ in range(reps):
             for kind in ("trusted", "sandboxed"):
-                r = asyncio.run(tpot(handle, kind, ps, n))
+                box.pool.wait_full(600)
+                r = asyncio.run(tpot(handle, progs[kind], ps, n))
                 if kind not in best or r[0] < best[kind][0]:
                     best[kind] = r
         s, t = best["sandboxed"], best["trusted"]
@@ -257,45 +325,77 @@ def section_tpot(handle: InProcessEngine, n: int, reps: int, vocab: int) -> dict
 # --------------------------------------------------------------------------- (d) memory
 
 
-async def parked_rss(handle: InProcessEngine, kind: str, n: int) -> float:
-    """Bytes of RSS per instance parked in receive()."""
+def memory(kind: str) -> tuple[int, int]:
+    if kind == "trusted":
+        return tracemalloc.get_traced_memory()[0], 0
+    return rss_bytes(), uss_bytes()
+
+
+async def parked(handle: InProcessEngine, box, kind: str, n: int) -> dict:
+    """Memory per instance parked in receive(): RSS and USS deltas / n (sandboxed), or
+    Python allocations / n (trusted), and the linear memory each sandboxed one reports."""
     async with Server(handle) as server:
-        prog = make(kind, "parked", PARKED)
+        prog = make(kind, "parked", PARKED, box)
         # warm: one instance first (lazy imports, first-use allocations)
         inst = server.runtime.launch(prog, [])
         evs = inst.events()
         await anext(evs)
         inst.send("x")
         assert await anext(evs) == Finished("x")
+        if box is not None:
+            box.pool.idle(60)
         gc.collect()
         if kind == "trusted":  # KiB-scale: below RSS resolution, count Python allocations
             tracemalloc.start()
-        before = tracemalloc.get_traced_memory()[0] if kind == "trusted" else rss_bytes()
+        before = memory(kind)
         insts = [server.runtime.launch(prog, []) for _ in range(n)]
         streams = [i.events() for i in insts]
         for s in streams:
             assert await anext(s) == Message("ready")
         gc.collect()
-        after = tracemalloc.get_traced_memory()[0] if kind == "trusted" else rss_bytes()
+        after = memory(kind)
         tracemalloc.stop()
+        linear = [prog.memory(i.id) for i in insts] if prog.memory else []
         for i in insts:
             i.send("bye")
         for s in streams:
             assert await anext(s) == Finished("bye")
-    return (after - before) / n
+    return {
+        "rss": (after[0] - before[0]) / n,
+        "uss": (after[1] - before[1]) / n,
+        "linear": statistics.mean(x or 0 for x in linear) if linear else 0,
+    }
 
 
 def section_memory(handle: InProcessEngine, n: int) -> dict:
+    from pastry.runtime.wasm import WasmSandbox
+
     print(f"(d) memory per idle instance ({n} parked in receive()), delta / {n}")
-    print("| runner | KiB per instance |")
-    print("|---|---|")
+    print("| runner | RSS MiB | USS MiB (private) | linear memory MiB |")
+    print("|---|---|---|---|")
     out = {}
-    for kind in ("sandboxed", "trusted"):
-        per = asyncio.run(parked_rss(handle, kind, n))
-        how = "tracemalloc" if kind == "trusted" else "RSS"
-        print(f"| {kind} ({how}) | {per / 1024:.1f} |")
-        out[f"mem_kib_per_instance_{kind}"] = round(per / 1024, 1)
-    out["mem_mib_per_instance"] = round(out["mem_kib_per_instance_sandboxed"] / 1024, 2)
+    box = WasmSandbox(pool_size=0)  # no pool: the deltas are the instances'
+    m = asyncio.run(parked(handle, box, "sandboxed", n))
+    rss, uss, linear = (m[k] / 2**20 for k in ("rss", "uss", "linear"))
+    print(f"| sandboxed | {rss:.2f} | {uss:.2f} | {linear:.2f} |")
+    t = asyncio.run(parked(handle, None, "trusted", n))
+    print(f"| trusted (tracemalloc) | {t['rss'] / 2**20:.3f} | - | - |")
+    box.pool.idle(60)
+    gc.collect()
+    rss0, uss0 = rss_bytes(), uss_bytes()
+    box.pool.resize(n)
+    box.pool.wait_full(600)
+    pool_rss, pool_uss = (rss_bytes() - rss0) / n, (uss_bytes() - uss0) / n
+    print(
+        f"| one pre-started (pooled) guest | {pool_rss / 2**20:.2f} | {pool_uss / 2**20:.2f} | - |"
+    )
+    box.close()
+    out["mem_kib_per_instance_sandboxed"] = round(m["rss"] / 1024, 1)
+    out["mem_kib_per_instance_trusted"] = round(t["rss"] / 1024, 1)
+    out["mem_mib_per_instance"] = round(m["rss"] / 2**20, 2)
+    out["mem_uss_mib_per_instance"] = round(m["uss"] / 2**20, 2)
+    out["mem_linear_mib_per_instance"] = round(m["linear"] / 2**20, 2)
+    out["pool_uss_mib_per_guest"] = round(pool_uss / 2**20, 2)
     return out
 
 
@@ -306,7 +406,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--quick", action="store_true", help="reduced run (same JSON keys)")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (same JSON keys)")
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: the small one)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
@@ -314,20 +414,21 @@ def main() -> None:
     torch.manual_seed(0)
 
     from pastry.runtime import build_pyrt
+    from pastry.runtime.wasm import POOL_SIZE, WasmSandbox
 
     if not build_pyrt.cached_path().exists():
         print("# building the Python runtime component (once) ...", flush=True)
         build_pyrt.build()
 
     path = args.model or small_checkpoint(args.device)
-    n_tok, reps = (8, 1) if args.quick else (64, 3)
+    n_tok, reps, launch_reps = (16, 1, 1) if args.quick else (64, 3, 3)
     iters, warm = (50, 10) if args.quick else (500, 50)
-    n_mem = 64 if args.quick else 256
+    n_mem = 256
     cfg = EngineConfig(
         device=args.device,
         dtype="bfloat16",
         page_size=PAGE_SIZE,
-        num_pages=64 * (-(-(PROMPT + n_tok + 1) // PAGE_SIZE)) + 512,
+        num_pages=max(TPOT_COUNTS) * (-(-(PROMPT + n_tok + 1) // PAGE_SIZE)) + 512,
         num_embeds=8192,
         num_host_pages=1,
     )
@@ -341,11 +442,13 @@ def main() -> None:
     )
     out: dict[str, object] = {}
     print()
-    out.update(section_launch(handle, (1, 64, 256)))
+    out.update(section_launch(handle, LAUNCH_COUNTS, launch_reps))
     print()
-    out.update(section_calls(handle, iters, warm))
+    box = WasmSandbox(pool_size=POOL_SIZE)  # the default sandbox a server gets
+    out.update(section_calls(handle, box, iters, warm))
     print()
-    out.update(section_tpot(handle, n_tok, reps, vocab))
+    out.update(section_tpot(handle, box, n_tok, reps, vocab))
+    box.close()
     print()
     out.update(section_memory(handle, n_mem))
     handle.close()

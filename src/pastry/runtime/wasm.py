@@ -332,6 +332,7 @@ class _Sig:
 
     name: str
     handler: Callable | None  # HOST entry (None: a blocking import)
+    api: bool  # an inferlet API import (it needs a bound session)
     params: list[Callable]
     result: Callable | None  # write(ok, value, val); None: the import returns nothing
     fallible: bool  # returns result<_, string>: errors go to the guest as err
@@ -394,6 +395,7 @@ class _Callbacks:
             sig = self.sigs[idx] = _Sig(
                 name,
                 None if table is None else table[name],
+                table is HOST,
                 [wasm_codec.lifter(t) for _, t in fty.params],
                 write,
                 fallible,
@@ -419,6 +421,8 @@ class _Callbacks:
                 raise RuntimeError(f"host import {sig.name} called by an unknown store")
             pyargs = [lift(args[i]) for i, lift in enumerate(sig.params)]
             try:
+                if g.session is None and sig.api:  # the runtime's warm-up calls these
+                    raise ApiError(f"{sig.name}: no inferlet runs in this instance yet")
                 value, ok = call_host(sig.handler, g, *pyargs), True
             except Kill:
                 raise

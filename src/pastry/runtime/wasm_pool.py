@@ -77,6 +77,20 @@ class GuestPool:
             self.start()
         return g
 
+    def resize(self, size: int) -> None:
+        """Keep ``size`` guests from now on (extra parked ones are freed)."""
+        if size < 0:
+            raise ValueError(f"pool size must be >= 0, got {size}")
+        with self._cond:
+            self.size = size
+            extra = []
+            while len(self._ready) > size:
+                extra.append(self._ready.pop())
+            self._cond.notify_all()
+        for g in extra:
+            self._drop(g)
+        self.start()
+
     def retire(self, free: Callable[[], None]) -> None:
         """Run ``free`` (it releases an ended guest's Store) on the pool's thread, soon;
         right here when the pool has no thread."""

@@ -33,6 +33,7 @@ import ast
 import asyncio
 import asyncio.base_events
 import collections
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -574,12 +575,12 @@ def _check(name: str, source: str):
 async def _serve():
     """The pre-started instance's task: warm up, wait for the inferlet, run it."""
     try:
+        _PROBE.frombytes(os.urandom(16))
+        launcher.memory_probe(_PROBE.buffer_info()[0], bytes(_PROBE))
         await _warm_up()
     except Exception:
         raise Err(f"the Python runtime failed to start:\n{traceback.format_exc()}") from None
     name, code, args = launcher.next_inferlet()  # the fiber parks here until a launch
-    _PROBE.frombytes(os.urandom(16))
-    launcher.memory_probe(_PROBE.buffer_info()[0], bytes(_PROBE))
     try:
         module = types.ModuleType("inferlet")
         module.__file__ = f"<inferlet {name}>"
@@ -608,6 +609,22 @@ async def _warm_up() -> None:
     loop.call_soon(fut.set_result, None)
     await fut
     await asyncio.gather(loop.create_task(space["main"](["warm"])), asyncio.sleep(0))
+    # The common calls, through the SDK to the host and back: nothing is bound yet, so
+    # each raises ApiError; the interpreter's caches along the way are warm now.
+    px = pastry.sdk
+    for call in (
+        lambda: px.send("warm"),
+        lambda: px.create_queue("warm"),
+        lambda: px.get_kv_page_size(0),
+        lambda: px.alloc_kvpages(0, 1),
+        lambda: px.embed_txt(0, [1], [0], [0]),
+        lambda: px.forward(0, [0], 1, [0], [0], 0, [0]),
+        lambda: px.sample(0, 0),
+        lambda: px.synchronize(0),
+    ):
+        with contextlib.suppress(ApiError):
+            call()
+    host.wait_take(0)
 
 
 def _tenant_traceback(name: str, exc: BaseException) -> str:
