@@ -489,10 +489,10 @@ _set_deadline = _bindings._wasmtime_context_set_epoch_deadline
 class WasmSandbox:
     """Runs sandboxed inferlets in this process (use :func:`sandbox` for the shared one).
 
-    ``pool_size`` Python guests are kept pre-started (:class:`GuestPool`); 0 makes every
-    launch instantiate its own."""
+    ``pool_size`` Python guests are kept pre-started (:class:`GuestPool`; default
+    :data:`POOL_SIZE`); 0 makes every launch instantiate its own."""
 
-    def __init__(self, pyrt: Path | None = None, pool_size: int = POOL_SIZE) -> None:
+    def __init__(self, pyrt: Path | None = None, pool_size: int | None = None) -> None:
         self.engine = engine()
         path = pyrt or build_pyrt.cached_path()
         if not path.exists():
@@ -525,7 +525,9 @@ class WasmSandbox:
         self._bound: dict[int, Guest] = {}  # instance id -> its running guest
         self._memory = MemoryMap()
         self.pool_limits = SandboxLimits()  # what pooled guests are made under
-        self.pool = GuestPool(self._prestart, self._end, pool_size)
+        self.pool = GuestPool(
+            self._prestart, self._end, POOL_SIZE if pool_size is None else pool_size
+        )
         self.compiler = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pastry-wasm-compile"
         )
