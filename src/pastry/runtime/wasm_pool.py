@@ -7,6 +7,8 @@ simultaneous launches would pay N of those one after another on the event loop.
 ``next-inferlet`` (its fiber suspended, nothing bound to it), and refills on a background
 thread: Wasmtime runs the guest without holding the GIL, so the server's event loop goes
 on meanwhile. A launch takes one (:meth:`take`), binds it to its session and resumes it.
+The thread waits for a lull in launches (``QUIET``, at most ``PATIENCE``) before it works:
+during a burst it would only compete with the launches for the CPU and the GIL.
 
 A pooled guest has never run tenant code and is used by one launch only, so pooling gives
 up no isolation. Its memory is the price: ``size`` × what one parked guest holds
@@ -14,7 +16,8 @@ up no isolation. Its memory is the price: ``size`` × what one parked guest hold
 
 The same thread also frees ended guests (:meth:`retire`): deleting a Store and its fiber
 unmaps their memory (a few hundred µs), which need not delay the event loop either. It
-does that before making new guests, so memory is returned within milliseconds of the end.
+does that before making new guests, so memory is returned within milliseconds of the end
+(at most ``PATIENCE`` later during a burst of launches).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from pastry.runtime.wasm_host import Guest
@@ -36,6 +40,11 @@ class GuestPool:
     ``drop`` must free a guest the pool no longer wants. ``size`` 0 disables the pool.
     """
 
+    # The thread waits for a lull in launches before it works (it would compete with them
+    # for the CPU and the GIL): ``QUIET`` s without a take, or ``PATIENCE`` s at most.
+    QUIET = 0.01
+    PATIENCE = 0.1
+
     def __init__(self, make: Callable[[], Guest], drop: Callable[[Guest], None], size: int):
         if size < 0:
             raise ValueError(f"pool size must be >= 0, got {size}")
@@ -46,6 +55,7 @@ class GuestPool:
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._last_take = 0.0
         self.made = 0  # guests made by the pool thread
         self.taken = 0  # launches served from the pool
         self.missed = 0  # launches that found it empty
@@ -65,6 +75,7 @@ class GuestPool:
 
     def take(self) -> Guest | None:
         """A pre-started guest, or None if none is ready (the caller makes one)."""
+        self._last_take = time.monotonic()
         try:
             g = self._ready.popleft()
             self.taken += 1
@@ -128,6 +139,16 @@ class GuestPool:
         while self._dead:
             self._dead.popleft()()
 
+    def _lull(self) -> None:
+        """Wait until launches pause (or PATIENCE passed)."""
+        start = time.monotonic()
+        while not self._closed:
+            now = time.monotonic()
+            quiet = now - self._last_take
+            if quiet >= self.QUIET or now - start >= self.PATIENCE:
+                return
+            time.sleep(self.QUIET - quiet)
+
     def _fill(self) -> None:
         while True:
             with self._cond:
@@ -136,6 +157,8 @@ class GuestPool:
                 )
                 if self._closed:
                     return
+            self._lull()
+            with self._cond:
                 dead = list(self._dead)
             for free in dead:
                 try:

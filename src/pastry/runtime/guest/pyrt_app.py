@@ -572,48 +572,55 @@ def _check(name: str, source: str):
     return code
 
 
+def _execute(name: str, code: bytes):
+    """Run a compiled inferlet's module (marshalled ``code``); its ``main``."""
+    module = types.ModuleType("inferlet")
+    module.__file__ = f"<inferlet {name}>"
+    sys.modules["inferlet"] = module
+    exec(marshal.loads(code), module.__dict__)
+    main = module.__dict__.get("main")
+    if main is None or not asyncio.iscoroutinefunction(main):
+        raise ValueError(f"{name}: an inferlet must define `async def main(args)`")
+    return main
+
+
 async def _serve():
-    """The pre-started instance's task: warm up, wait for the inferlet, run it."""
-    try:
-        _PROBE.frombytes(os.urandom(16))
-        launcher.memory_probe(_PROBE.buffer_info()[0], bytes(_PROBE))
-        await _warm_up()
-    except Exception:
-        raise Err(f"the Python runtime failed to start:\n{traceback.format_exc()}") from None
+    """The pre-started instance's task: wait for the inferlet, run it."""
     name, code, args = launcher.next_inferlet()  # the fiber parks here until a launch
     try:
-        module = types.ModuleType("inferlet")
-        module.__file__ = f"<inferlet {name}>"
-        sys.modules["inferlet"] = module
-        exec(marshal.loads(code.encode("latin-1")), module.__dict__)
-        main = module.__dict__.get("main")
-        if main is None or not asyncio.iscoroutinefunction(main):
-            raise ValueError(f"{name}: an inferlet must define `async def main(args)`")
-        result = await main(list(args))
+        result = await _execute(name, code.encode("latin-1"))(list(args))
     except BaseException as e:
         raise Err(_tenant_traceback(name, e)) from None
     return None if result is None else str(result)
 
 
 _PROBE = array.array("B")  # the bytes memory-probe points at (kept alive, never moved)
-_WARM = compile("async def main(args):\n    return args\n", "<warm-up>", "exec")
+# What a launch runs, run once before it (through the same functions): the interpreter's
+# caches along the way are written, and the pages they live on copied (copy-on-write of
+# the snapshot), before a launch waits for that.
+_WARM = marshal.dumps(
+    compile(
+        "import pastry.sdk as px\n"
+        "async def main(args):\n"
+        "    try:\n"
+        "        px.send('warm')\n"
+        "    except px.ApiError:\n"
+        "        pass\n"
+        "    return args[0]\n",
+        "<inferlet warm-up>",
+        "exec",
+    )
+)
 
 
 async def _warm_up() -> None:
-    """Run what every launch runs once (marshal, exec, a task, futures, a loop turn), so
-    that its pages are written (copy-on-write of the snapshot) before a launch waits."""
-    space: dict = {}
-    exec(marshal.loads(marshal.dumps(_WARM)), space)
     loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    loop.call_soon(fut.set_result, None)
-    await fut
-    await asyncio.gather(loop.create_task(space["main"](["warm"])), asyncio.sleep(0))
+    main = _execute("warm-up", _WARM)
+    await asyncio.gather(loop.create_task(main(["warm"])), asyncio.sleep(0))
     # The common calls, through the SDK to the host and back: nothing is bound yet, so
-    # each raises ApiError; the interpreter's caches along the way are warm now.
+    # each raises ApiError.
     px = pastry.sdk
     for call in (
-        lambda: px.send("warm"),
         lambda: px.create_queue("warm"),
         lambda: px.get_kv_page_size(0),
         lambda: px.alloc_kvpages(0, 1),
@@ -625,6 +632,11 @@ async def _warm_up() -> None:
         with contextlib.suppress(ApiError):
             call()
     host.wait_take(0)
+    # Memory a launch's first objects will take: allocated and freed once, so that the
+    # allocator's pools are on written pages already.
+    junk = [[i] * 4 for i in range(4000)] + [{"k": i} for i in range(500)]
+    del junk
+    sys.modules.pop("inferlet", None)
 
 
 def _tenant_traceback(name: str, exc: BaseException) -> str:
@@ -655,4 +667,10 @@ class WitWorld(wit_world.WitWorld):
         loop = GuestLoop()
         asyncio.set_event_loop(loop)
         pastry.sdk._current.set(GuestApi(loop))
+        try:
+            _PROBE.frombytes(os.urandom(16))
+            launcher.memory_probe(_PROBE.buffer_info()[0], bytes(_PROBE))
+            loop.run_until_complete(_warm_up())
+        except Exception:
+            raise Err(f"the Python runtime failed to start:\n{traceback.format_exc()}") from None
         return loop.run_until_complete(_serve())
