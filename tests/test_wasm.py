@@ -421,3 +421,70 @@ def test_the_server_lists_sandboxed_memory(make_tiny, tmp_path):
     with running_server(make_tiny("llama"), tmp_path) as (url, _):
         row = asyncio.run(asyncio.wait_for(go(url), 60))
     assert row.memory_bytes is not None and row.memory_bytes > 8 << 20
+
+
+COUNTER = """
+import pastry.sdk as px
+
+LAUNCHES = []  # module state: each instance has its own
+
+async def main(args):
+    LAUNCHES.append(args[0])
+    return str(len(LAUNCHES))
+"""
+
+TOP_LEVEL_CALL = """
+import pastry.sdk as px
+
+Q = px.create_queue("m")  # the module runs before the instance is bound to a session
+
+async def main(args):
+    return str(Q)
+"""
+
+TOP_LEVEL_SLEEP = """
+import time
+
+time.sleep(0.01)
+
+async def main(args):
+    return "slept"
+"""
+
+
+def test_launches_of_a_program_take_guests_loaded_with_it(eng, make_tiny):
+    box = WasmSandbox(pool_size=8)
+    try:
+        counter = sandboxed_program("counter", COUNTER, box=box)
+        call = sandboxed_program("call", TOP_LEVEL_CALL, box=box)
+        sleep = sandboxed_program("sleep", TOP_LEVEL_SLEEP, box=box)
+
+        async def burst(rt, prog, n):
+            return [await i.wait() for i in [rt.launch(prog, [str(k)]) for k in range(n)]]
+
+        async def go():
+            controller, rt, handle = await start(eng)
+            first = await burst(rt, counter, 4)  # generic guests; the pool learns the burst
+            box.pool.wait_full(30)
+            loaded = box.pool.taken_loaded
+            second = await burst(rt, counter, 4)
+            again = box.pool.taken_loaded - loaded
+            others = []
+            for prog in (call, sleep):  # twice: the second run would take loaded guests
+                for _ in range(2):
+                    others += await burst(rt, prog, 1)
+                    box.pool.wait_full(30)
+            await controller.close()
+            handle.close()
+            return first, second, again, others
+
+        first, second, again, others = asyncio.run(go())
+    finally:
+        box.close()
+    assert first == second == [Finished("1")] * 4  # module state is never shared
+    assert again == 4
+    call1, call2, sleep1, sleep2 = others
+    for end in (call1, call2):  # as trusted: the module runs unbound, so this fails
+        assert isinstance(end, Failed) and "available from main(), not while" in end.error
+        assert 'File "<inferlet call>", line 4' in end.error
+    assert sleep1 == sleep2 == Finished("slept")  # not loadable ahead: loaded at launch

@@ -14,14 +14,15 @@ How it is driven (one asyncio loop, no thread per guest):
 
 - One :class:`WasmSandbox` per process: one Engine (epoch interruption; an epoch ticker
   thread), one component Linker, the compiled pyrt component, and a :class:`GuestPool` of
-  pre-started instances (made on a background thread, each parked in ``next-inferlet``):
+  pre-started instances (made on a background thread, each parked in ``load-inferlet``,
+  or loaded with a recently launched program and parked in ``start-inferlet``):
   a launch binds one to its session and resumes it, so N simultaneous launches do not
   queue behind N instantiations.
 - :func:`sandboxed_program` returns a :class:`~pastry.runtime.trusted.Program` whose
   ``main`` runs the guest, so :class:`~pastry.runtime.trusted.TrustedRuntime` launches,
   terminates and reports sandboxed instances exactly like trusted ones.
 - The guest runs as a Wasmtime *call future* (a fiber). The loop polls it; it runs until
-  it blocks in a blocking import (``wait``, ``wait-take``, ``next-inferlet``), finishes,
+  it blocks in a blocking import (``wait``, ``wait-take``, the launcher's), finishes,
   or yields at an epoch tick. Other imports are synchronous host functions: they convert
   values (:mod:`pastry.runtime.wasm_codec`), call the Session and return (queued calls
   return a ``pending`` handle at once). A blocking import suspends the fiber until one of
@@ -207,7 +208,7 @@ def _constraint_mask(g: Guest, c: int) -> list[int]:
 
 
 # name -> handler(guest, *args) returning the import's result (errors: ApiError). The
-# blocking imports (``wait``, ``wait-take``; the launcher's ``next-inferlet``) are the
+# blocking imports (``wait``, ``wait-take``; the launcher's load/start) are the
 # callbacks' own: they suspend the fiber.
 HOST: dict[str, Callable] = {
     "take": _take,
@@ -278,6 +279,9 @@ HOST: dict[str, Callable] = {
 }
 
 BLOCKING = ("wait", "wait-take")
+# The launcher's blocking imports, in the order the runtime calls them (Guest.stage).
+LAUNCH_STAGES = {"load-inferlet": 0, "start-inferlet": 1}
+STARTED = 2  # the stage once start-inferlet is answered: main() runs
 
 
 def _memory_probe(g: Guest, offset: int, marker: bytes) -> None:
@@ -421,8 +425,11 @@ class _Callbacks:
                 raise RuntimeError(f"host import {sig.name} called by an unknown store")
             pyargs = [lift(args[i]) for i, lift in enumerate(sig.params)]
             try:
-                if g.session is None and sig.api:  # the runtime's warm-up calls these
-                    raise ApiError(f"{sig.name}: no inferlet runs in this instance yet")
+                if sig.api and g.stage < STARTED:  # the warm-up's calls; the module's
+                    raise ApiError(
+                        f"{sig.name}: the inferlet API is available from main(), not while "
+                        "the inferlet's module loads"
+                    )
                 value, ok = call_host(sig.handler, g, *pyargs), True
             except Kill:
                 raise
@@ -486,6 +493,17 @@ _poll = _bindings._wasmtime_call_future_poll
 _set_deadline = _bindings._wasmtime_context_set_epoch_deadline
 
 
+@dataclass(eq=False)
+class Code:
+    """A checked and compiled Python inferlet (:meth:`WasmSandbox.compile`): what a launch
+    runs, and what the pool loads guests with (by identity)."""
+
+    name: str
+    code: bytes  # the marshalled code object, as load-inferlet sends it
+    source: str  # for tracebacks
+    limits: SandboxLimits
+
+
 class WasmSandbox:
     """Runs sandboxed inferlets in this process (use :func:`sandbox` for the shared one).
 
@@ -514,7 +532,8 @@ class WasmSandbox:
                 for name in HOST:
                     self._cb.define(inst, name, HOST, blocking=False)
             with root.add_instance(LAUNCHER) as inst:
-                self._cb.define(inst, "next-inferlet", None, blocking=True)
+                for name in LAUNCH_STAGES:
+                    self._cb.define(inst, name, None, blocking=True)
                 for name in LAUNCHER_IMPORTS:
                     self._cb.define(inst, name, LAUNCHER_IMPORTS, blocking=False)
         self._deny_wasi_waits()
@@ -525,9 +544,8 @@ class WasmSandbox:
         self._bound: dict[int, Guest] = {}  # instance id -> its running guest
         self._memory = MemoryMap()
         self.pool_limits = SandboxLimits()  # what pooled guests are made under
-        self.pool = GuestPool(
-            self._prestart, self._end, POOL_SIZE if pool_size is None else pool_size
-        )
+        size = POOL_SIZE if pool_size is None else pool_size
+        self.pool = GuestPool(self._prestart, self._preload, self._end, size)
         self.compiler = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pastry-wasm-compile"
         )
@@ -569,7 +587,7 @@ class WasmSandbox:
 
     # ------------------------------------------------------------------ compiling
 
-    def compile(self, name: str, source: str, limits: SandboxLimits = SandboxLimits()) -> bytes:
+    def compile(self, name: str, source: str, limits: SandboxLimits = SandboxLimits()) -> Code:
         """Check and compile ``source`` in a fresh guest (``compile-source``): its code, to
         hand to :meth:`launch`. Runs on the calling thread without holding the GIL while
         the guest works, so from a worker thread it does not stop the event loop; limited
@@ -610,7 +628,8 @@ class WasmSandbox:
             out = fty.result.convert_from_c(result)
             if out.tag != "ok":
                 raise ProgramError(out.payload)
-            return out.payload.encode()  # UTF-8 of the latin-1 text, as next-inferlet sends it
+            # (the code as load-inferlet sends it: UTF-8 of the latin-1 text)
+            return Code(name, out.payload.encode(), source, limits)
         finally:
             if fut is not None:
                 ffi.wasmtime_call_future_delete(fut)
@@ -620,27 +639,23 @@ class WasmSandbox:
 
     # ------------------------------------------------------------------ running a guest
 
-    async def launch(
-        self,
-        name: str,
-        code: bytes,
-        source: str,
-        args: list[str],
-        limits: SandboxLimits = SandboxLimits(),
-    ) -> str | None:
-        """Run compiled ``code`` (from :meth:`compile`; ``source`` is shown in its
-        tracebacks) with ``args`` in a fresh instance bound to the calling inferlet's
-        Session (call inside a runner task, e.g. :class:`TrustedRuntime`)."""
+    async def launch(self, code: Code, args: list[str]) -> str | None:
+        """Run ``code`` (:meth:`compile`'s) with ``args`` in a fresh instance bound to the
+        calling inferlet's Session (call inside a runner task, e.g.
+        :class:`TrustedRuntime`): a pooled guest loaded with it, else a pooled one, else
+        one made now."""
         from pastry.sdk import api
 
         session = api()
         g = None
-        if limits.memory_bytes >= self.pool_limits.memory_bytes:
-            g = self.pool.take()
+        if code.limits.memory_bytes >= self.pool_limits.memory_bytes:
+            g = self.pool.take(code)
         if g is None:
-            g = self._prestart(limits)
-        g.launch, g.source = (name, code, list(args)), source
-        self._bind(g, session, limits)
+            g = self._prestart(code.limits)
+        if g.code is None:
+            g.code, g.source = code, code.source
+        g.args = list(args)
+        self._bind(g, session, code.limits)
         self._step(g)  # straight on: the guest runs until it first blocks
         try:
             return await g.result
@@ -653,7 +668,7 @@ class WasmSandbox:
         """Compile ``source`` (off the event loop) and :meth:`launch` it."""
         loop = asyncio.get_running_loop()
         code = await loop.run_in_executor(self.compiler, self.compile, name, source, limits)
-        return await self.launch(name, code, source, args, limits)
+        return await self.launch(code, args)
 
     def _core_linker(self) -> wasm_core.CoreLinker:
         if self._core is None:
@@ -737,23 +752,52 @@ class WasmSandbox:
         return g
 
     def _prestart(self, limits: SandboxLimits | None = None) -> Guest:
-        """A Python guest parked in ``next-inferlet`` (warm, bound to nothing). Safe to
+        """A Python guest parked in ``load-inferlet`` (warm, bound to nothing). Safe to
         call on any thread: it touches only its own new Store."""
         g = self._new_guest(limits or self.pool_limits, wasi=True)
         try:
             self._call(g, self.component, "serve", ())
-            t0 = time.thread_time()
-            while not g.parked:
-                _set_deadline(g.ctx, 1)
-                if _poll(g.future):
-                    out = self._outcome(g)
-                    raise SandboxError(f"the Python runtime ended before its launch: {out}")
-                if time.thread_time() - t0 > 30:
-                    raise SandboxError("the Python runtime did not start within 30 s of CPU")
+            if not self._run_until_parked(g, 30.0):
+                raise SandboxError("the Python runtime did not start within 30 s of CPU")
+            g.cpu_ns = 0  # the runtime's start is not the inferlet's
         except BaseException:
             self._end(g)
             raise
         return g
+
+    def _preload(self, g: Guest, code: Code) -> bool:
+        """Load ``code`` into pre-started ``g`` (its module runs, unbound) and park it in
+        ``start-inferlet``; its CPU counts against the instance's budget. False (``g`` is
+        freed) if it ends or runs out of budget instead: that program is then loaded at
+        each launch. On the pool's thread."""
+        g.code, g.source = code, code.source
+        try:
+            if self._run_until_parked(g, code.limits.cpu_seconds):
+                return True
+        except SandboxError:
+            pass
+        self._end(g)
+        return False
+
+    def _run_until_parked(self, g: Guest, cpu_seconds: float) -> bool:
+        """Poll ``g`` (not bound, not on the event loop) until it parks in a launcher
+        import; False if ``cpu_seconds`` run out first; SandboxError if it ends."""
+        g.parked = False
+        t0 = time.thread_time_ns()
+        try:
+            while not g.parked:
+                _set_deadline(g.ctx, 1)
+                if _poll(g.future):
+                    try:
+                        out = self._outcome(g)
+                    except SandboxError as e:
+                        out = str(e)
+                    raise SandboxError(f"the Python runtime ended before its launch: {out}")
+                if time.thread_time_ns() - t0 > cpu_seconds * 1e9:
+                    return False
+            return True
+        finally:
+            g.cpu_ns += time.thread_time_ns() - t0
 
     def _call(self, g: Guest, component: Component, export: str, values: tuple) -> None:
         """Instantiate ``component`` in ``g``'s store and start ``export(*values)`` as
@@ -807,7 +851,8 @@ class WasmSandbox:
         self._bound[g.id] = g
         g.result = loop.create_future()
         g.wake = functools.partial(self._wake, g)
-        g.cpu_ns = g.slices = 0
+        if g.code is None:  # not the Python runtime: nothing to load, its run is main
+            g.stage = STARTED
         if limits.wall_seconds is not None:
             g.wall_end = loop.time() + limits.wall_seconds
             g.deadline = loop.call_at(g.wall_end, self._expire, g)
@@ -854,10 +899,15 @@ class WasmSandbox:
     def _block(self, g: Guest, sig: _Sig, results, *args) -> bool:
         """A blocking import was called: answer now (False) or suspend the fiber until
         :meth:`_unblock` can (True)."""
+        if sig.name in LAUNCH_STAGES:
+            stage = LAUNCH_STAGES[sig.name]
+            if g.stage != stage:
+                raise Kill(f"launcher.{sig.name} out of order: only the runtime calls it, once")
+            g.stage = stage + 1
+            g.wait_out = (results, sig)
+            g.parked = self._complete_wait(g)
+            return g.parked
         g.wait_out = (results, sig)
-        if sig.name == "next-inferlet":
-            g.parked = g.launch is None
-            return self._complete_wait(g)
         if sig.name == "wait":
             pids, timeout_ns = args
             for pid in pids:
@@ -871,6 +921,9 @@ class WasmSandbox:
         g.wait_done = timeout_ns == 0 or (not g.waiting and timeout_ns is None)
         if not self._complete_wait(g):
             return False
+        if g.session is None:  # loaded ahead on the pool's thread: no timers there
+            g.wait_out = None
+            raise Kill("the inferlet's module waits while it loads: it is loaded at launch")
         if not g.waiting and timeout_ns is not None and g.wall_end:
             loop = asyncio.get_running_loop()
             if loop.time() + timeout_ns / 1e9 > g.wall_end:
@@ -895,11 +948,14 @@ class WasmSandbox:
         """Write the blocked import's result if it can be answered now; True if it must
         wait instead."""
         results, sig = g.wait_out
-        if sig.name == "next-inferlet":
-            if g.launch is None:
+        if sig.name == "load-inferlet":
+            if g.code is None:
                 return True
-            g.parked = False
-            value = g.launch
+            value = (g.code.name, g.code.code)
+        elif sig.name == "start-inferlet":
+            if g.args is None:
+                return True
+            value = g.args
         else:
             pending = g.pending
             ready = [p for p in g.waiting if p in pending and pending[p].done()]
@@ -913,7 +969,7 @@ class WasmSandbox:
                     ok, v = _outcome(g, pid, pending[pid])
                     value.append((pid, ctypes_.Variant("ok" if ok else "err", v)))
         g.waiting = g.wait_out = None
-        g.wait_done = False
+        g.wait_done = g.parked = False
         if g.timer is not None:
             g.timer.cancel()
             g.timer = None
@@ -996,7 +1052,7 @@ class WasmSandbox:
         g.keep = []
         g.wait_out = None
         g.wake = None  # no cycle keeps the guest (and its Store) alive
-        g.launch = None
+        g.code = g.args = None
         self.pool.retire(functools.partial(_free, future, keep, store, not g.core))
 
 
@@ -1079,7 +1135,7 @@ def sandboxed_program(
     digest = hashlib.sha256(source.encode()).hexdigest()
 
     async def main(args: list[str]) -> str | None:
-        return await box.launch(name, code, source, args, limits)
+        return await box.launch(code, args)
 
     return Program(name, digest, main, memory=box.memory_bytes)
 

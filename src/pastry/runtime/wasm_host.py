@@ -99,7 +99,7 @@ class Kill(Exception):
 @dataclass(eq=False)
 class Guest:
     """One guest instance and its driving state. A pre-started one (``session`` None) is
-    parked in ``next-inferlet`` until a launch binds it (:meth:`WasmSandbox._bind`)."""
+    parked in a launcher import until a launch binds it (:meth:`WasmSandbox._bind`)."""
 
     id: int
     session: Session | None
@@ -129,8 +129,10 @@ class Guest:
     memory: Any = None  # its wasmtime_memory_t
     core_result: str | None = None
     core_error: str | None = None
-    parked: bool = False  # pre-started, blocked in next-inferlet
-    launch: tuple | None = None  # (name, code, args) for next-inferlet, set when bound
+    parked: bool = False  # blocked in a launcher import (load- or start-inferlet)
+    stage: int = 0  # launcher imports answered (wasm.LAUNCH_STAGES)
+    code: Any = None  # the wasm.Code it runs (set when loaded ahead, or at its launch)
+    args: list[str] | None = None  # for start-inferlet, set when bound
     source: str | None = None  # the inferlet's source (for its tracebacks)
     deadline: asyncio.TimerHandle | None = None  # the wall-clock limit's timer
     wall_end: float = 0.0  # loop.time() when the wall-clock limit ends it

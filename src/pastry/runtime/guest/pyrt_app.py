@@ -9,12 +9,14 @@ run the *same* SDK as trusted ones. Two exports (world ``python-runtime`` of
   compiles it to a marshalled code object. The host runs it once per program, in its own
   instance, so tenant source is never parsed by the host (a pathological source only burns
   this instance's CPU and memory budget).
-- ``serve`` is what a pre-started instance runs: it warms up (touches what a launch
-  touches, so that work is done before a launch asks for it), then blocks in the host's
-  ``next-inferlet`` until the host assigns it an inferlet, and runs that inferlet's
-  ``main(args)`` on :class:`GuestLoop`, an asyncio event loop whose only way to wait is the
-  host's ``wait-take``: while the inferlet waits, its Wasmtime fiber is suspended and the
-  host runs other inferlets and the batch scheduler.
+- ``serve`` is what a pre-started instance runs: it warms up (runs what a launch runs,
+  so that work is done before a launch asks for it), blocks in the host's
+  ``load-inferlet`` until the host gives it an inferlet, executes its module, blocks in
+  ``start-inferlet`` until a launch (at once if the launch is what gave it the inferlet;
+  later if the host loaded it ahead of its launches), and runs ``main(args)`` on
+  :class:`GuestLoop`, an asyncio event loop whose only way to wait is the host's
+  ``wait-take``: while the inferlet waits, its Wasmtime fiber is suspended and the host
+  runs other inferlets and the batch scheduler.
 
 Queued API calls return asyncio futures at once (the host returns a ``pending`` handle),
 so ``asyncio.gather`` over embed, forward and sample submits them all before waiting, as
@@ -585,10 +587,19 @@ def _execute(name: str, code: bytes):
 
 
 async def _serve():
-    """The pre-started instance's task: wait for the inferlet, run it."""
-    name, code, args = launcher.next_inferlet()  # the fiber parks here until a launch
+    """The pre-started instance's task: load the inferlet, wait for its launch, run it.
+    An error while loading is reported as the launch's (it is the inferlet's)."""
+    name, code = launcher.load_inferlet()  # a pre-started instance parks here
+    main = failure = None
     try:
-        result = await _execute(name, code.encode("latin-1"))(list(args))
+        main = _execute(name, code.encode("latin-1"))
+    except BaseException as e:
+        failure = e
+    args = launcher.start_inferlet()  # an instance loaded ahead of its launch parks here
+    try:
+        if failure is not None:
+            raise failure
+        result = await main(list(args))
     except BaseException as e:
         raise Err(_tenant_traceback(name, e)) from None
     return None if result is None else str(result)
