@@ -863,11 +863,17 @@ class WasmSandbox:
             asyncio.get_running_loop().call_soon(self._step, g)
 
     def _wake(self, g: Guest, _fut=None) -> None:
-        """A future the guest waits on completed (or its timeout passed)."""
+        """A future the guest waits on completed (or its timeout passed). The calls of one
+        engine batch complete together: the first callback polls the guest, which takes
+        them all; the others find nothing new and do not resume it."""
         if g.finished or g.wait_out is None:
             return
         if _fut is None:
             g.wait_done = True
+        elif g.waiting is not None:
+            pending = g.pending
+            if not any(p in pending and pending[p].done() for p in g.waiting):
+                return
         if not g.polling:
             self._step(g)
 

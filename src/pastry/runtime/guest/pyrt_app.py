@@ -82,6 +82,20 @@ U32 = 0xFFFFFFFF
 # ---------------------------------------------------------------------------- argument checks
 
 
+def _u32_list(v) -> bool:
+    """A list of integers from 0 to 2**32-1 (array("I") checks every element, in C)."""
+    if type(v) is not list:
+        return False
+    try:
+        array.array("I", v)
+    except (TypeError, OverflowError):
+        return False
+    return True
+
+
+assert array.array("I").itemsize == 4
+
+
 def _checker(ty):
     """A predicate for values the binding of WIT type ``ty`` (a parsed type, see
     ``build_pyrt.wit_signatures``) accepts without trapping."""
@@ -101,8 +115,8 @@ def _checker(ty):
         return lambda v: True  # a named type (record, variant): left to the binding
     kind, *parts = ty
     if kind == "list":
-        if parts[0] == "u32":  # the common case (handles, tokens): kept cheap
-            return lambda v: type(v) is list and all(type(x) is int and 0 <= x <= U32 for x in v)
+        if parts[0] == "u32":  # the common case (handles, tokens): checked in C
+            return _u32_list
         each = _checker(parts[0])
         return lambda v: type(v) is list and all(each(x) for x in v)
     if kind == "option":
