@@ -6,9 +6,9 @@ process's own mappings show it: each linear memory is a run of read-write mappin
 runtime's copy-on-write image and the pages around it) followed by its large inaccessible
 reservation. Which run is whose: the guest runtime, before any tenant code runs, puts 16
 random bytes in its memory and tells the host their address (``memory-probe``); the run
-that holds those bytes at that offset is that guest's. The probe's address is only used
-after checking that it lies inside a readable run, so a lying guest can only make its own
-figure unknown.
+that holds those bytes at that offset is that guest's. The bytes are read through
+``/proc/self/mem`` (a run freed meanwhile is a read error, not a crash), and only inside a
+run, so a lying guest can only make its own figure unknown.
 
 The size reported is the linear memory's size (what ``SandboxLimits.memory_bytes``
 bounds). Most of a Python guest's is the runtime image, shared copy-on-write by every
@@ -17,7 +17,7 @@ instance; ``benchmarks/sandbox.py`` measures the private part.
 
 from __future__ import annotations
 
-import ctypes
+import os
 import time
 
 _RESERVATION_MIN = 1 << 30  # a linear memory's reservation is GiBs of inaccessible space
@@ -77,7 +77,23 @@ class MemoryMap:
             return None, 0
         offset, marker = probe
         for lo, hi in runs:
-            addr = lo + offset  # read only inside a mapped read-write run
-            if addr + len(marker) <= hi and ctypes.string_at(addr, len(marker)) == marker:
+            addr = lo + offset
+            if addr + len(marker) <= hi and _read(addr, len(marker)) == marker:
                 return lo, hi - lo
         return None, 0
+
+
+def _read(addr: int, n: int) -> bytes | None:
+    """``n`` bytes of this process's memory at ``addr``, through ``/proc/self/mem``: the
+    mapping may have been unmapped since the maps were read (a guest ended on the pool's
+    thread), and reading it there is an error, not a segmentation fault."""
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, n, addr)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
