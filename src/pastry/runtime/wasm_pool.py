@@ -6,13 +6,12 @@ simultaneous launches would pay N of those one after another on the event loop.
 :class:`GuestPool` keeps up to ``size`` guests made ahead of time on a background thread
 (Wasmtime runs a guest without holding the GIL, so the server's event loop goes on):
 
-- *generic* guests, parked in ``load-inferlet``: any launch can take one; it then loads
-  its program (unmarshals and executes the module) and runs;
-- *loaded* guests, which have also executed one program's module and are parked in
-  ``start-inferlet``: a launch of that program only hands them its arguments. The pool
-  loads guests for the programs launched recently, as many as the largest burst of each
-  (launches less than ``BURST_GAP`` apart), most recently launched first, keeping an
-  eighth of ``size`` generic.
+- ``size`` *generic* guests, parked in ``load-inferlet``: any launch can take one; it
+  then loads its program (unmarshals and executes the module) and runs;
+- up to ``size`` *loaded* guests, which have also executed one program's module and are
+  parked in ``start-inferlet``: a launch of that program only hands them its arguments.
+  The pool loads guests for the programs launched recently, as many as the largest burst
+  of each (launches less than ``BURST_GAP`` apart), most recently launched first.
 
 A launch takes one (:meth:`take`), binds it to its session and resumes it. The thread
 waits for a lull in launches (``QUIET``, at most ``PATIENCE``) before it works: during a
@@ -20,7 +19,7 @@ burst it would only compete with the launches for the CPU and the GIL.
 
 A pooled guest is used by one launch only, and a loaded one has run nothing but its own
 program's module (which runs unbound: it cannot reach any session), so pooling gives up
-no isolation. Its memory is the price: ``size`` × what one parked guest holds
+no isolation. Its memory is the price: up to 2 × ``size`` × what one parked guest holds
 (``benchmarks/sandbox.py`` reports it), whether or not anything is launched.
 
 The same thread also frees ended guests (:meth:`retire`): deleting a Store and its fiber
@@ -182,11 +181,12 @@ class GuestPool:
     # ------------------------------------------------------------------ the thread
 
     def _targets(self) -> tuple[int, dict[Hashable, int]]:
-        """How many generic guests, and how many loaded with each program, to keep."""
+        """How many generic guests (``size``: a burst of a new program finds them), and
+        how many loaded with each program (``size`` in all), to keep."""
         now = time.monotonic()
         for program in [p for p, d in self._demand.items() if now - d.last > self.FORGET]:
             del self._demand[program]
-        avail = self.size - min(self.size, max(1, self.size // 8))
+        avail = self.size
         loaded = {}
         for program, d in reversed(self._demand.items()):
             if avail <= 0:
@@ -195,7 +195,7 @@ class GuestPool:
                 continue
             loaded[program] = n = min(d.want, avail)
             avail -= n
-        return self.size - sum(loaded.values()), loaded
+        return self.size, loaded
 
     def _step(self):
         """The next piece of work (under the lock): ("free", fns), ("drop", guests),
