@@ -185,7 +185,7 @@ def test_compile_runs_off_the_event_loop_under_a_cpu_budget(eng, box):
         with Ticker() as ticker:
             with pytest.raises(ProgramError, match="CPU"):
                 await loop.run_in_executor(
-                    None, sandboxed_program, "slow", slow, SandboxLimits(cpu_seconds=0.3), box
+                    None, sandboxed_program, "slow", slow, SandboxLimits(compile_cpu_seconds=0.3), box
                 )
             prog = await wasm.sandboxed_program_async("fine", fine, box=box)
         return prog, ticker.worst

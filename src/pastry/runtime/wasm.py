@@ -591,8 +591,8 @@ class WasmSandbox:
         """Check and compile ``source`` in a fresh guest (``compile-source``): its code, to
         hand to :meth:`launch`. Runs on the calling thread without holding the GIL while
         the guest works, so from a worker thread it does not stop the event loop; limited
-        by ``limits`` (memory, ``cpu_seconds``). :class:`ProgramError` if it is not a valid
-        inferlet."""
+        by ``limits`` (memory, ``compile_cpu_seconds``). :class:`ProgramError` if it is
+        not a valid inferlet."""
         store = self._store(limits)
         params = (Val * 2)()
         fut = None
@@ -617,10 +617,10 @@ class WasmSandbox:
                 _set_deadline(ctx, 1)
                 if _poll(fut):
                     break
-                if time.thread_time() - t0 > limits.cpu_seconds:
+                if time.thread_time() - t0 > limits.compile_cpu_seconds:
                     raise ProgramError(
-                        f"{name}: compiling took more than {limits.cpu_seconds:g} s of CPU "
-                        "(SandboxLimits.cpu_seconds)"
+                        f"{name}: compiling took more than {limits.compile_cpu_seconds:g} s "
+                        "of CPU (SandboxLimits.compile_cpu_seconds)"
                     )
             if err:
                 trap = _trap_text(wasmtime.WasmtimeError._from_ptr(err))

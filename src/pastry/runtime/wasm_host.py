@@ -45,6 +45,7 @@ class SandboxLimits:
     max_message_bytes: int = 1 << 20  # one send / broadcast / store value
     max_constraints: int = 32  # grammar constraints held by the host at once
     wall_seconds: float | None = 3600.0  # lifetime, sleeping and waiting included (None: none)
+    compile_cpu_seconds: float = 5.0  # checking and compiling the source (once per program)
 
     def apply(self, session: Session) -> None:
         """Set the resource limits (KV pages, embeddings, grammar constraints) on the
