@@ -30,7 +30,7 @@ def box() -> WasmSandbox:
         build_pyrt.build()
     except build_pyrt.BuildError as e:
         pytest.skip(f"cannot build the Python runtime component: {e}")
-    return WasmSandbox()
+    return WasmSandbox(pool_size=0)  # these guests are not Python: no pool needed
 
 
 @pytest.fixture(scope="module")
