@@ -22,7 +22,8 @@ pytest.importorskip("componentize_py")
 
 from inferlet_util import load_engine, result, start
 from pastry.control.events import Failed, Finished, Message, Terminated
-from pastry.runtime.trusted import ProgramError
+from pastry.control.quotas import Quotas
+from pastry.runtime.trusted import Program, ProgramError
 from pastry.runtime.wasm import SandboxLimits, WasmSandbox, sandboxed_program
 
 
@@ -306,3 +307,65 @@ def test_tenants_never_see_server_paths(eng, box):
     for text in (denied.text, end.error, trap[-1].error):
         assert "/work/" not in text and os.getcwd() not in text, text
         assert "wasm.py" not in text and "trusted.py" not in text and "pyrt_app" not in text
+
+
+LONG_TOKENIZE = """
+import json
+import time
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    n = int(args[0])
+    text = ("Tokenize me, said the inferlet: {0} apples and {0} pears. ".format(n)) * n
+    short = text[:4095]
+    out = {"chars": len(text)}
+    t0 = time.perf_counter()
+    ids = px.tokenize(q, text)
+    out["seconds"] = time.perf_counter() - t0
+    out["long"] = ids
+    out["short"] = px.tokenize(q, short)
+    out["edge"] = px.tokenize(q, text[:4096])
+    out["long_bos"] = px.tokenize(q, text[1:], True)
+    out["edge_bos"] = px.tokenize(q, text[:4096], True)
+    for name, call in {
+        "too long": lambda: px.tokenize(q, "x" * (2 << 20)),
+        "bad queue": lambda: px.tokenize(q + 99, text),
+    }.items():
+        try:
+            call()
+            out[name] = "no error"
+        except px.ApiError as e:
+            out[name] = str(e)
+    return json.dumps(out)
+"""
+
+
+def test_a_long_tokenize_suspends_only_its_instance(eng, box):
+    """Tokenizing a long text in a sandboxed inferlet runs in the model's tokenizing thread
+    while the guest's fiber waits: the event loop keeps turning (it did not while the
+    tokenizer ran on it), and the ids are the trusted tokenize's, long or short; over the
+    tokenize quota or on a bad queue, an ApiError."""
+    n = "14000"  # ~0.8 MB of text, under the 1 MiB tokenize quota
+
+    async def go():
+        controller, rt, handle = await start(eng, quotas=Quotas())  # the server's defaults
+        trusted = await _events(rt.launch(Program.from_source("t", LONG_TOKENIZE), [n]))
+        with Ticker() as ticker:
+            evs = await _events(rt.launch(sandboxed_program("s", LONG_TOKENIZE, box=box), [n]))
+        await controller.close()
+        handle.close()
+        return json.loads(result(trusted)), json.loads(result(evs)), ticker.worst
+
+    trusted, sandboxed, worst = asyncio.run(go())
+    assert sandboxed["chars"] > 700_000
+    for key in ("long", "short", "edge", "long_bos", "edge_bos"):
+        assert sandboxed[key] == trusted[key], key
+    assert len(sandboxed["long"]) > 100_000
+    assert "at most 1048576 bytes" in sandboxed["too long"], sandboxed["too long"]
+    assert "queue" in sandboxed["bad queue"], sandboxed["bad queue"]
+    assert worst < 0.25, (
+        f"the event loop stalled for {worst:.2f} s while a guest tokenized "
+        f"(the tokenize took {sandboxed['seconds']:.2f} s, trusted on the loop "
+        f"{trusted['seconds']:.2f} s)"
+    )

@@ -419,6 +419,19 @@ class Session:
         except TokenizeTooLarge as e:
             raise ApiError(str(e)) from None
 
+    async def tokenize_async(
+        self, q: int, text: str, add_special_tokens: bool = False
+    ) -> list[int]:
+        """:meth:`tokenize` off the event loop (the model's tokenizing thread), for a runner
+        that can suspend its inferlet meanwhile (the sandbox does for long texts)."""
+        ref = self._queue(q)
+        if not isinstance(text, str):
+            raise ApiError(f"tokenize takes a string, got {type(text).__name__}")
+        try:
+            return await ref.model.tokens.encode_async(text, bool(add_special_tokens))
+        except TokenizeTooLarge as e:
+            raise ApiError(str(e)) from None
+
     def detokenize(self, q: int, tokens: list[int]) -> str:
         return self._queue(q).model.tokenizer.decode(list(tokens))
 

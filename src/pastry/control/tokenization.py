@@ -10,6 +10,9 @@ serves everyone: tokenizing a few megabytes on it stalls every client for second
   which tokenizes the same text again on the loop, finds them ready.
 - :meth:`Tokenization.encode`, the inferlet API's ``tokenize``, runs on the loop: it returns
   a remembered text at once and refuses texts over ``max_bytes`` (``Quotas.tokenize_bytes``).
+  :meth:`Tokenization.encode_async` is the same for a caller that can wait (a sandboxed
+  inferlet's ``tokenize`` of a long text suspends only that instance): a worker thread
+  encodes.
 - :meth:`Tokenization.count` does not tokenize a text that cannot fit a limit anyway (no
   token covers more than ``NORMALIZE_FACTOR`` times the longest token's bytes of input);
   large texts are tokenized one at a time, and the allocator is then asked to give the
@@ -19,6 +22,8 @@ serves everyone: tokenizing a few megabytes on it stalls every client for second
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ctypes
 import ctypes.util
 import functools
@@ -58,10 +63,39 @@ class Tokenization:
         self._lock = threading.Lock()  # encode_batch runs in worker threads
         self._large = threading.Semaphore(1)  # one large text at a time (memory)
         self.hits = 0
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # encode_async's
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text`` on the calling thread; ``add_special_tokens`` as in
         :meth:`Tokenizer.encode` (e.g. a BOS for a text that starts a sequence)."""
+        ids = self._recall(text, add_special_tokens)
+        if ids is not None:
+            return ids
+        self._check_size(text)
+        return self.tokenizer.encode(text, add_special_tokens)
+
+    async def encode_async(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """:meth:`encode` without stalling the event loop, for a caller that can wait (a
+        sandboxed inferlet's ``tokenize`` suspends only its own instance): a remembered
+        text at once, any other in this model's inferlet-tokenizing thread (one: what
+        inferlets tokenize takes at most one core, and never the threads that parse
+        requests). The same size limit (:class:`TokenizeTooLarge`, before tokenizing)."""
+        ids = self._recall(text, add_special_tokens)
+        if ids is not None:
+            return ids
+        self._check_size(text)
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="pastry-tokenize"
+            )
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(
+            self._worker, self.encode_batch, [text], bool(add_special_tokens)
+        )
+        return out[0]
+
+    def _recall(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        """The remembered ids of a large text, or None."""
         if len(text) >= self.cache_min_chars:
             key = (text, bool(add_special_tokens))
             with self._lock:
@@ -70,6 +104,9 @@ class Tokenization:
                     self._cache.move_to_end(key)
                     self.hits += 1
                     return ids.tolist()
+        return None
+
+    def _check_size(self, text: str) -> None:
         if self.max_bytes is not None and len(text) > self.max_bytes:
             n = len(text.encode("utf-8", "surrogatepass"))
             if n > self.max_bytes:
@@ -77,7 +114,6 @@ class Tokenization:
                     f"tokenize takes at most {self.max_bytes} bytes of text at once (the "
                     f"server's tokenize quota), got {n}: split the text"
                 )
-        return self.tokenizer.encode(text, add_special_tokens)
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = False

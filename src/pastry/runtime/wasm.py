@@ -99,6 +99,7 @@ API = "pastry:inferlet/api@0.1.0"
 LAUNCHER = "pastry:inferlet/launcher@0.1.0"
 WASI_CLOCK = "wasi:clocks/monotonic-clock"
 POOL_SIZE = 64  # pre-started Python guests kept ready (WasmSandbox(pool_size=...))
+TOKENIZE_ON_LOOP_CHARS = 4096  # a guest's shorter texts are tokenized in the call
 # A guest runs 1-2 epoch ticks per poll before it yields (so one that has just been
 # resumed is not sent to the back of the queue at the very next tick).
 SLICE_TICKS = 2
@@ -174,6 +175,15 @@ def _store_set(g: Guest, key: str, value: str) -> None:
     g.session.store_set(key, value)
 
 
+def _tokenize(g: Guest, q: int, text: str, special: bool = False) -> list[int] | asyncio.Future:
+    """A short text is tokenized in the call; a long one in the model's tokenizing thread
+    while the guest's fiber waits (``SUSPENDING``): an inferlet that tokenizes megabytes
+    stalls only itself, not the event loop."""
+    if len(text) < TOKENIZE_ON_LOOP_CHARS:
+        return _s(g).tokenize(q, text, special)
+    return asyncio.ensure_future(_s(g).tokenize_async(q, text, special))
+
+
 def _words(mask: list[int] | None) -> bytes | None:
     """A WIT bitmask (``list<u32>`` words) as the API's bytes."""
     return None if mask is None else np.asarray(mask, dtype="<u4").tobytes()
@@ -238,7 +248,7 @@ HOST: dict[str, Callable] = {
     "get-adapters": lambda g, q: _s(g).get_adapters(q),
     "mask-kvpage": _queued(lambda g, q, p, m: _s(g).mask_kvpage(q, p, m)),
     "embed-txt": _queued(lambda g, *a: _s(g).embed_txt(*a)),
-    "tokenize": lambda g, q, t, s=False: _s(g).tokenize(q, t, s),
+    "tokenize": _tokenize,
     "detokenize": lambda g, q, t: _s(g).detokenize(q, t),
     "get-vocabs": lambda g, q: _s(g).get_vocabs(q),
     "get-eos-token-ids": lambda g, q: _s(g).get_eos_token_ids(q),
@@ -279,6 +289,9 @@ HOST: dict[str, Callable] = {
 }
 
 BLOCKING = ("wait", "wait-take")
+# HOST imports whose handler may return an asyncio.Future instead of the value: defined as
+# async host functions, the guest's fiber suspended until the future completes.
+SUSPENDING = frozenset({"tokenize"})
 # The launcher's blocking imports, in the order the runtime calls them (Guest.stage).
 LAUNCH_STAGES = {"load-inferlet": 0, "start-inferlet": 1}
 STARTED = 2  # the stage once start-inferlet is answered: main() runs
@@ -530,7 +543,7 @@ class WasmSandbox:
                 for name in BLOCKING:
                     self._cb.define(inst, name, None, blocking=True)
                 for name in HOST:
-                    self._cb.define(inst, name, HOST, blocking=False)
+                    self._cb.define(inst, name, HOST, blocking=name in SUSPENDING)
             with root.add_instance(LAUNCHER) as inst:
                 for name in LAUNCH_STAGES:
                     self._cb.define(inst, name, None, blocking=True)
@@ -905,6 +918,8 @@ class WasmSandbox:
     def _block(self, g: Guest, sig: _Sig, results, *args) -> bool:
         """A blocking import was called: answer now (False) or suspend the fiber until
         :meth:`_unblock` can (True)."""
+        if sig.handler is not None:
+            return self._suspend(g, sig, results, args)
         if sig.name in LAUNCH_STAGES:
             stage = LAUNCH_STAGES[sig.name]
             if g.stage != stage:
@@ -946,6 +961,30 @@ class WasmSandbox:
             g.timer = asyncio.get_running_loop().call_later(timeout_ns / 1e9, g.wake, None)
         return True
 
+    def _suspend(self, g: Guest, sig: _Sig, results, args: tuple) -> bool:
+        """A ``SUSPENDING`` import: its handler's value or error is the answer now (False),
+        or it returned a future, which the fiber waits for (True)."""
+        assert sig.fallible, f"{sig.name}: a suspending import returns result<_, string>"
+        try:
+            if g.stage < STARTED:
+                raise ApiError(
+                    f"{sig.name}: the inferlet API is available from main(), not while the "
+                    "inferlet's module loads"
+                )
+            out = call_host(sig.handler, g, *args)
+        except Kill:
+            raise
+        except Exception as e:
+            sig.result(False, error_text(e, sig.name), results[0])
+            return False
+        if not isinstance(out, asyncio.Future):
+            sig.result(True, out, results[0])
+            return False
+        g.host_call = out
+        g.wait_out = (results, sig)
+        out.add_done_callback(g.wake)
+        return True
+
     def _unblock(self, g: Guest) -> bool:
         """The continuation of a suspended blocking import: False while it must wait."""
         return not self._complete_wait(g)
@@ -954,7 +993,19 @@ class WasmSandbox:
         """Write the blocked import's result if it can be answered now; True if it must
         wait instead."""
         results, sig = g.wait_out
-        if sig.name == "load-inferlet":
+        ok = True
+        if sig.handler is not None:  # a SUSPENDING import
+            fut = g.host_call
+            if not fut.done():
+                return True
+            g.host_call = None
+            if fut.cancelled():
+                ok, value = False, f"{sig.name} was cancelled"
+            elif fut.exception() is not None:
+                ok, value = False, error_text(fut.exception(), sig.name)
+            else:
+                value = fut.result()
+        elif sig.name == "load-inferlet":
             if g.code is None:
                 return True
             value = (g.code.name, g.code.code)
@@ -979,7 +1030,7 @@ class WasmSandbox:
         if g.timer is not None:
             g.timer.cancel()
             g.timer = None
-        sig.result(True, value, results[0])
+        sig.result(ok, value, results[0])
         return False
 
     # ------------------------------------------------------------------ ending
@@ -1048,6 +1099,11 @@ class WasmSandbox:
                 fut.cancel()
         g.pending.clear()
         g.hooked.clear()
+        if g.host_call is not None:
+            if g.wake is not None:
+                g.host_call.remove_done_callback(g.wake)
+            g.host_call.cancel()
+            g.host_call = None
         self._guests.pop(g.ctx_addr, None)
         if self._bound.get(g.id) is g:
             del self._bound[g.id]

@@ -139,6 +139,7 @@ class Guest:
     wall_end: float = 0.0  # loop.time() when the wall-clock limit ends it
     probe: tuple[int, bytes] | None = None  # (offset, marker) from memory-probe
     mem_base: int | None = None  # where its linear memory is, once found
+    host_call: asyncio.Future | None = None  # what a suspending HOST import waits on
 
     def track(self, fut) -> int:
         pid = next(self.pids)
