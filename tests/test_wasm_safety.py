@@ -369,3 +369,41 @@ def test_a_long_tokenize_suspends_only_its_instance(eng, box):
         f"(the tokenize took {sandboxed['seconds']:.2f} s, trusted on the loop "
         f"{trusted['seconds']:.2f} s)"
     )
+
+
+def test_stored_uploads_compile_off_the_event_loop(eng, box, tmp_path, monkeypatch):
+    """An upload stored by an earlier server run is compiled when it is first launched, on
+    the sandbox's compile thread (it was compiled on the event loop, inside the launch):
+    ``get`` returns at once, the loop keeps turning, simultaneous first launches share one
+    compile."""
+    from pastry.runtime import wasm
+    from pastry.server.registry import ProgramRegistry
+
+    monkeypatch.setattr(wasm, "_shared", box)
+    compiles = []
+    compile_ = box.compile
+    monkeypatch.setattr(box, "compile", lambda *a: compiles.append(a[0]) or compile_(*a))
+    # ~0.3-0.7 s of compiling in the guest on the 2-core EPYC
+    slow = "x = f'" + "{1}" * 10000 + "'\nasync def main(args):\n    return str(len(x) + int(args[0]))\n"
+    ProgramRegistry(tmp_path).upload(slow, "slow")  # compiled (here) and stored
+    assert compiles == ["slow"]
+    reg = ProgramRegistry(tmp_path)  # the server restarts
+    t0 = time.perf_counter()
+    prog = reg.get("slow")
+    took = time.perf_counter() - t0
+    assert reg.get("slow") is prog
+
+    async def go():
+        controller, rt, handle = await start(eng)
+        with Ticker() as ticker:
+            insts = [rt.launch(prog, [str(i)]) for i in range(3)]
+            evs = await asyncio.gather(*(_events(i) for i in insts))
+        await controller.close()
+        handle.close()
+        return evs, ticker.worst
+
+    evs, worst = asyncio.run(go())
+    assert [result(e) for e in evs] == [str(10000 + i) for i in range(3)]
+    assert compiles == ["slow", "slow"]  # the upload's, then one for the three launches
+    assert took < 0.1, f"get() took {took:.2f} s: it compiled on the calling (event loop) thread"
+    assert worst < 0.25, f"the event loop stalled for {worst:.2f} s during the launches"

@@ -1212,6 +1212,42 @@ async def sandboxed_program_async(
     return await loop.run_in_executor(box.compiler, sandboxed_program, name, source, limits, box)
 
 
+def deferred_sandboxed_program(
+    name: str, source: str, limits: SandboxLimits = SandboxLimits(), box: WasmSandbox | None = None
+) -> Program:
+    """:func:`sandboxed_program` for a source that was checked before (an upload stored by
+    an earlier server run), returned at once: it is compiled on the sandbox's compile
+    thread when it is first launched (one compile, which launches meanwhile wait for; a
+    failed one is tried again at the next launch). Nothing runs on the event loop: not
+    the compile, not the sandbox's start. A source that no longer compiles fails the
+    instances launched with it, with the compile's error."""
+    if box is None and _shared is None and not build_pyrt.cached_path().exists():
+        raise FileNotFoundError(
+            f"the Python runtime component is not built ({build_pyrt.cached_path()}): run "
+            "`python -m pastry.runtime.build_pyrt`"
+        )
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    lock = threading.Lock()
+    compiled: concurrent.futures.Future | None = None
+    started: WasmSandbox | None = box
+
+    async def main(args: list[str]) -> str | None:
+        nonlocal compiled, started
+        loop = asyncio.get_running_loop()
+        b = started = started or await loop.run_in_executor(None, sandbox)
+        with lock:
+            if compiled is None or (compiled.done() and compiled.exception() is not None):
+                compiled = b.compiler.submit(b.compile, name, source, limits)
+            fut = compiled
+        code = await asyncio.wrap_future(fut)
+        return await b.launch(code, args)
+
+    def memory(instance: int) -> int | None:
+        return started.memory_bytes(instance) if started is not None else None
+
+    return Program(name, digest, main, memory=memory)
+
+
 def core_program(
     name: str, wasm: bytes, limits: SandboxLimits = SandboxLimits(), box: WasmSandbox | None = None
 ) -> Program:

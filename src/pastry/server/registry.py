@@ -224,14 +224,21 @@ class ProgramRegistry:
         self._store(None, None, dropped=info.hash)
         return info
 
-    def _compile(self, name: str, text: str, trusted: bool) -> Program:
-        """Trusted programs run in the server; the others in the WebAssembly sandbox."""
+    def _compile(self, name: str, text: str, trusted: bool, deferred: bool = False) -> Program:
+        """Trusted programs run in the server; the others in the WebAssembly sandbox
+        (``deferred``: a stored upload, compiled off the event loop at its first launch)."""
         self.compiles += 1
         if trusted:
             return Program.from_source(name, text)  # raises ProgramError
         try:
-            from pastry.runtime.wasm import SandboxError, sandboxed_program
+            from pastry.runtime.wasm import (
+                SandboxError,
+                deferred_sandboxed_program,
+                sandboxed_program,
+            )
 
+            if deferred:
+                return deferred_sandboxed_program(name, text)
             return sandboxed_program(name, text)
         except (ImportError, SandboxError, FileNotFoundError) as e:
             raise RegistryError(
@@ -281,10 +288,11 @@ class ProgramRegistry:
         info = self.resolve(ref, user)
         trusted = info.builtin or (info.trusted and self.trusted_uploads)
         prog = self._compiled.get((info.hash, trusted))
-        if prog is None:  # stored by an earlier server run: compile once now
+        if prog is None:  # stored by an earlier server run: compiled once, at its launch
             text = (self.root / f"{info.hash}.py").read_text()
-            self._ensure_compiled(info.hash, info.name, text, trusted)
-            prog = self._compiled[(info.hash, trusted)]
+            program = self._compile(info.name, text, trusted, deferred=True)
+            with self._lock:
+                prog = self._compiled.setdefault((info.hash, trusted), program)
         return prog if prog.name == info.name else replace(prog, name=info.name)
 
     def builtin(self, name: str) -> Program:
