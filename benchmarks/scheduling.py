@@ -1,7 +1,7 @@
 """Program-aware scheduling (Autellix): FCFS vs MLFQ vs PLAS / ATLAS, on the real engine
 and on the simulator at the paper's scale; and the batched KV swap.
 
-    python benchmarks/scheduling.py [--quick] [--model DIR] [--synthetic]
+    python benchmarks/scheduling.py [--quick] [--sim-only] [--model DIR] [--synthetic]
                                     [--sections swap,real,sim]
 
 Metric (the paper's): program-level token latency, a program's response time (launch to
@@ -25,25 +25,34 @@ choice; ATLAS equals PLAS on single-threaded programs).
     Programs run as the replay inferlet (``pastry.sched.replay``) launched at their Poisson
     arrival times; ``N_REAL`` programs per run, at arrival rates that are multiples of the
     engine's measured decode capacity (``max_batch`` sequences per step, fused loop)
-    divided by the workload's mean work per program (decode tokens + prefill tokens / 6). A run *completes* when every program finished
-    within 2 x the last arrival + 60 s (then the rest are terminated). Policies alternate
-    within each rate and repetition (the machine is shared and noisy).
+    divided by the workload's mean work per program (decode tokens + prefill tokens / 6).
+    A run *completes* when every program finished within 2 x the last arrival + 60 s (then
+    the rest are terminated). Policies alternate within each rate and repetition (the
+    machine is shared and noisy).
 (c) sim: ``pastry.sched.sim`` at the paper's scale: its token counts and interrupts, max
-    batch 256, ~LLaMA-3.1-8B-on-A100 step costs, ``N_SIM`` programs per run, rates as
-    multiples of the simulated capacity (max batch x step rate, divided by the workload's
-    mean decode tokens per program: an underestimate of the load it takes to fill the
-    batch, since programs spend time in interrupts); FCFS, MLFQ, PLAS, ATLAS and the
-    clairvoyant SRPT.
-    A run completes when every program finished within 1.25 x the last arrival + 600 s.
+    batch 256, LLaMA-3.1-8B on one A100-80GB (``pastry.sched.hardware``: step costs, 27,669
+    KV pages of 16 tokens, 1.2 TB of host swap space over PCIe 4.0), ``N_SIM`` programs per
+    run, rates as multiples of the simulated capacity (max batch x step rate, divided by
+    the workload's mean decode tokens per program: an underestimate of the load it takes
+    to fill the batch, since programs spend time in interrupts). Systems: the paper's
+    vLLM v0.6.1 baseline (``pastry.sched.vllm``: FCFS, no prefix cache, every call
+    prefills its program's whole context, preemption by recomputation), and Pastry's
+    control layer (programs keep their KV between calls, forks share pages, a workload's
+    system prompt is shared; preemption swaps to host) under FCFS, MLFQ, PLAS, ATLAS and
+    the clairvoyant SRPT. A run completes when every program finished within 1.25 x (the
+    latest arrival + duration alone, ``alone_s``) + 600 s. ``--sim-only`` runs this
+    section alone (``--sections sim``).
 
-Throughput at equal latency: the latency target (an SLO) is 1.5 x FCFS's average latency
-at the lowest swept rate; each policy's throughput is the highest swept rate at which its
-average stays at or below it, interpolated linearly toward the next rate (the highest
-swept rate if it never goes above: then the ratio is a lower bound, marked "(>=)"; null
-when the baseline itself never goes above the SLO within the sweep). The latency ratios
-are taken at the highest rate where FCFS completes.
+Throughput at equal latency: the latency target (an SLO) is 1.5 x the baseline's average
+latency at the lowest swept rate (FCFS's for the FCFS and MLFQ ratios, vLLM's for the
+vLLM ratio); each system's throughput is the highest swept rate at which its average
+stays at or below it, interpolated linearly toward the next rate (the highest swept rate
+if it never goes above: then the ratio is a lower bound, marked "(>=)"; null when the
+baseline itself never goes above the SLO within the sweep). The latency ratios are taken
+at the highest rate where the baseline (FCFS; vLLM for the vLLM ratios) completes.
 
-``--quick`` runs the same shapes with one repetition (seed) instead of two. Prints tables, then one JSON line.
+``--quick`` runs the same shapes with one repetition (seed) instead of two. Prints tables,
+then one JSON line.
 """
 
 from __future__ import annotations
@@ -74,9 +83,11 @@ from pastry.engine.generate import FusedGenerator, Request
 from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
 from pastry.sched import workloads
+from pastry.sched.hardware import KvMemory
 from pastry.sched.programs import ProgramSpec
 from pastry.sched.sim import SimConfig, simulate
 from pastry.sched.srpt import Srpt
+from pastry.sched.vllm import Vllm
 
 POLICIES = ("fcfs", "mlfq", "plas", "atlas")
 AUTELLIX = {"sharegpt": "plas", "bfcl": "plas", "lats": "atlas", "mixed": "atlas"}
@@ -85,7 +96,8 @@ CPU_SCALE = workloads.Scale(tokens=16, time=0.25, max_calls=60, max_context=1500
 N_REAL = {"sharegpt": 60, "bfcl": 60, "lats": 16, "mixed": 40}
 REAL_RATES = (0.6, 1.2, 1.8)  # x the engine's estimated capacity in programs/s
 N_SIM = {"sharegpt": 400, "bfcl": 400, "lats": 100, "mixed": 300}
-SIM_RATES = (1.0, 2.0, 4.0, 8.0)
+SIM_RATES = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # vLLM saturates low
+SIM_SYSTEMS = ("vllm", *POLICIES, "srpt")
 SLO = 1.5  # latency target for throughput at equal latency: x FCFS's at the lowest rate
 
 
@@ -269,12 +281,40 @@ def section_real(args, engine: Engine, sources: workloads.Sources, reps: int) ->
 # --------------------------------------------------------------------------- (c) simulator
 
 
+def sim_system(name: str):
+    """A fresh system for :func:`simulate` (policies keep per-scheduler state)."""
+    if name == "vllm":
+        return Vllm()
+    if name == "srpt":
+        return lambda sim: Srpt(sim.remaining_steps)
+    return schedule_policy(name)
+
+
+def alone_s(spec: ProgramSpec, cfg: SimConfig) -> float:
+    """About how long ``spec`` takes alone on the simulated engine when every call prefills
+    its thread's whole context (the recomputing baseline; an upper bound for Pastry)."""
+    t, context = 0.0, spec.shared_prefix
+    for stage in spec.stages:
+        longest = 0.0
+        for c in stage.calls:
+            prompt = context + c.prefill
+            decode = cfg.cost.step(1, 1, prompt + c.decode) * max(0, c.decode - 1)
+            longest = max(longest, cfg.cost.step(1, prompt, prompt) + decode)
+        t += longest + stage.interrupt_s
+        if not stage.fork:
+            context += stage.calls[0].prefill + stage.calls[0].decode
+    return t
+
+
 def section_sim(sources: workloads.Sources, reps: int) -> dict:
-    cfg = SimConfig()
+    memory = KvMemory.a100_llama8b()
+    cfg = SimConfig(memory=memory)
     cap = cfg.max_batch / cfg.cost.step(cfg.max_batch, cfg.max_batch)
     print(
         f"(c) simulator at the paper's scale: max batch {cfg.max_batch}, capacity "
-        f"~{cap:.0f} tok/s, {', '.join(f'{w} {n}' for w, n in N_SIM.items())} programs"
+        f"~{cap:.0f} tok/s (decode, empty contexts), {memory.pages} KV pages of "
+        f"{memory.page_size}, {memory.host_pages} host pages; "
+        f"{', '.join(f'{w} {n}' for w, n in N_SIM.items())} programs"
     )
     results: dict[str, dict[float, dict[str, list[Run]]]] = {}
     for w in workloads.WORKLOADS:
@@ -283,18 +323,25 @@ def section_sim(sources: workloads.Sources, reps: int) -> dict:
         results[w] = {}
         for f in SIM_RATES:
             rate = round(f * base, 4)
-            results[w][rate] = {p: [] for p in (*POLICIES, "srpt")}
+            results[w][rate] = {p: [] for p in SIM_SYSTEMS}
             for rep in range(reps):
                 specs = workloads.make(w, N_SIM[w], rate, seed=rep, sources=sources)
-                limit = SimConfig(max_time_s=1.25 * specs[-1].arrival + 600.0)
-                for policy in (*POLICIES, "srpt"):
-                    pol = (lambda sim: Srpt(sim.remaining_steps)) if policy == "srpt" else (
-                        schedule_policy(policy))  # fmt: skip
-                    r = simulate(pol, specs, limit)
-                    results[w][rate][policy].append(
-                        Run(policy, rate, list(r.latencies()), len(specs), {})
-                    )
+                end = max(p.arrival + alone_s(p, cfg) for p in specs)
+                limit = SimConfig(memory=memory, max_time_s=1.25 * end + 600.0)
+                for name in SIM_SYSTEMS:
+                    t0 = time.perf_counter()
+                    r = simulate(sim_system(name), specs, limit)
+                    run = Run(name, rate, list(r.latencies()), len(specs), r.stats)
+                    results[w][rate][name].append(run)
+                    stats = {k: v for k, v in r.stats.items() if k in SIM_SHOWN}
+                    print(f"  {w} rate {rate} rep {rep} {name}: avg {run.stat('avg'):.4f} "
+                          f"p99 {run.stat('p99'):.4f} done {len(run.latencies)}/{run.programs} "
+                          f"{stats} ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
     return table_and_keys("sim", results, "sim_")
+
+
+SIM_SHOWN = ("preemptions", "recomputed_tokens", "prefill_tokens", "pages_out", "forced",
+             "mean_batch")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- reporting
@@ -331,6 +378,25 @@ def curve(by_rate: dict, policy: str) -> list[tuple[float, float, bool]]:
             for r, runs in by_rate.items()]  # fmt: skip
 
 
+def latency_ratios(by_rate: dict, base: str, auto: str, at: float, key: str) -> dict:
+    """``base`` over ``auto``'s average and P99 latency at rate ``at`` (``key`` has a ``{}``
+    for ``avg`` / ``p99``)."""
+    return {key.format(what): ratio(mean_stat(by_rate[at][base], what),
+                                    mean_stat(by_rate[at][auto], what))
+            for what in ("avg", "p99")}  # fmt: skip
+
+
+def throughput_ratio(
+    by_rate: dict, auto: str, base: str, target: float
+) -> tuple[float | None, bool]:
+    """``auto``'s throughput at the latency ``target`` over ``base``'s (None when ``base``
+    never goes above the target within the sweep), and whether ``auto``'s went above it
+    (False: the ratio is a lower bound)."""
+    tb, b_crossed = throughput_at(curve(by_rate, base), target)
+    ta, crossed = throughput_at(curve(by_rate, auto), target)
+    return (ratio(ta, tb) if b_crossed else None), crossed
+
+
 def table_and_keys(label: str, results: dict, prefix: str) -> dict:
     out: dict[str, object] = {}
     for w, by_rate in results.items():
@@ -350,32 +416,41 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
         rates = list(by_rate)
         fcfs_ok = [r for r in rates if all(x.completed for x in by_rate[r]["fcfs"])]
         at = fcfs_ok[-1] if fcfs_ok else rates[0]
-        runs_f, runs_a = by_rate[at]["fcfs"], by_rate[at][auto]
-        out[f"{prefix}avg_latency_fcfs_over_autellix_{w}"] = ratio(
-            mean_stat(runs_f, "avg"), mean_stat(runs_a, "avg"))  # fmt: skip
-        out[f"{prefix}p99_latency_fcfs_over_autellix_{w}"] = ratio(
-            mean_stat(runs_f, "p99"), mean_stat(runs_a, "p99"))  # fmt: skip
+        key = f"{prefix}{{}}_latency_fcfs_over_autellix_{w}"
+        out.update(latency_ratios(by_rate, "fcfs", auto, at, key))
         out[f"{prefix}rate_compared_{w}"] = at
         target = SLO * mean_stat(by_rate[rates[0]]["fcfs"], "avg")
-
-        tf, f_crossed = throughput_at(curve(by_rate, "fcfs"), target)
-        ta, crossed = throughput_at(curve(by_rate, auto), target)
-        tm, m_crossed = throughput_at(curve(by_rate, "mlfq"), target)
-        # a baseline that never goes above the SLO in the sweep leaves the ratio unresolved
-        over_fcfs = ratio(ta, tf) if f_crossed else None
+        over_fcfs, crossed = throughput_ratio(by_rate, auto, "fcfs", target)
         out[f"{prefix}throughput_at_equal_latency_autellix_over_fcfs_{w}"] = over_fcfs
-        out[f"{prefix}throughput_at_equal_latency_autellix_over_mlfq_{w}"] = (
-            ratio(ta, tm) if m_crossed else None)  # fmt: skip
+        out[f"{prefix}throughput_at_equal_latency_autellix_over_mlfq_{w}"] = throughput_ratio(
+            by_rate, auto, "mlfq", target)[0]  # fmt: skip
         out[f"{prefix}throughput_ratio_is_lower_bound_{w}"] = not crossed
         if "srpt" in policies:
-            out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = ratio(
-                mean_stat(runs_a, "avg"), mean_stat(by_rate[at]["srpt"], "avg"))  # fmt: skip
+            a, o = mean_stat(by_rate[at][auto], "avg"), mean_stat(by_rate[at]["srpt"], "avg")
+            out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = ratio(a, o)
         shown = "unresolved (FCFS stays under it)" if over_fcfs is None else f"{over_fcfs}x"
         bound = " (>=)" if not crossed and over_fcfs is not None else ""
         print(f"at {at} programs/s (FCFS's highest completing rate): FCFS / {auto} avg "
               f"{out[f'{prefix}avg_latency_fcfs_over_autellix_{w}']}x, p99 "
               f"{out[f'{prefix}p99_latency_fcfs_over_autellix_{w}']}x; throughput at the latency "
               f"SLO ({target:.4f} s/token): {auto} / FCFS {shown}{bound}")  # fmt: skip
+        if "vllm" not in policies:
+            continue
+        ok = [r for r in rates if all(x.completed for x in by_rate[r]["vllm"])]
+        at_v = ok[-1] if ok else rates[0]
+        key = f"{prefix}{{}}_latency_vllm_over_autellix_{w}"
+        out.update(latency_ratios(by_rate, "vllm", auto, at_v, key))
+        out[f"{prefix}rate_compared_vllm_{w}"] = at_v
+        target_v = SLO * mean_stat(by_rate[rates[0]]["vllm"], "avg")
+        over_vllm, crossed_v = throughput_ratio(by_rate, auto, "vllm", target_v)
+        out[f"{prefix}throughput_at_equal_latency_autellix_over_vllm_{w}"] = over_vllm
+        out[f"{prefix}throughput_ratio_over_vllm_is_lower_bound_{w}"] = not crossed_v
+        shown = "unresolved (vLLM stays under it)" if over_vllm is None else f"{over_vllm}x"
+        bound = " (>=)" if not crossed_v and over_vllm is not None else ""
+        print(f"at {at_v} programs/s (vLLM's highest completing rate): vLLM / {auto} avg "
+              f"{out[f'{prefix}avg_latency_vllm_over_autellix_{w}']}x, p99 "
+              f"{out[f'{prefix}p99_latency_vllm_over_autellix_{w}']}x; throughput at the latency "
+              f"SLO ({target_v:.4f} s/token): {auto} / vLLM {shown}{bound}")  # fmt: skip
     return out
 
 
@@ -395,8 +470,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: the small one)")
     ap.add_argument("--synthetic", action="store_true", help="synthetic lengths, no download")
     ap.add_argument("--sections", default="swap,real,sim")
+    ap.add_argument("--sim-only", action="store_true", help="the simulator section alone")
     args = ap.parse_args()
-    sections = set(args.sections.split(","))
+    sections = {"sim"} if args.sim_only else set(args.sections.split(","))
     t_start = time.perf_counter()
     torch.manual_seed(0)
     sources = workloads.Sources()
