@@ -212,3 +212,35 @@ def test_api_requests_join_their_client_s_session(make_tiny, tmp_path):
         got = call(server, entries)
         assert got == {"session:conv-1": (3, True), "user:alice": (1, True)}
         assert call(server, lambda: server.controller.models[model].scheduler.max_batch) == 4
+
+
+def test_a_session_id_never_joins_two_users_programs(make_tiny, tmp_path):
+    """With several users (issue 17) a session is keyed by its user too: bob naming alice's
+    X-Session-Id gets a program of his own, on the OpenAI and the SGLang-native API."""
+    import openai
+
+    from pastry.control.users import Account, User
+    from server_util import call, running_server
+
+    users = (Account(User("alice"), "tok-alice"), Account(User("bob"), "tok-bob"))
+    with running_server(make_tiny("llama"), tmp_path, users=users) as (url, server):
+        model = server.models[0]
+        for token in ("tok-alice", "tok-bob", "tok-alice"):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=token)
+            client.completions.create(
+                model=model, prompt="Hi", max_tokens=2, extra_headers={"X-Session-Id": "conv-1"}
+            )
+        native = urllib.request.Request(
+            f"{url}/generate",
+            json.dumps({"text": "Hi", "sampling_params": {"max_new_tokens": 2}}).encode(),
+            {"Content-Type": "application/json", "X-Session-Id": "conv-1",
+             "Authorization": "Bearer tok-bob"},
+        )  # fmt: skip
+        with urllib.request.urlopen(native, timeout=60) as r:
+            assert r.status == 200
+
+        def entries():
+            server.controller.programs.check_integrity()
+            return {p.key: p.calls for p in server.controller.programs.programs()}
+
+        assert call(server, entries) == {"alice/session:conv-1": 2, "bob/session:conv-1": 2}

@@ -9,8 +9,10 @@ the schedule policies (``control/policies/``) and the swapper (``control/swap.py
   Clients of the OpenAI (and native) API do not run their own inferlets: their requests
   run as built-in inferlets, and the endpoint *joins* each instance to the program its
   client names (:func:`session_key`: an ``X-Session-Id`` header, else the ``user`` field,
-  else one program per request). A session's entry outlives its requests by
-  ``session_ttl_s`` of idleness, so that a conversation keeps its attained service.
+  else one program per request; on a server with several users the key also names the
+  user, ``server/auth.py``, so a session id never joins another user's program). A
+  session's entry outlives its requests by ``session_ttl_s`` of idleness, so that a
+  conversation keeps its attained service.
 - A :class:`Thread` is one command queue of a program: an inferlet's ``Context``, each
   fork its own. Per thread: the current call's arrival, wait and service, and totals.
 - A :class:`Call` is one busy period of a thread. It begins when a command arrives on an
@@ -137,6 +139,13 @@ def session_key(session_id: object, user: object) -> str | None:
     return None
 
 
+def _is_session(key: str) -> bool:
+    """Whether ``key`` names an API client's session (:func:`session_key`), also as kept
+    apart per user on a server with several (``<user>/<key>``, ``server/auth.py``)."""
+    sessions = ("session:", "user:")
+    return key.startswith(sessions) or key.partition("/")[2].startswith(sessions)
+
+
 class ProcessTable:
     """Programs, their threads and calls (see the module docstring).
 
@@ -209,7 +218,7 @@ class ProcessTable:
             return
         for t in list(p.threads):
             self.close_thread(t)
-        if p.key.startswith(("session:", "user:")) and self.session_ttl_s > 0:
+        if _is_session(p.key) and self.session_ttl_s > 0:
             p.idle_since = now
         else:
             self._by_key.pop(p.key, None)
