@@ -225,3 +225,34 @@ def test_the_engine_swaps_every_layer_and_the_slot_state_in_one_call(make_tiny):
     assert torch.equal(kv.positions[back], before[1][slots])
     assert torch.equal(kv.attendable[back], before[2][slots])
     assert all(k.data_ptr() == kv.data[i].data_ptr() for i, k in enumerate(kv.k))  # views
+
+
+def test_a_full_batch_does_not_bring_back_a_program_it_cannot_take():
+    """With the batch's forward slots taken, a swapped-out program's forward waits and its
+    pages stay on the host (bringing them back would cost a copy and evict others for a
+    batch it is not in)."""
+    import asyncio
+
+    from pastry.control.scheduler import BatchScheduler, Command, Stage
+
+    async def never(calls):
+        raise AssertionError("not dispatched in this test")
+
+    async def go():
+        res = ResourceManager(4, 8, num_host_pages=8)
+        s = BatchScheduler(never, 100, 4, schedule=Fcfs(), max_batch=1)
+        KvSwapper(res, s, min_resident=0)
+        for inst in (1, 2):
+            res.add_instance(inst)
+            s.programs.start(inst)
+        res.alloc(1, "kv", 2)
+        res.alloc(2, "kv", 2)
+        assert res.swap_out(2) == 2
+        res.take_moves()
+        for inst in (1, 2):
+            s.submit(s.create_queue(inst), Command(Stage.FORWARD, lambda: None, tokens=1))
+        batch = s.take_batch()
+        res.check_integrity()
+        return [c.queue.instance for c in batch], res.handles_on_host(2)
+
+    assert asyncio.run(go()) == ([1], 2)

@@ -317,6 +317,9 @@ class BatchScheduler:
         cap = min(caps) if caps else float("inf")
         swapper, swapped_out = self.swapper, []
         for q in order:
+            if f.forwards >= cap and q.pending[0].stage == Stage.FORWARD:
+                f.blocked.add(q)  # the batch is full: it waits, its KV is not brought back
+                continue
             if swapper is not None and not swapper.ensure_resident(q.instance):
                 swapped_out.append(q)  # preempted: its KV stays in host memory for now
                 continue
