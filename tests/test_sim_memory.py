@@ -151,3 +151,32 @@ def test_split_sharegpt_pieces_are_joined_in_order():
 
     convs = join_pieces([rec("a_1", 8), rec("b_0", 12), rec("a_0", 4), rec("c", 16)])
     assert convs == [[(2, 2), (4, 4)], [(6, 6)], [(8, 8)]]  # a_0 before a_1; a, b, c
+
+
+def test_the_replay_inferlet_runs_a_spec_with_root_and_fork_stages(make_tiny):
+    """The same ProgramSpec on the real engine: a root stage with a parallel call (one
+    fork), then a stage of calls on forks only; every page is given back."""
+    import asyncio
+    import json
+    from importlib import resources
+
+    from inferlet_util import load_engine, result, run_all
+
+    spec = ProgramSpec(
+        "lats",
+        0.0,
+        (
+            Stage((CallSpec(3, 2), CallSpec(2, 1))),
+            Stage((CallSpec(2, 2), CallSpec(1, 3), CallSpec(2, 1)), 0.01, fork=True),
+            Stage((CallSpec(1, 2),)),
+        ),
+        shared_prefix=5,
+    )
+    engine = load_engine(make_tiny("llama"))
+    source = resources.files("pastry.sched").joinpath("replay.py").read_text()
+    args = [spec.to_json(), "7", str(engine.info.vocab_size)]
+    events, controller = asyncio.run(run_all(engine, [(source, args)]))
+    assert json.loads(result(events[0])) == {"tokens": spec.decode_tokens} == {"tokens": 11}
+    m = next(iter(controller.models.values()))
+    m.resources.check_integrity()
+    assert m.resources.usage("kv")[1] == 0
