@@ -834,9 +834,11 @@ class Session:
         return self._submit(q, Command(Stage.CONTROL, prepare=prepare))
 
     def _phys(self, ref: _QueueRef, kind: str, handles) -> list[int]:
-        return self._resource_call(
-            lambda: ref.model.resources.translate(self.instance, kind, list(handles))
-        )
+        # The hot path (every handle of every command): no closure, no copy.
+        try:
+            return ref.model.resources.translate(self.instance, kind, handles)
+        except ResourceError as e:
+            raise ApiError(str(e)) from None
 
     @staticmethod
     def _resource_call(fn):

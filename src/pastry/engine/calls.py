@@ -31,6 +31,10 @@ import numpy as np
 
 def ids(values) -> np.ndarray:
     """A 1-D int64 array from a list, range or array (no copy when already int64)."""
+    if type(values) is list:  # the hot path (handle lists): one conversion, no reshape
+        arr = np.array(values, dtype=np.int64)
+        if arr.ndim == 1:
+            return arr
     return np.ascontiguousarray(np.asarray(values, dtype=np.int64).reshape(-1))
 
 
