@@ -44,6 +44,9 @@ is fixed and nothing depends on the tokenizer.
       back, resolving the futures, and waiting for the other inferlets' turns on the event
       loop. ``engine_call_us_C`` = mean µs per call of that.
 
+    ``engine_call_us_C / C`` is the control work per inferlet and call: the cost is flat
+    in the number of inferlets when that column is.
+
 (c) The Pie paper's Table 5: 128 concurrent text-completion inferlets under the eager,
     k-only, t-only and adaptive policies (default parameters of the ``pastry.control.policies`` objects). After every
     inferlet has its first token (prefill excluded), output tokens are counted for a fixed
@@ -56,6 +59,18 @@ is fixed and nothing depends on the tokenizer.
     with 128 running sequences over the same window is the reference row. Policies run
     interleaved in rounds; each reports its best round.
 
+(d) Per-inferlet-step control cost from a stub-engine profile: the text-completion
+    inferlet (embed -> forward -> sample per token) at 1, 128, 512 and 1024 concurrent
+    inferlets over an engine that answers at once (the same ``InProcessEngine`` worker
+    thread; no compute), so the whole decode wall time is the control layer's and the
+    inferlets' Python: µs per inferlet-step = decode wall / (inferlets x steps). Measured
+    under the server's collector settings (``pastry.control.gc_tuning.tune_for_serving``)
+    and, as references in the same run (interleaved), freezing alone (the server's
+    setting before) and CPython's defaults; with the time the collector took in the window.
+
+The whole run uses the server's collector settings (``tune_for_serving`` after the
+engine is loaded), as ``pastry serve`` does.
+
 Prints tables, then as the last line one JSON object with the headline numbers. The
 machine this was written on is a shared 2-vCPU VM: the inferlets' Python and the engine's
 torch threads compete for the same two cores, and runs vary by ±10%.
@@ -67,6 +82,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -78,11 +94,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pastry.control import gc_tuning
 from pastry.control.controller import Controller
 from pastry.control.events import Event, Finished, Message
 from pastry.control.policies import BatchPolicy, batch_policy
 from pastry.control.scheduler import SchedulerStats
-from pastry.engine.calls import Call, Result, Sample
+from pastry.engine.calls import Call, EngineInfo, Result, Sample
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
@@ -94,7 +111,7 @@ from engine_decode import prompts, small_checkpoint
 
 PROMPT = 32
 PAGE_SIZE = 16
-CONCURRENCY = (1, 128, 512)
+CONCURRENCY = (1, 128, 512, 1024)
 POLICIES = ("eager", "k-only", "t-only", "adaptive")
 POLICY_KEYS = {"eager": "eager", "k-only": "k", "t-only": "t", "adaptive": "adaptive"}
 
@@ -362,20 +379,21 @@ def section_latency(handle: InProcessEngine, iters: int, warmup: int, vocab: int
     print(
         "| inferlets | alloc_embeds | store_get | dealloc issue | **control call** "
         "| queued control (await dealloc) | engine call round trip | engine compute in it "
-        "| **engine call excl. compute** (p90) | engine ms/batch | calls/batch |"
+        "| **engine call excl. compute** (p90) | ÷ inferlets | engine ms/batch | calls/batch |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     out: dict[str, float] = {"thread_hop_us": round(hop, 1)}
     for c in CONCURRENCY:
         r = asyncio.run(call_latency(handle, c, iters, warmup, vocab))
         out[f"control_call_us_{c}"] = round(r["control_call_us"], 2)
         out[f"engine_call_us_{c}"] = round(r["engine_call_us"], 1)
+        out[f"engine_call_us_per_inferlet_{c}"] = round(r["engine_call_us"] / c, 2)
         print(
             f"| {c} | {r['alloc_us']:.2f} | {r['store_get_us']:.2f} | {r['dealloc_issue_us']:.2f} "
             f"| {r['control_call_us']:.2f} | {r['queued_control_us']:.0f} "
             f"| {r['engine_rt_us']:.0f} | {r['engine_compute_us']:.0f} "
             f"| {r['engine_call_us']:.0f} ({r['engine_call_p90_us']:.0f}) "
-            f"| {r['exec_ms']:.2f} | {r['calls_per_batch']:.0f} |"
+            f"| {r['engine_call_us'] / c:.1f} | {r['exec_ms']:.2f} | {r['calls_per_batch']:.0f} |"
         )
     return out
 
@@ -509,6 +527,112 @@ def section_policies(
     return out
 
 
+# --------------------------------------------------------------------------- (d) stub engine
+
+
+class StubEngine:
+    """Answers every call at once (``Sample`` -> a fixed token, the rest -> None): what is
+    left of a step is the control layer's and the inferlets' work."""
+
+    def __init__(self, info: EngineInfo, token: int) -> None:
+        self.info, self.token = info, token
+
+    def execute(self, batch: Sequence[Call]) -> list[Result]:
+        return [self.token if type(c) is Sample else None for c in batch]
+
+
+class GcClock:
+    """Seconds the collector ran (``gc.callbacks``), as intervals to sum over a window."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.spans.append((self._start, time.perf_counter()))
+
+    def within(self, t0: float, t1: float) -> float:
+        return sum(min(b, t1) - max(a, t0) for a, b in self.spans if b > t0 and a < t1)
+
+
+async def stub_step_us(
+    handle: InProcessEngine, conc: int, steps: int, clock: GcClock
+) -> tuple[float, float]:
+    """(µs per inferlet-step, share of the decode window the collector took)."""
+    async with Server(handle) as server:
+        ps = [[5 + i % 100] * PROMPT for i in range(conc)]
+        events = await launch_and_collect(
+            server, TEXT_COMPLETION, [[csv(p), str(steps + 1)] for p in ps]
+        )
+    t0 = max(t for evs in events for t, ev in evs if isinstance(ev, Message))
+    t1 = max(evs[-1][0] for evs in events)
+    for evs in events:
+        check([ev for _, ev in evs])
+    return (t1 - t0) / (conc * steps) * 1e6, clock.within(t0, t1) / (t1 - t0)
+
+
+def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcSettings) -> dict:
+    """Per-inferlet-step cost over a stub engine under the server's collector settings,
+    freezing alone and CPython's defaults (``serving``: what ``tune_for_serving`` replaced
+    at the start of the run), interleaved; leaves the server's settings on."""
+    most = max(CONCURRENCY)
+    stub_info = dataclasses.replace(
+        info,
+        num_pages=most * (-(-(PROMPT + steps + 2) // PAGE_SIZE) + 1),
+        num_embeds=most * (PROMPT + 2),
+    )
+    handle = InProcessEngine(StubEngine(stub_info, token=7))
+    clock = GcClock()
+    gc.callbacks.append(clock)
+    print(
+        f"(d) stub engine (answers at once): µs of control-layer + inferlet Python per "
+        f"inferlet-step (embed -> forward -> sample), {steps} decode steps, fastest of {reps}; "
+        "the server's collector settings (freeze + young threshold "
+        f"{gc_tuning.YOUNG_THRESHOLD}) vs freezing alone (what the server did before) and "
+        "CPython's defaults, interleaved; share of the window the collector ran"
+    )
+    print(
+        "| inferlets | **µs/step, serving gc** (gc share) | freeze only (gc share) "
+        "| CPython defaults (gc share) | freeze only / serving | defaults / serving |"
+    )
+    print("|---|---|---|---|---|---|")
+    modes = {  # applied in this order, every repetition
+        "default": lambda: gc_tuning.restore(serving),
+        "freeze only": lambda: gc_tuning.tune_for_serving(serving.thresholds[0]),
+        "serving": gc_tuning.tune_for_serving,
+    }
+    out: dict[str, float] = {}
+    try:
+        asyncio.run(stub_step_us(handle, 8, 4, clock))  # warm up
+        for c in CONCURRENCY:
+            runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+            for _ in range(reps):
+                for mode, apply in modes.items():
+                    apply()
+                    runs[mode].append(asyncio.run(stub_step_us(handle, c, steps, clock)))
+            best = {m: min(r) for m, r in runs.items()}
+            tuned = best["serving"][0]
+            out[f"stub_step_us_{c}"] = round(tuned, 1)
+            out[f"stub_step_us_freeze_only_{c}"] = round(best["freeze only"][0], 1)
+            out[f"stub_step_us_default_gc_{c}"] = round(best["default"][0], 1)
+            cells = " | ".join(
+                f"{best[m][0]:.1f} ({best[m][1]:.0%})"
+                for m in ("serving", "freeze only", "default")
+            )
+            print(
+                f"| {c} | {cells} | {best['freeze only'][0] / tuned:.2f}x "
+                f"| {best['default'][0] / tuned:.2f}x |"
+            )
+    finally:
+        gc.callbacks.remove(clock)
+        gc_tuning.tune_for_serving()
+        handle.close()
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -527,6 +651,7 @@ def main() -> None:
     iters, warmup = (10, 2) if args.quick else (50, 5)
     window, rounds, max_tokens = (3.0, 1, 96) if args.quick else (8.0, 3, 160)
     n_conc = 128
+    stub_steps, stub_reps = (8, 1) if args.quick else (32, 2)
 
     seq_pages = -(-(PROMPT + max_tokens + 1) // PAGE_SIZE)
     cfg = EngineConfig(
@@ -539,6 +664,7 @@ def main() -> None:
     )
     engine = Engine.load(path, cfg)
     handle = InProcessEngine(TimedEngine(engine))
+    serving = gc_tuning.tune_for_serving()  # as the server does once its engines are loaded
     vocab = engine.info.vocab_size
     print(f"# overhead: {engine.info.model_name} ({engine.cfg.num_params / 1e6:.0f}M params, bf16)")
     print(
@@ -554,6 +680,8 @@ def main() -> None:
     print()
     out.update(section_policies(handle, n_conc, max_tokens, window, rounds, vocab))
     handle.close()
+    print()
+    out.update(section_stub(engine.info, stub_steps, stub_reps, serving))
     seconds = round(time.perf_counter() - t_start)
     out.update({"quick": args.quick, "device": args.device, "seconds": seconds})
     print(json.dumps(out))
