@@ -6,8 +6,8 @@ or tokens (lazily: they are forwarded with the next ``generate`` or ``flush``),
 child that shares every *full* page by reference (the partial last page is copied), and
 pages are allocated as the sequence grows and released when the context is.
 
-Within one step, embed, forward and sample are issued together and awaited once, so the
-scheduler can run them in one engine batch.
+Within one step, embed, forward and sample are issued together and awaited once (the
+inferlet wakes once per step), so the scheduler can run them in one engine batch.
 """
 
 from __future__ import annotations
@@ -29,6 +29,35 @@ def _refs(a: InferletApi) -> dict[int, int]:
     if refs is None:
         refs = _page_refs[a] = {}
     return refs
+
+
+async def _step(earlier: Sequence[asyncio.Future], last: asyncio.Future):
+    """The result of ``last``, the final call of a step on one queue, once the step's
+    ``earlier`` calls are done too; the first failure in queue order is raised.
+
+    A queue's commands complete in order, so the earlier ones are done when ``last`` is
+    (unless ``last`` was rejected before they ran): awaiting ``last`` alone wakes the
+    inferlet once per step, without a gather's callback round per call."""
+    try:
+        value = await last
+    except Exception:
+        await _first_failure(earlier)
+        raise
+    await _first_failure(earlier)
+    return value
+
+
+async def _first_failure(futs: Sequence[asyncio.Future]) -> None:
+    """Wait for ``futs`` (awaiting a done future does not suspend) and raise the first
+    failure among them; every failure is retrieved."""
+    failure = None
+    for f in futs:
+        try:
+            await f
+        except Exception as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 class Context:
@@ -109,11 +138,9 @@ class Context:
         while True:
             futs, emb = self._forward(self.pending, want_output=True)
             if sampler.on_device:
-                results = await asyncio.gather(*futs, a.sample(q, emb, **sampler.params(len(out))))
-                tok = results[-1]
+                tok = await _step(futs, a.sample(q, emb, **sampler.params(len(out))))
             else:
-                results = await asyncio.gather(*futs, a.get_next_dist(q, emb))
-                tok = sampler.choose(*results[-1])
+                tok = sampler.choose(*await _step(futs, a.get_next_dist(q, emb)))
             out.append(tok)
             self.tokens.append(tok)
             self.pending = [tok]
