@@ -62,3 +62,19 @@ def test_step_waits_for_earlier_calls_when_the_last_was_rejected_first():
         return fwd.done()
 
     assert run(main) is True
+
+
+def test_cancelling_a_step_cancels_its_earlier_calls():
+    async def main():
+        loop = asyncio.get_running_loop()
+        embed, fwd, last = (loop.create_future() for _ in range(3))
+        embed.set_result(None)
+        task = asyncio.ensure_future(_step([embed, fwd], last))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return embed.cancelled(), fwd.cancelled(), last.cancelled()
+
+    # nothing is left to fail unretrieved when the queue closes after the inferlet ended
+    assert run(main) == (False, True, True)

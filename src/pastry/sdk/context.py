@@ -37,14 +37,20 @@ async def _step(earlier: Sequence[asyncio.Future], last: asyncio.Future):
 
     A queue's commands complete in order, so the earlier ones are done when ``last`` is
     (unless ``last`` was rejected before they ran): awaiting ``last`` alone wakes the
-    inferlet once per step, without a gather's callback round per call."""
+    inferlet once per step, without a gather's callback round per call. Cancelled (the
+    inferlet ends), it cancels the earlier calls too, as a gather would."""
     try:
-        value = await last
-    except Exception:
+        try:
+            value = await last
+        except Exception:
+            await _first_failure(earlier)
+            raise
         await _first_failure(earlier)
+        return value
+    except asyncio.CancelledError:
+        for f in earlier:
+            f.cancel()
         raise
-    await _first_failure(earlier)
-    return value
 
 
 async def _first_failure(futs: Sequence[asyncio.Future]) -> None:
