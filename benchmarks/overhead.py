@@ -26,7 +26,7 @@ is fixed and nothing depends on the tokenizer.
     2-core machine, up to 40x slower for whole runs); the reference therefore pays the
     worker-thread hop too (about 0.1 ms per step; measured in (b)).
 
-(b) API call latency at 1, 128 and 512 concurrent inferlets (adaptive policy), measured
+(b) API call latency at 1, 128, 512 and 1024 concurrent inferlets (adaptive policy), measured
     inside the inferlets with ``time.perf_counter`` around each call (the SDK wrapper
     included), first iterations of each inferlet dropped as warm-up.
     - control-layer call: a call the control layer answers without the engine. Each
