@@ -141,7 +141,21 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    _engine_speed_options(p, compile_default=False)
     p.set_defaults(func=_generate)
+
+
+def _engine_speed_options(p: argparse.ArgumentParser, compile_default: bool) -> None:
+    p.add_argument(
+        "--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
+        help="weight-only quantization on CPU: int8 or int4 for any checkpoint; auto (default) "
+        "keeps a GGUF's quantized blocks quantized, none expands them",
+    )  # fmt: skip
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=compile_default,
+        help="run decode steps through the compiled graph on CPU (compiled at start-up, "
+        f"cached under $PASTRY_HOME/inductor; default {'on' if compile_default else 'off'})",
+    )  # fmt: skip
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -160,7 +174,13 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     model = args.model or default_model()
     config = EngineConfig(
-        device=args.device, dtype=args.dtype, num_pages=4096, num_embeds=8192, num_host_pages=16
+        device=args.device,
+        dtype=args.dtype,
+        num_pages=4096,
+        num_embeds=8192,
+        num_host_pages=16,
+        quantize=args.quantize,
+        compile=args.compile,
     )
     t0 = time.perf_counter()
     try:
@@ -292,6 +312,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "locality[:THRESHOLD], migrate, or an uploaded program's name[:ARGS]",
     )  # fmt: skip
     _tenant_options(p)
+    _engine_speed_options(p, compile_default=True)
     p.set_defaults(func=_serve)
 
 
@@ -453,6 +474,7 @@ def _serve(args: argparse.Namespace) -> int:
             grants=tuple(parse_grant(g) for g in args.grant),
             quotas=_quotas(args),
             max_upload_bytes=args.max_upload_bytes,
+            engine_kwargs={"quantize": args.quantize, "compile": args.compile},
         )
     except (ConfigError, UsersError, ValueError) as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)

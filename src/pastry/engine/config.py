@@ -219,6 +219,12 @@ class EngineConfig:
     # A path (under /dev/shm) for a KV pool in shared memory, which peer engines on this
     # host write into directly (engine/transfer.py); empty: private memory.
     kv_shm: str = ""
+    # Weight-only quantization (engine/quant.py): "auto" keeps a GGUF's quantized tensors
+    # quantized and dense checkpoints dense; "none" expands everything; "int8"/"int4"
+    # quantize the dense projections too. CPU only.
+    quantize: str = "auto"
+    # Run decode steps through the compiled graph (engine/compiled.py); compiles at start-up.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -227,6 +233,10 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
         if self.max_batch_tokens <= 0:
             raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
+        if self.quantize not in ("auto", "none", "int8", "int4"):
+            raise ValueError(
+                f"quantize must be one of auto, none, int8, int4, got {self.quantize!r}"
+            )
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -40,6 +40,7 @@ from pastry.engine.calls import (
     SwapOut,
     mask_words,
 )
+from pastry.engine.compiled import CompiledDecode
 from pastry.engine.config import EngineConfig, ModelConfig
 from pastry.engine.logits import (
     LogitsProcessor,
@@ -52,6 +53,7 @@ from pastry.engine.logits import (
 from pastry.engine.lora import Adapter, plan_adapters, use_adapters
 from pastry.engine.model import LlamaModel
 from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
+from pastry.engine.quant import Codes, Int4Codes, Int8Codes
 from pastry.engine.sampling import SamplingParams, sample, top_k_dist
 from pastry.engine.transfer import KvSender
 
@@ -120,6 +122,12 @@ class Engine:
         self.embeds = EmbedPool(sizes.num_embeds, self.cfg.hidden_size, self.dtype, self.device)
         for layer, k, v in zip(model.layers, self.kv.k, self.kv.v, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+        self.compiled: CompiledDecode | None = None
+        if config.compile and self.device.type == "cpu":
+            self.compiled = CompiledDecode(model, self.kv.k, self.kv.v)
+            self.compiled.warm_up()
+        elif config.compile:
+            log.info("compile applies to CPU engines; %s decodes eagerly", self.device)
         self._rng = np.random.default_rng(config.seed)
         self._adapters: list[Adapter] = []
         self._swap_staging: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -168,7 +176,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, ckpt.config)
         device = torch.device(config.device)
         weights = ckpt.load_state_dict(dtype, device)
-        model = build_model(ckpt.config, dtype, device, weights)
+        model = build_model(ckpt.config, dtype, device, weights, config.quantize)
         del weights
         tok = ckpt.tokenizer
         engine = cls(
@@ -456,7 +464,10 @@ class Engine:
         x = take(self.embeds.hidden, in_slots_t)
         lora = plan_adapters(lora_spans, self._adapters, dev)
         with forward_context(meta), use_adapters(lora):
-            hidden = self.model(x, pos_t)
+            if lora is None and self.compiled is not None and self.compiled.accepts(meta):
+                hidden = self.compiled(x, pos_t, meta)
+            else:
+                hidden = self.model(x, pos_t)
         oe = self._cat(out_embeds)
         if len(oe):
             oe_t = torch.from_numpy(oe).to(dev)
@@ -739,9 +750,27 @@ def host_id() -> str:
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, weights: dict[str, torch.Tensor]
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: dict[str, torch.Tensor | Codes],
+    quantize: str = "auto",
 ) -> LlamaModel:
-    """Construct the model on ``device`` in ``dtype``, load weights, prepack for CPU."""
+    """Construct the model on ``device`` in ``dtype``, load weights, quantize (see
+    ``EngineConfig.quantize``) and prepack for CPU."""
+    quantized = any(isinstance(w, Int4Codes | Int8Codes) for w in weights.values())
+    if quantize == "none" and quantized:
+        weights = {
+            k: w.dequantize().to(dtype) if isinstance(w, Int4Codes | Int8Codes) else w
+            for k, w in weights.items()
+        }
+    if device.type != "cpu" and (
+        quantize in ("int8", "int4") or (quantized and quantize == "auto")
+    ):
+        raise ValueError(
+            f"quantized weights run on the CPU only (device is {device}); use --quantize none "
+            "to expand them"
+        )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate parameters directly in the target dtype
     try:
@@ -750,6 +779,8 @@ def build_model(
     finally:
         torch.set_default_dtype(previous)
     model.load_hf_state_dict(weights)
+    if quantize in ("int8", "int4"):
+        model.quantize(quantize)
     model.eval()
     model.prepack()
     return model

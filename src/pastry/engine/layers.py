@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pastry.engine.config import ModelConfig
+from pastry.engine.quant import QuantizedWeight
 
 _HAS_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
@@ -16,13 +17,17 @@ _HAS_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b``, with an optional CPU fast path.
+    """``y = x W^T + b`` over 2-D activations, with CPU fast paths.
 
     On CPU in bfloat16, :meth:`prepack` reorders the weight once into oneDNN's blocked layout
     (what ``torch.compile`` with ``freezing`` does): matrix-vector products then stream the
     weights at close to memory bandwidth (measured 44 GB/s vs 18 GB/s for ``F.linear`` at
     M=1, and faster at every M), with bit-identical results. The plain weight is dropped
     after packing so the model is not held twice.
+
+    :meth:`set_quantized` replaces the weight by a weight-only quantized one
+    (:mod:`pastry.engine.quant`): int4 or int8 codes multiplied by PyTorch's CPU kernels
+    without expanding them.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -32,18 +37,50 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quantized: QuantizedWeight | None = None
+
+    @property
+    def kind(self) -> str:
+        """How the weight is held: "dense", "packed" (oneDNN), "int8" or "int4"."""
+        if self.quantized is not None:
+            return self.quantized.kind
+        return "packed" if self.packed is not None else "dense"
 
     def prepack(self) -> bool:
         w = self.weight
-        if not (_HAS_MKLDNN_LINEAR and w.device.type == "cpu" and w.dtype == torch.bfloat16):
+        if w is None or not (
+            _HAS_MKLDNN_LINEAR and w.device.type == "cpu" and w.dtype == torch.bfloat16
+        ):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         self.weight = None
         return True
 
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Serve this projection from ``weight`` (same shape); the dense weight is dropped."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight is {weight.out_features}x{weight.in_features}, the "
+                f"projection {self.out_features}x{self.in_features}"
+            )
+        self.quantized, self.weight, self.packed = weight, None, None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense ``[out, in]`` tensor (for quantizing or inspecting)."""
+        if self.weight is not None:
+            return self.weight
+        if self.quantized is not None:
+            return self.quantized.dequantize()
+        assert self.packed is not None
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.quantized is not None:
+            y = self.quantized.matmul(x)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
 

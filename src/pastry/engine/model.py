@@ -16,6 +16,7 @@ from pastry.engine.attention import layer_done, paged_attention
 from pastry.engine.config import CheckpointError, ModelConfig
 from pastry.engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from pastry.engine.lora import DOWN, GATE_UP, OUT, QKV, add_lora
+from pastry.engine.quant import Codes, Int4Codes, Int8Codes, cat_codes, pack, quantize
 
 
 class Attention(nn.Module):
@@ -113,47 +114,99 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; tied heads share the embedding."""
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor | Codes]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; tied heads share the embedding.
+
+        A projection's weights may be quantization codes (:mod:`pastry.engine.quant`, e.g.
+        straight from GGUF blocks) instead of tensors: the fused projection is then served
+        quantized (:meth:`Linear.set_quantized`) and never expanded."""
         cfg = self.cfg
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor | Codes:
             if name not in weights:
                 raise CheckpointError(f"checkpoint has no tensor '{name}'")
             return weights[name]
 
         def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if isinstance(src, Int4Codes | Int8Codes):
+                raise CheckpointError(f"tensor '{name}' is quantized; only projections may be")
             if tuple(dst.shape) != tuple(src.shape):
                 raise CheckpointError(
                     f"tensor '{name}' has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
                 )
             dst.copy_(src)
 
+        def put_linear(dst: Linear, names: list[str], label: str) -> None:
+            parts = [take(n) for n in names]
+            if not any(isinstance(p, Int4Codes | Int8Codes) for p in parts):
+                put(dst.weight, parts[0] if len(parts) == 1 else torch.cat(parts), label)
+                return
+            for n, p in zip(names, parts, strict=True):
+                if p.shape[1] != dst.in_features:
+                    raise CheckpointError(
+                        f"tensor '{n}' has shape {tuple(p.shape)}, expected [*, {dst.in_features}]"
+                    )
+            if sum(p.shape[0] for p in parts) != dst.out_features:
+                raise CheckpointError(
+                    f"tensors {label} have {sum(p.shape[0] for p in parts)} rows, expected "
+                    f"{dst.out_features}"
+                )
+            codes = [
+                p if isinstance(p, Int4Codes | Int8Codes) else Int8Codes.from_dense(p)
+                for p in parts
+            ]
+            dst.set_quantized(pack(cat_codes(codes), self.embed_tokens.dtype))
+
         put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        put(self.lm_head.weight, take(head), head)
+        if cfg.tie_word_embeddings and isinstance(
+            weights.get("lm_head.weight"), Int4Codes | Int8Codes
+        ):
+            head = "lm_head.weight"  # the tied embedding's codes, kept quantized for the head
+        put_linear(self.lm_head, [head], head)
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = [take(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]
-            put(attn.qkv_proj.weight, torch.cat(qkv), f"{p}self_attn.q/k/v_proj.weight")
+            qkv = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+            put_linear(attn.qkv_proj, qkv, f"{p}self_attn.q/k/v_proj.weight")
             if attn.qkv_proj.bias is not None:
                 bias = [take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
                 put(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.q/k/v_proj.bias")
-            put(attn.o_proj.weight, take(f"{p}self_attn.o_proj.weight"), f"{p}self_attn.o_proj")
+            put_linear(attn.o_proj, [f"{p}self_attn.o_proj.weight"], f"{p}self_attn.o_proj")
             if attn.q_norm is not None:
                 put(attn.q_norm.weight, take(f"{p}self_attn.q_norm.weight"), f"{p}q_norm")
                 put(attn.k_norm.weight, take(f"{p}self_attn.k_norm.weight"), f"{p}k_norm")
-            gate_up = torch.cat((take(f"{p}mlp.gate_proj.weight"), take(f"{p}mlp.up_proj.weight")))
-            put(mlp.gate_up_proj.weight, gate_up, f"{p}mlp.gate/up_proj.weight")
-            put(mlp.down_proj.weight, take(f"{p}mlp.down_proj.weight"), f"{p}mlp.down_proj")
+            gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            put_linear(mlp.gate_up_proj, gate_up, f"{p}mlp.gate/up_proj.weight")
+            put_linear(mlp.down_proj, [f"{p}mlp.down_proj.weight"], f"{p}mlp.down_proj")
             put(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}in_norm")
             put(
                 layer.post_attention_layernorm.weight,
                 take(f"{p}post_attention_layernorm.weight"),
                 f"{p}post_norm",
             )
+
+    def linears(self) -> list[Linear]:
+        """Every projection: the decoder layers' in order, then the head."""
+        return [m for m in self.layers.modules() if isinstance(m, Linear)] + [self.lm_head]
+
+    @torch.no_grad()
+    def quantize(self, mode: str) -> int:
+        """Quantize the dense projections for the CPU kernels (``mode`` "int4" or "int8");
+        returns how many. The head is quantized to int8 in both modes (as llama.cpp keeps
+        its output matrix at higher precision); the embedding table stays dense."""
+        if mode not in ("int4", "int8"):
+            raise ValueError(f"quantize mode must be int4 or int8, got {mode!r}")
+        dtype = self.embed_tokens.dtype
+        n = 0
+        for lin in self.linears():
+            if lin.weight is None:
+                continue  # already quantized (or packed)
+            codes = quantize(lin.weight, "int8" if lin is self.lm_head else mode)
+            lin.set_quantized(pack(codes, dtype))
+            n += 1
+        return n
 
     def prepack(self) -> int:
         """Prepack every linear for the CPU fast path where it applies; returns how many."""

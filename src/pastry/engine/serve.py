@@ -108,6 +108,12 @@ def _load_factory(spec: str) -> Callable[[str, EngineConfig], EngineLike]:
     return obj
 
 
+def _parse_bool(text: str) -> bool:
+    if text not in ("True", "False"):
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return text == "True"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pastry.engine.serve", description="Serve one engine over ZeroMQ."
@@ -116,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", required=True, help="ipc:///path or tcp://host:port to bind")
     for f in dataclasses.fields(EngineConfig):
         flag = f"--{f.name.replace('_', '-')}"
-        p.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default}")
+        kind = _parse_bool if isinstance(f.default, bool) else type(f.default)
+        p.add_argument(flag, type=kind, default=f.default, help=f"default {f.default}")
     p.add_argument(
         "--engine-factory",
         default=DEFAULT_ENGINE_FACTORY,

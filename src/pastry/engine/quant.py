@@ -1,0 +1,364 @@
+"""Weight-only quantized linear weights, served by PyTorch's CPU kernels.
+
+Two formats, each the layout of one kernel:
+
+- **int4** in groups of 32 along the input dimension: ``w = (q - 8) * scale + zero`` with a
+  code ``q`` in 0..15 and a scale and zero per group (asymmetric, as GGUF's Q4_1).
+  ``aten._weight_int4pack_mm_for_cpu`` multiplies by the packed codes without expanding them.
+- **int8** per output channel: ``w = q * scale`` with ``q`` in -127..127
+  (``aten._weight_int8pack_mm``).
+
+Weights reach these formats as *codes*, an unpacked intermediate that fused projections
+concatenate before packing: :class:`Int4Codes` and :class:`Int8Codes`. Codes come from a dense
+weight (:func:`quantize`, for ``--quantize int4|int8`` on any checkpoint) or straight from a
+GGUF file's blocks (:func:`gguf_codes`): Q4_0, Q4_1 and Q4_K blocks are int4 groups of 32
+exactly (their scales and mins become the group's scale and zero); Q8_0, Q5_x and Q6_K blocks
+are requantized to int8 per channel (the int8 kernel has no per-block scales, so this is the
+one lossy repacking; quality is measured in ``benchmarks/RESULTS.md``).
+
+Scales are kept in float32 until packing; the packed weight holds them in the activation
+dtype (the kernels' requirement), so in bfloat16 they round to 8 significant bits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pastry.engine.config import CheckpointError
+
+if TYPE_CHECKING:
+    from pastry.engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+QUANT_MODES = ("auto", "none", "int8", "int4")
+GROUP = 32  # int4 group size along in_features (GGUF's block size)
+_INT4_N_MULTIPLE = 16  # the int4 packing needs out_features divisible by 16
+# Batch sizes above which int8 weights are expanded to the activation dtype for one dense
+# product instead of running the int8 kernel (measured in benchmarks/quant_kernels.py).
+INT8_DENSE_FROM_M = 16
+
+
+def check_mode(mode: str) -> str:
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
+    return mode
+
+
+# ---------------------------------------------------------------------------- codes
+
+
+@dataclass(frozen=True, eq=False)
+class Int4Codes:
+    """``w[n, k] = (q[n, k] - 8) * scale[n, k // GROUP] + zero[n, k // GROUP]``."""
+
+    q: torch.Tensor  # uint8 [N, K], values 0..15
+    scale: torch.Tensor  # float32 [N, K / GROUP]
+    zero: torch.Tensor  # float32 [N, K / GROUP]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]``."""
+        n, k = self.q.shape
+        w = (self.q.float() - 8).view(n, k // GROUP, GROUP)
+        return (w * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).view(n, k)
+
+    def rows(self, index: torch.Tensor) -> Int4Codes:
+        return Int4Codes(self.q[index], self.scale[index], self.zero[index])
+
+    def to_int8(self) -> Int8Codes:
+        return Int8Codes.from_dense(self.dequantize())
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Codes:
+    """``w[n, k] = q[n, k] * scale[n]``."""
+
+    q: torch.Tensor  # int8 [N, K], values -127..127
+    scale: torch.Tensor  # float32 [N]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.unsqueeze(1)
+
+    def rows(self, index: torch.Tensor) -> Int8Codes:
+        return Int8Codes(self.q[index], self.scale[index])
+
+    def to_int8(self) -> Int8Codes:
+        return self
+
+    @staticmethod
+    def from_dense(w: torch.Tensor) -> Int8Codes:
+        """Symmetric per-channel int8 of a float ``[N, K]`` weight."""
+        w = w.float()
+        scale = w.abs().amax(dim=1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / scale.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+        return Int8Codes(q, scale)
+
+
+Codes = Int4Codes | Int8Codes
+
+
+def int4_fits(out_features: int, in_features: int) -> bool:
+    """Whether the int4 kernel takes a weight of this shape."""
+    return out_features % _INT4_N_MULTIPLE == 0 and in_features % GROUP == 0
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Codes:
+    """Asymmetric int4 in groups of :data:`GROUP` of a float ``[N, K]`` weight (min/max per
+    group, as GGUF's Q4_1)."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15)
+    return Int4Codes(q.to(torch.uint8).view(n, k), scale, lo + 8 * scale)
+
+
+def quantize(w: torch.Tensor, mode: str) -> Codes:
+    """Codes of a dense weight for ``mode`` ("int4" or "int8"); int4 falls back to int8 for
+    shapes the int4 kernel does not take (out_features % 16 or in_features % 32 != 0)."""
+    if mode == "int4" and int4_fits(*w.shape):
+        return quantize_int4(w)
+    if mode in ("int4", "int8"):
+        return Int8Codes.from_dense(w)
+    raise ValueError(f"cannot quantize to {mode!r} (expected int4 or int8)")
+
+
+def cat_codes(parts: Sequence[Codes]) -> Codes:
+    """Concatenate codes along out_features (fused projections). Parts of different formats,
+    or int4 parts whose sum the int4 kernel cannot take, become int8 (lossy for the int4
+    parts: they are requantized per channel)."""
+    if all(isinstance(p, Int4Codes) for p in parts):
+        n = sum(p.shape[0] for p in parts)
+        if int4_fits(n, parts[0].shape[1]):
+            return Int4Codes(
+                torch.cat([p.q for p in parts]),
+                torch.cat([p.scale for p in parts]),
+                torch.cat([p.zero for p in parts]),
+            )
+    int8 = [p.to_int8() for p in parts]
+    return Int8Codes(torch.cat([p.q for p in int8]), torch.cat([p.scale for p in int8]))
+
+
+# ---------------------------------------------------------------------------- packed weights
+
+
+class QuantizedWeight:
+    """A packed weight that multiplies 2-D activations: ``matmul(x [M, K]) -> [M, N]``."""
+
+    out_features: int
+    in_features: int
+    kind: str
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in the activation dtype, ``[N, K]`` (tests, non-CPU fallbacks)."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+
+class Int4Weight(QuantizedWeight):
+    """int4 codes packed for ``_weight_int4pack_mm_for_cpu`` (scale and zero per group)."""
+
+    kind = "int4"
+
+    def __init__(self, codes: Int4Codes, dtype: torch.dtype) -> None:
+        n, k = codes.shape
+        if not int4_fits(n, k):
+            raise ValueError(f"int4 weight of shape {(n, k)} does not fit the kernel")
+        self.out_features, self.in_features = n, k
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32), 1)
+        # [K / GROUP, N, 2]: the kernel's layout of scales and zeros
+        self.scale_zeros = torch.stack((codes.scale.t(), codes.zero.t()), dim=-1).to(dtype)
+        self.scale_zeros = self.scale_zeros.contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, GROUP, self.scale_zeros
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
+        return self.matmul(eye).t().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_zeros.nbytes
+
+
+class Int8Weight(QuantizedWeight):
+    """int8 per-channel codes for ``_weight_int8pack_mm``; from :data:`INT8_DENSE_FROM_M`
+    rows on, one dense product over the expanded weight is faster and is used instead."""
+
+    kind = "int8"
+
+    def __init__(self, codes: Int8Codes, dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = codes.shape
+        self.q = codes.q.contiguous()
+        self.scale = codes.scale.to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= INT8_DENSE_FROM_M:
+            return F.linear(x, self.dequantize())
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.to(self.scale.dtype) * self.scale.unsqueeze(1)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+
+def pack(codes: Codes, dtype: torch.dtype) -> QuantizedWeight:
+    """The kernel-layout weight of ``codes`` for activations of ``dtype``."""
+    if isinstance(codes, Int4Codes):
+        return Int4Weight(codes, dtype)
+    return Int8Weight(codes, dtype)
+
+
+# ---------------------------------------------------------------------------- GGUF blocks
+
+_Q4_BLOCK = 32
+
+
+def _f16(raw: np.ndarray, offset: int) -> np.ndarray:
+    """float32 of the little-endian float16 at byte ``offset`` of each block ``[..., bytes]``."""
+    return raw[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 32-element nibble order: byte j holds element j (low) and j + 16 (high)."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def _q4_0(raw: np.ndarray) -> Int4Codes:
+    d = _f16(raw, 0)
+    q = _nibbles_32(raw[..., 2:18])
+    return _int4(q, d, np.zeros_like(d))
+
+
+def _q4_1(raw: np.ndarray) -> Int4Codes:
+    d, m = _f16(raw, 0), _f16(raw, 2)
+    q = _nibbles_32(raw[..., 4:20])
+    return _int4(q, d, m + 8 * d)  # q * d + m == (q - 8) * d + (m + 8d)
+
+
+def _q4_k(raw: np.ndarray) -> Int4Codes:
+    """Super-blocks of 256: d, dmin, 12 bytes of 6-bit scales/mins for 8 groups of 32, then
+    128 bytes whose 32-byte chunk c holds group 2c (low nibbles) and 2c + 1 (high)."""
+    d, dmin = _f16(raw, 0), _f16(raw, 2)
+    s = raw[..., 4:16].astype(np.int32)
+    sc = np.concatenate((s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)), -1)
+    mn = np.concatenate((s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)), -1)
+    qs = raw[..., 16:144].reshape(*raw.shape[:-1], 4, 32)
+    q = np.stack((qs & 0x0F, qs >> 4), axis=-2)  # [..., 4, 2, 32]: group 2c + h
+    scale = d[..., None] * sc
+    return _int4(q.reshape(*raw.shape[:-1], 8, 32), scale, 8 * scale - dmin[..., None] * mn)
+
+
+def _int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Int4Codes:
+    """Codes from per-block arrays: ``q [N, blocks(, groups), 32]``, scale/zero alike."""
+    n = q.shape[0]
+    return Int4Codes(
+        torch.from_numpy(np.ascontiguousarray(q.reshape(n, -1), dtype=np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(scale.reshape(n, -1), dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(zero.reshape(n, -1), dtype=np.float32)),
+    )
+
+
+_INT4_TYPES = {"Q4_0": (_q4_0, 32, 18), "Q4_1": (_q4_1, 32, 20), "Q4_K": (_q4_k, 256, 144)}
+_INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+
+
+def block_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Codes | None:
+    """Codes of one GGUF tensor from its raw blocks (``uint8 [N, bytes per row]``) of type
+    ``type_name`` and HF ``shape`` ``(N, K)``; None for float types (F32/F16/BF16), which
+    stay dense. Raises :class:`CheckpointError` for types it cannot keep quantized."""
+    import gguf
+
+    n, k = shape
+    if type_name in _INT4_TYPES:
+        fn, block, size = _INT4_TYPES[type_name]
+        if raw.shape != (n, k // block * size):
+            raise CheckpointError(f"{type_name} tensor of shape {shape} has {raw.shape} bytes")
+        return fn(raw.reshape(n, k // block, size))
+    if type_name in _INT8_TYPES:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        dense = gguf.quants.dequantize(raw, qtype).reshape(n, k)
+        return Int8Codes.from_dense(torch.from_numpy(dense))
+    if type_name in ("F32", "F16", "BF16"):
+        return None
+    raise CheckpointError(
+        f"GGUF tensor type {type_name} cannot be kept quantized (supported: "
+        f"{', '.join([*_INT4_TYPES, *_INT8_TYPES])}); load with --quantize none to expand it"
+    )
+
+
+def _unpermute(codes: Codes, n_head: int) -> Codes:
+    """Undo llama.cpp's q/k row order (interleaved RoPE pairs) back to HF's rotate-half."""
+    n = codes.shape[0]
+    half = n // n_head // 2
+    index = torch.arange(n).view(n_head, half, 2).transpose(1, 2).reshape(n)
+    return codes.rows(index)
+
+
+def gguf_codes(path: str | Path, cfg: ModelConfig) -> dict[str, Codes]:
+    """Codes of every quantized projection of a llama-architecture GGUF, by HF tensor name
+    (``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``; the tied
+    embedding's codes serve as ``lm_head.weight``). Float tensors are left out."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    names = {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    out: dict[str, Codes] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if t.name == "output.weight" or (t.name == "token_embd.weight" and cfg.tie_word_embeddings):
+            hf = "lm_head.weight"
+        elif len(parts) == 4 and parts[0] == "blk" and parts[2] in names and parts[3] == "weight":
+            hf = f"model.layers.{parts[1]}.{names[parts[2]]}.weight"
+        else:
+            continue
+        shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists ne0 (row length) first
+        codes = block_codes(np.asarray(t.data), t.tensor_type.name, shape)
+        if codes is None:
+            continue
+        if parts[-2:-1] == ["attn_q"]:
+            codes = _unpermute(codes, cfg.num_heads)
+        elif parts[-2:-1] == ["attn_k"]:
+            codes = _unpermute(codes, cfg.num_kv_heads)
+        if hf == "lm_head.weight" and t.name == "token_embd.weight" and "lm_head.weight" in out:
+            continue  # an explicit output.weight wins
+        out[hf] = codes
+    return out

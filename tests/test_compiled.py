@@ -1,0 +1,287 @@
+"""The compiled decode step (engine/compiled.py) computes what the eager model computes.
+
+Compiling costs tens of seconds, so the graphs are built once per dtype (the first engine
+with ``compile=True`` warms them up; later engines of the same shapes reuse them) and the
+tests share one compiled float32 engine per checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_util import Pages, Seq, dense, hf_model
+from pastry.engine.calls import EmbedTxt, Forward, MaskKv, NextDist
+from pastry.engine.config import EngineConfig
+from pastry.engine.engine import Engine
+
+POOLS = dict(num_pages=256, num_embeds=2048, num_host_pages=16, page_size=4)
+
+
+def load(path, dtype="float32", **kw) -> Engine:
+    return Engine.load(path, EngineConfig(dtype=dtype, **{**POOLS, **kw}))
+
+
+@pytest.fixture(scope="module")
+def llama(make_tiny):
+    path = make_tiny("llama")
+    return path, load(path, compile=True), load(path)
+
+
+def batch(items: list[tuple[list, int]]) -> tuple[list, list[int]]:
+    """One batch of several sequences' ``forward_calls``: all embeds, then all forwards (the
+    engine batches runs of consecutive calls of one type)."""
+    calls = [c for cs, _ in items for c in cs if isinstance(c, EmbedTxt)]
+    calls += [c for cs, _ in items for c in cs if isinstance(c, Forward)]
+    return calls, [o for _, o in items]
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def test_greedy_and_logits_match_transformers(llama):
+    path, eng, _ = llama
+    hf = hf_model(path)
+    toks = prompt(12, eng.info.vocab_size, seed=1)
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([toks]), max_new_tokens=24, min_new_tokens=24, do_sample=False
+        )[0].tolist()
+    steps = eng.compiled.steps
+    assert Seq(Pages(eng)).greedy(toks, 24) == ref[len(toks) :]
+    assert eng.compiled.steps - steps == 23  # every decode step ran compiled
+    # logits of each decode step against transformers' on the same sequence
+    seq = Seq(Pages(eng, first_page=100, first_embed=1000))
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([ref])).logits[0].double().softmax(-1).numpy()
+    ours = [seq.step(ref[:12])]
+    ours += [seq.step([t]) for t in ref[12:-1]]
+    np.testing.assert_allclose(np.stack(ours), ref_logits[11:-1], atol=1e-5)
+
+
+def test_batches_of_mixed_lengths_equal_eager(llama):
+    """Decode batches whose items have different context lengths (padding and masks), at
+    several batch sizes, agree with the eager engine to float32 rounding."""
+    _, comp, eager = llama
+    vocab = comp.info.vocab_size
+    results = {}
+    for name, eng in (("compiled", comp), ("eager", eager)):
+        alloc = Pages(eng, first_page=0, first_embed=0)
+        seqs = [Seq(alloc) for _ in range(5)]
+        out = []
+        for i, s in enumerate(seqs):
+            s.step(prompt(3 + 7 * i, vocab, seed=i))
+        for step in range(4):
+            for b in (1, 3, 5):  # a batch of 1 and two symbolic-size batches
+                calls, outs = batch(
+                    [s.forward_calls([(step * 7 + i) % vocab]) for i, s in enumerate(seqs[:b])]
+                )
+                res = eng.execute([*calls, *(NextDist(o, k=vocab) for o in outs)])
+                out += [dense(d, vocab) for d in res[len(calls) :]]
+        results[name] = np.stack(out)
+    np.testing.assert_allclose(results["compiled"], results["eager"], atol=1e-6)
+
+
+def test_no_recompiles_after_warm_up(llama):
+    """Batch sizes and context lengths never seen before reuse the two warmed-up graphs."""
+    _, eng, _ = llama
+    vocab = eng.info.vocab_size
+    alloc = Pages(eng, first_page=100, first_embed=1000)
+    seqs = [Seq(alloc) for _ in range(7)]
+    for i, s in enumerate(seqs):
+        s.step(prompt(4 + 9 * i, vocab, seed=i))
+    before = eng.compiled.steps
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b in (7, 1, 4, 2, 6):
+            calls, _ = batch([s.forward_calls([5]) for s in seqs[:b]])
+            assert eng.execute(calls) == [None] * len(calls)
+    assert eng.compiled.steps - before == 5
+
+
+def test_prefill_and_mixed_batches_run_eager(llama):
+    """A batch with a multi-token item, or an item that does not store its K/V, is not a
+    decode batch: it runs the eager model, with the same results as the eager engine."""
+    _, comp, eager = llama
+    vocab = comp.info.vocab_size
+    outs = {}
+    for name, eng in (("compiled", comp), ("eager", eager)):
+        alloc = Pages(eng, first_page=0, first_embed=0)
+        a, b = Seq(alloc), Seq(alloc)
+        a.step(prompt(9, vocab))
+        before = eng.compiled.steps if eng.compiled else 0
+        # a decode and a prefill in one batch
+        calls, (oa, ob) = batch([a.forward_calls([4]), b.forward_calls(prompt(6, vocab, seed=3))])
+        res = eng.execute([*calls, NextDist(oa, k=vocab), NextDist(ob, k=vocab)])
+        cc, oc = a.forward_calls([7], store=False)  # a decode that does not store its K/V
+        res += eng.execute([*cc, NextDist(oc, k=vocab)])
+        if eng.compiled:
+            assert eng.compiled.steps == before
+        outs[name] = [dense(d, vocab) for d in res if d is not None]
+    np.testing.assert_allclose(outs["compiled"], outs["eager"], atol=1e-6)
+
+
+def test_masked_kv_and_item_masks_equal_eager(llama):
+    """MaskKv'd slots and per-item masks travel in the decode mask."""
+    _, comp, eager = llama
+    vocab = comp.info.vocab_size
+    outs = {}
+    for name, eng in (("compiled", comp), ("eager", eager)):
+        alloc = Pages(eng, first_page=0, first_embed=0)
+        s = Seq(alloc)
+        s.step(prompt(10, vocab, seed=5))
+        masked = np.zeros(eng.page_size, dtype=bool)
+        masked[1] = True
+        assert eng.execute([MaskKv(s.pages[0], masked)]) == [None]
+        d1 = s.step([3])
+        mask = np.ones((1, s.length + 1), dtype=bool)
+        mask[0, 4:7] = False
+        d2 = s.step([8], mask=mask)
+        outs[name] = np.stack([d1, d2])
+    np.testing.assert_allclose(outs["compiled"], outs["eager"], atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def mistral(make_tiny, tmp_path_factory):
+    """llama tiny's shapes (so the graphs are shared) with a sliding window of 8."""
+    import shutil
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    src = make_tiny("llama")
+    path = tmp_path_factory.mktemp("mistral-window")
+    cfg = MistralConfig(
+        vocab_size=Engine.load(src, EngineConfig(**POOLS)).info.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    MistralForCausalLM(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, path / name)
+    return path
+
+
+def test_sliding_window_matches_transformers(mistral, llama):
+    """Mistral's window is part of the decode mask: decoding well past the window gives
+    transformers' tokens."""
+    eng = load(mistral, compile=True)
+    toks = prompt(6, eng.info.vocab_size, seed=7)
+    with torch.no_grad():
+        ref = (
+            hf_model(mistral)
+            .generate(torch.tensor([toks]), max_new_tokens=20, min_new_tokens=20, do_sample=False)[
+                0, len(toks) :
+            ]
+            .tolist()
+        )
+    assert Seq(Pages(eng)).greedy(toks, 20) == ref
+    assert eng.compiled.steps == 19
+
+
+def test_adapters_run_eager_and_match(llama, tmp_path):
+    """A batch with a LoRA item runs the eager model (the graph has no adapter path)."""
+    from peft import LoraConfig, get_peft_model
+
+    path, comp, eager = llama
+    torch.manual_seed(0)
+    model = get_peft_model(
+        hf_model(path), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    )
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    model.save_pretrained(tmp_path)
+    vocab = comp.info.vocab_size
+    outs = {}
+    for name, eng in (("compiled", comp), ("eager", eager)):
+        aid = eng.load_adapter(tmp_path, name=f"a{len(eng.adapters())}")
+        alloc = Pages(eng, first_page=0, first_embed=0)
+        s = Seq(alloc)
+        s.step(prompt(8, vocab))
+        before = eng.compiled.steps if eng.compiled else 0
+        calls, out = s.forward_calls([2])
+        fwd = calls[1]
+        calls[1] = Forward(
+            in_embeds=fwd.in_embeds,
+            ctx_pages=fwd.ctx_pages,
+            ctx_last_len=fwd.ctx_last_len,
+            out_pages=fwd.out_pages,
+            out_offset=fwd.out_offset,
+            out_embeds=fwd.out_embeds,
+            out_indices=fwd.out_indices,
+            positions=fwd.positions,
+            adapter=aid,
+        )
+        res = eng.execute([*calls, NextDist(out, k=vocab)])
+        if eng.compiled:
+            assert eng.compiled.steps == before
+        outs[name] = dense(res[-1], vocab)
+    np.testing.assert_allclose(outs["compiled"], outs["eager"], atol=1e-6)
+
+
+def test_accepts_only_decode_batches(llama):
+    from pastry.engine.attention import AttnGroup, AttnMetadata
+
+    accepts = llama[1].compiled.accepts
+    t = torch.zeros(1, 1, 1, 1, dtype=torch.bool)
+    decode = AttnGroup(None, 2, 1, None, torch.zeros(1, 2, 4), t, causal=False)
+    prefill = AttnGroup(None, 1, 3, None, torch.zeros(1, 1, 4), t, causal=False)
+    store = torch.zeros(1, 2, dtype=torch.int64)
+    assert accepts(AttnMetadata([decode], None, store))
+    assert not accepts(AttnMetadata([prefill], None, store))
+    assert not accepts(AttnMetadata([decode, prefill], None, store))
+    assert not accepts(AttnMetadata([decode], torch.zeros(1), store))
+    assert not accepts(AttnMetadata([decode], None, None))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_architectures_match_eager(make_tiny, arch):
+    """q/k/v biases (qwen2) and q/k norms (qwen3) in the graph."""
+    path = make_tiny(arch)
+    comp, eager = load(path, compile=True), load(path)
+    toks = prompt(10, comp.info.vocab_size, seed=2)
+    a = Seq(Pages(comp)).greedy(toks, 12)
+    b = Seq(Pages(eager)).greedy(toks, 12)
+    assert a == b
+    assert comp.compiled.steps == 11
+
+
+def test_bfloat16_tracks_float32(make_tiny):
+    """bf16 compiled decode logits stay close to the float32 model's."""
+    path = make_tiny("llama")
+    b16, f32 = load(path, dtype="bfloat16", compile=True), load(path)
+    vocab = b16.info.vocab_size
+    toks = prompt(16, vocab, seed=4)
+    sa, sb = Seq(Pages(b16)), Seq(Pages(f32))
+    pa, pb = [sa.step(toks)], [sb.step(toks)]
+    for t in (5, 9, 11, 2):
+        pa.append(sa.step([t]))
+        pb.append(sb.step([t]))
+    assert b16.compiled.steps == 4
+    np.testing.assert_allclose(np.stack(pa), np.stack(pb), atol=2e-2)
+
+
+def test_a_failed_compile_falls_back_to_eager(make_tiny, monkeypatch, caplog):
+    """Without a working compiler (here: inductor raising), the engine logs why and decodes
+    eagerly, with the eager engine's results."""
+    from pastry.engine import compiled
+
+    def broken(*args, **kwargs):
+        raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
+
+    monkeypatch.setattr(compiled, "_compiled", lambda: broken)
+    path = make_tiny("llama")
+    eng, eager = load(path, compile=True), load(path)
+    assert not eng.compiled.enabled and "no C++ compiler" in eng.compiled.error
+    assert "decode steps run eagerly" in caplog.text
+    toks = prompt(9, eng.info.vocab_size, seed=3)
+    assert Seq(Pages(eng)).greedy(toks, 6) == Seq(Pages(eager)).greedy(toks, 6)
+    assert eng.compiled.steps == 0
