@@ -235,7 +235,7 @@ def prepare(name: str, q4_file: Path | None) -> Model | None:
     if name == "small":
         from engine_decode import small_checkpoint
 
-        source = small_checkpoint("cpu")
+        source, q4_file = small_checkpoint("cpu"), None
     elif name == "smollm2":
         source = q4_file = default_gguf()
         if not source.is_file():

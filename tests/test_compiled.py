@@ -285,3 +285,23 @@ def test_a_failed_compile_falls_back_to_eager(make_tiny, monkeypatch, caplog):
     toks = prompt(9, eng.info.vocab_size, seed=3)
     assert Seq(Pages(eng)).greedy(toks, 6) == Seq(Pages(eager)).greedy(toks, 6)
     assert eng.compiled.steps == 0
+
+
+def test_generate_with_compile_and_quantize_flags(make_tiny, capfd):
+    """`pastry generate --compile --quantize int4` reaches the engine process (booleans and
+    the mode survive the spawn's command line) and gives the in-process engine's text."""
+    from pastry.cli import main
+    from pastry.engine.checkpoint import load_checkpoint
+    from pastry.engine.generate import FusedGenerator, Request
+
+    path = make_tiny("llama")
+    argv = ["generate", "--model", str(path), "--dtype", "float32", "--max-tokens", "5"]
+    assert main([*argv, "--compile", "--quantize", "int4", "Hello,"]) == 0
+    out, err = capfd.readouterr()
+    assert "compiled the decode step for batch 1" in err
+    line = out.splitlines()[-1]
+    tok = load_checkpoint(path).tokenizer
+    eng = load(path, quantize="int4")
+    req = Request(tok.encode("Hello,", add_special_tokens=True), 5, stop_ids=eng.info.eos_token_ids)
+    FusedGenerator(eng.execute, eng.info, max_running=1).run([req])
+    assert line == "Hello," + tok.decode(req.output, skip_special_tokens=True)

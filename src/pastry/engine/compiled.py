@@ -6,8 +6,8 @@ serving runs most. Eager PyTorch spends as long on such a step's ~1,800 small op
 fused C++ loops between the projections:
 
 - RMSNorm, RoPE, residual adds and SiLU·mul are fused elementwise/reduction kernels;
-- paged attention reads K/V straight from the pool through the gather indices (no gathered
-  copy), computes masked scores and the softmax in float32 and sums the values;
+- paged attention gathers each item's K/V rows from the pool (fused with the widening to
+  float32), then masked scores, softmax and the weighted sum in float32;
 - the projections stay the model's own :class:`~pastry.engine.layers.Linear` modules
   (oneDNN-packed bf16, int8 or int4 weights), called through one opaque custom op,
   ``pastry::linear(x, layer, site)``, that resolves them in the model being run. The graph
@@ -134,12 +134,14 @@ def decode_layer(
     kc, vc = k_cache.view(-1, d), v_cache.view(-1, d)
     kc.index_copy_(0, store.view(-1), k.transpose(0, 1).reshape(-1, d))
     vc.index_copy_(0, store.view(-1), v.transpose(0, 1).reshape(-1, d))
-    # [Hkv, B, rep, L]: each query head against its KV head's rows, read from the pool
+    # Each query head against its KV head's rows of the pool ([Hkv, B, L, D], gathered and
+    # widened in one fused pass), in float32: [Hkv, B, rep, L] scores. Batched matrix
+    # products, not a fused multiply-sum, which would recompute the scores for every output
+    # element (10x slower from batch 8).
     qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1).float()
-    scores = (qg.unsqueeze(3) * kc[kv].float().unsqueeze(2)).sum(-1) / (d**0.5)
+    scores = torch.matmul(qg, kc[kv].float().transpose(-1, -2)) / (d**0.5)
     scores = scores.masked_fill(~mask.view(1, b, 1, -1), torch.finfo(torch.float32).min)
-    probs = scores.softmax(-1)
-    o = (probs.unsqueeze(-1) * vc[kv].float().unsqueeze(2)).sum(-2)  # [Hkv, B, rep, D]
+    o = torch.matmul(scores.softmax(-1), vc[kv].float())  # [Hkv, B, rep, D]
     o = o.to(x.dtype).transpose(0, 1).reshape(b, hq * d)
     x = x + torch.ops.pastry.linear(o, first + OUT, spec.hidden_size)
     h = torch.ops.pastry.linear(_rms(x, norms[1], spec.eps), first + GATE_UP, 2 * inter)

@@ -75,7 +75,7 @@ class Int4Codes:
         return (w * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)).view(n, k)
 
     def rows(self, index: torch.Tensor) -> Int4Codes:
-        return Int4Codes(self.q[index], self.scale[index], self.zero[index])
+        return Int4Codes(*(t.index_select(0, index) for t in (self.q, self.scale, self.zero)))
 
     def to_int8(self) -> Int8Codes:
         return Int8Codes.from_dense(self.dequantize())
@@ -96,7 +96,7 @@ class Int8Codes:
         return self.q.float() * self.scale.unsqueeze(1)
 
     def rows(self, index: torch.Tensor) -> Int8Codes:
-        return Int8Codes(self.q[index], self.scale[index])
+        return Int8Codes(self.q.index_select(0, index), self.scale.index_select(0, index))
 
     def to_int8(self) -> Int8Codes:
         return self
