@@ -305,3 +305,40 @@ def test_generate_with_compile_and_quantize_flags(make_tiny, capfd):
     req = Request(tok.encode("Hello,", add_special_tokens=True), 5, stop_ids=eng.info.eos_token_ids)
     FusedGenerator(eng.execute, eng.info, max_running=1).run([req])
     assert line == "Hello," + tok.decode(req.output, skip_special_tokens=True)
+
+
+def test_kv_sent_from_a_compiled_decode_step_continues_exactly(make_tiny):
+    """A SendKv in a batch whose forward runs compiled: every layer's K/V reach the peer
+    (the per-layer hook runs after the graph) and the peer continues exactly."""
+    import uuid
+
+    from pastry.engine.calls import Sample, SendKv, ids
+
+    path = make_tiny("llama")
+
+    def shm_engine(**kw) -> Engine:
+        shm = f"/dev/shm/pastry-kv-test-{uuid.uuid4().hex[:10]}"
+        return load(path, kv_shm=shm, **kw)
+
+    a, b = shm_engine(compile=True), shm_engine()
+    try:
+        vocab = a.info.vocab_size
+        toks = prompt(11, vocab, seed=8)
+        want = Seq(Pages(load(path))).greedy(toks, 6)
+        sa = Seq(Pages(a))
+        calls, out = sa.forward_calls(toks)
+        first = a.execute([*calls, Sample(out)])[-1]
+        assert first == want[0]
+        calls, out = sa.forward_calls([first])  # a decode step: compiled
+        n = sa.length
+        send = SendKv(ids(sa.pages), ids(range(100, 100 + len(sa.pages))), n, b.info.kv_peers[0])
+        steps = a.compiled.steps
+        res = a.execute([*calls, send, Sample(out)])
+        assert a.compiled.steps == steps + 1 and res[2] is None and res[3] == want[1]
+        # b continues from the sent pages
+        sb = Seq(Pages(b, first_page=100 + len(sa.pages)))
+        sb.pages, sb.length = list(range(100, 100 + len(sa.pages))), n
+        assert sb.greedy([want[1]], 4) == want[2:]
+    finally:
+        a.close()
+        b.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,19 +47,24 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(pastry_home() / "inductor")
 
 # Sites of a layer's projections, the order of DecoderLayer's Linear modules.
 QKV, OUT, GATE_UP, DOWN = range(4)
-_HEAD = -1
 
-_forwards: list[Callable[[torch.Tensor], torch.Tensor]] | None = None  # the model being run
+
+class _Local(threading.local):
+    # the projections of the model being run, per thread (engines of one process each
+    # forward on their own worker thread)
+    forwards: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
+
+
+_local = _Local()
 
 
 @contextmanager
 def _running(forwards: list[Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[None]:
-    global _forwards
-    _forwards = forwards
+    _local.forwards = forwards
     try:
         yield
     finally:
-        _forwards = None
+        _local.forwards = None
 
 
 # pastry::linear(x, index, out_features): projection ``index`` (4 per layer, in layer order:
@@ -70,8 +76,9 @@ _lib.define("linear(Tensor x, int index, int out_features) -> Tensor")
 
 
 def _linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
-    assert _forwards is not None, "pastry::linear called outside CompiledDecode"
-    return _forwards[index](x)
+    forwards = _local.forwards
+    assert forwards is not None, "pastry::linear called outside CompiledDecode"
+    return forwards[index](x)
 
 
 def _linear_fake(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -113,40 +120,44 @@ def decode_layer(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    store: torch.Tensor,
-    kv: torch.Tensor,
+    pool: torch.Tensor,
+    store: tuple[torch.Tensor, torch.Tensor],
+    kv: tuple[torch.Tensor, torch.Tensor],
     mask: torch.Tensor,
     norms: list[torch.Tensor],
-    first: int,
+    layer: int,
 ) -> torch.Tensor:
-    """One decoder layer of a decode step (see :func:`decode_step` for the arguments)."""
+    """Decoder layer ``layer`` of a decode step (see :func:`decode_step`); ``store`` and
+    ``kv`` as (head, slot) index pairs into the pool."""
     b, hq, hkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     inter = spec.intermediate_size
-    qkv = torch.ops.pastry.linear(_rms(x, norms[0], spec.eps), first + QKV, (hq + 2 * hkv) * d)
+    qkv = torch.ops.pastry.linear(_rms(x, norms[0], spec.eps), 4 * layer + QKV, (hq + 2 * hkv) * d)
     q = qkv[:, : hq * d].view(b, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
     if spec.qk_norm:
         q, k = _rms(q, norms[2], spec.eps), _rms(k, norms[3], spec.eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    kc, vc = k_cache.view(-1, d), v_cache.view(-1, d)
-    kc.index_copy_(0, store.view(-1), k.transpose(0, 1).reshape(-1, d))
-    vc.index_copy_(0, store.view(-1), v.transpose(0, 1).reshape(-1, d))
+    # Written with index_put_ on the pool itself (not a view of it), which inductor does in
+    # place; a view's index_copy_ made it copy the whole pool every step.
+    n = spec.num_layers
+    k_at, v_at = torch.full_like(store[0], layer), torch.full_like(store[0], n + layer)
+    pool.index_put_((k_at, *store), k.transpose(0, 1))
+    pool.index_put_((v_at, *store), v.transpose(0, 1))
+    k_at, v_at = torch.full_like(kv[0], layer), torch.full_like(kv[0], n + layer)
     # Each query head against its KV head's rows of the pool ([Hkv, B, L, D], gathered and
     # widened in one fused pass), in float32: [Hkv, B, rep, L] scores. Batched matrix
     # products, not a fused multiply-sum, which would recompute the scores for every output
     # element (10x slower from batch 8).
     qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1).float()
-    scores = torch.matmul(qg, kc[kv].float().transpose(-1, -2)) / (d**0.5)
+    scores = torch.matmul(qg, pool[k_at, *kv].float().transpose(-1, -2)) / (d**0.5)
     scores = scores.masked_fill(~mask.view(1, b, 1, -1), torch.finfo(torch.float32).min)
-    o = torch.matmul(scores.softmax(-1), vc[kv].float())  # [Hkv, B, rep, D]
+    o = torch.matmul(scores.softmax(-1), pool[v_at, *kv].float())  # [Hkv, B, rep, D]
     o = o.to(x.dtype).transpose(0, 1).reshape(b, hq * d)
-    x = x + torch.ops.pastry.linear(o, first + OUT, spec.hidden_size)
-    h = torch.ops.pastry.linear(_rms(x, norms[1], spec.eps), first + GATE_UP, 2 * inter)
+    x = x + torch.ops.pastry.linear(o, 4 * layer + OUT, spec.hidden_size)
+    h = torch.ops.pastry.linear(_rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
     h = F.silu(h[:, :inter]) * h[:, inter:]
-    return x + torch.ops.pastry.linear(h, first + DOWN, spec.hidden_size)
+    return x + torch.ops.pastry.linear(h, 4 * layer + DOWN, spec.hidden_size)
 
 
 def decode_step(
@@ -156,16 +167,17 @@ def decode_step(
     store: torch.Tensor,
     kv: torch.Tensor,
     mask: torch.Tensor,
-    k_caches: list[torch.Tensor],
-    v_caches: list[torch.Tensor],
+    pool: torch.Tensor,
     norms: list[torch.Tensor],
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
 ) -> torch.Tensor:
     """One decode step of ``B`` items, the function the graph is compiled from.
 
-    ``x [B, H]`` embeddings at ``positions [B]``; ``store [Hkv, B]`` the rows of the new K/V
-    in each cache viewed as ``[Hkv * slots, D]`` (head-major, see ``attention.head_index``);
+    ``x [B, H]`` embeddings at ``positions [B]``; ``pool`` the KV pool,
+    ``[2 * layers, Hkv, slots, D]`` (K of each layer, then V: ``KvPool.data``);
+    ``store [Hkv, B]`` the rows of the new K/V in one layer's K (or V) viewed as
+    ``[Hkv * slots, D]`` (head-major, see ``attention.head_index``);
     ``kv [Hkv, B, L]`` the rows each item attends to (its context, padding, then its own new
     token); ``mask [B, L]`` which of them it may attend. ``norms``: per layer the input and
     post-attention (then q and k) norm weights, and last the final norm. The projections are
@@ -175,9 +187,12 @@ def decode_step(
     cos = cos_table[positions].to(x.dtype).unsqueeze(1)  # [B, 1, D]
     sin = sin_table[positions].to(x.dtype).unsqueeze(1)
     per_layer = 4 if spec.qk_norm else 2
+    slots = pool.shape[2]
+    store_at = (store // slots, store % slots)  # (head, slot) of the flat head-major rows
+    kv_at = (kv // slots, kv % slots)
     for i in range(spec.num_layers):
         w = norms[i * per_layer : (i + 1) * per_layer]
-        x = decode_layer(spec, x, cos, sin, k_caches[i], v_caches[i], store, kv, mask, w, 4 * i)
+        x = decode_layer(spec, x, cos, sin, pool, store_at, kv_at, mask, w, i)
     return _rms(x, norms[-1], spec.eps)
 
 
@@ -203,9 +218,9 @@ class CompiledDecode:
     rounding (bfloat16 differs from eager in the last bits; float32 agrees to ~1e-6).
     """
 
-    def __init__(
-        self, model: LlamaModel, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
-    ):
+    def __init__(self, model: LlamaModel, pool: torch.Tensor):
+        """``pool``: the engine's KV pool tensor, ``[2 * layers, kv_heads, slots, head_dim]``
+        (``KvPool.data``)."""
         cfg = model.cfg
         self.spec = Spec(
             num_layers=cfg.num_layers,
@@ -218,11 +233,11 @@ class CompiledDecode:
             qk_norm=cfg.qk_norm,
         )
         self.model = model
-        self.k_caches, self.v_caches = k_caches, v_caches
-        for cache in (*k_caches, *v_caches):
-            # pool sizes differ between starts (derived from free memory): keep the slot
-            # count symbolic so the cached graph serves any pool
-            torch._dynamo.maybe_mark_dynamic(cache, 1)
+        assert pool.shape == (2 * cfg.num_layers, cfg.num_kv_heads, pool.shape[2], cfg.head_dim)
+        self.pool = pool
+        # pool sizes differ between starts (derived from free memory): keep the slot count
+        # symbolic so that the cached graph serves any pool
+        torch._dynamo.maybe_mark_dynamic(pool, 2)
         # bound forward methods: calling them skips nn.Module.__call__'s hook handling
         self.forwards = [
             lin.forward
@@ -269,6 +284,9 @@ class CompiledDecode:
             # and every later one, eagerly.
             self._disable(e)
             return self.model(x, positions)
+        if meta.on_layer is not None:  # every layer's K/V are stored now
+            for i in range(self.spec.num_layers):
+                meta.on_layer(i)
         self.steps += 1
         return out
 
@@ -291,8 +309,7 @@ class CompiledDecode:
                 store,
                 kv,
                 mask,
-                self.k_caches,
-                self.v_caches,
+                self.pool,
                 self.norms,
                 self.model.rotary.cos,
                 self.model.rotary.sin,
@@ -303,15 +320,14 @@ class CompiledDecode:
         the progress; False (and eager decoding from then on) if compiling fails, e.g.
         without a C++ compiler. Writes K/V only into slot 0 of each head, which holds no
         token of anyone's context before the engine's first forward: call it first."""
-        dev = self.k_caches[0].device
-        hkv = self.spec.num_kv_heads
-        slots = self.k_caches[0].shape[1]
+        dev, dtype = self.pool.device, self.pool.dtype
+        hkv, slots = self.spec.num_kv_heads, self.pool.shape[2]
         for b in batch_sizes:
             label = "1" if b == 1 else "2 and more"
             log.info("compiling the decode step for batch %s (cached after the first time)", label)
             t = time.perf_counter()
             length = 32
-            x = torch.zeros(b, self.spec.hidden_size, dtype=self.k_caches[0].dtype, device=dev)
+            x = torch.zeros(b, self.spec.hidden_size, dtype=dtype, device=dev)
             pos = torch.zeros(b, dtype=torch.int64, device=dev)
             store = (torch.arange(hkv, device=dev) * slots).view(hkv, 1).expand(hkv, b)
             kv = (torch.arange(hkv, device=dev) * slots).view(hkv, 1, 1).expand(hkv, b, length)

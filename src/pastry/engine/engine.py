@@ -124,7 +124,7 @@ class Engine:
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
         self.compiled: CompiledDecode | None = None
         if config.compile and self.device.type == "cpu":
-            self.compiled = CompiledDecode(model, self.kv.k, self.kv.v)
+            self.compiled = CompiledDecode(model, self.kv.data)
             self.compiled.warm_up()
         elif config.compile:
             log.info("compile applies to CPU engines; %s decodes eagerly", self.device)
