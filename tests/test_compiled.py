@@ -12,7 +12,17 @@ import pytest
 import torch
 
 from engine_util import Pages, Seq, dense, hf_model
-from pastry.engine.calls import EmbedTxt, Forward, MaskKv, NextDist
+from pastry.engine.calls import (
+    EmbedTxt,
+    Forward,
+    MaskKv,
+    NextDist,
+    Sample,
+    SwapIn,
+    SwapOut,
+    ids,
+    mask_words,
+)
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 
@@ -342,3 +352,92 @@ def test_kv_sent_from_a_compiled_decode_step_continues_exactly(make_tiny):
     finally:
         a.close()
         b.close()
+
+
+def test_logit_processing_and_logprobs_after_a_compiled_step(llama):
+    """Output calls read the hidden states a compiled decode step wrote: logit processing
+    (mask, bias, penalties), seeded sampling with log-probabilities and a decode item's
+    prompt log-probabilities equal the eager engine's."""
+    import dataclasses
+
+    _, comp, eager = llama
+    vocab = comp.info.vocab_size
+    allowed = np.zeros(mask_words(vocab), dtype=np.int32)
+    allowed[:2] = -1  # tokens 0..63
+    processing = dict(
+        mask=allowed,
+        bias_ids=np.array([3, 40], dtype=np.int64),
+        bias_values=np.array([2.5, -1.0], dtype=np.float32),
+        penalty_tokens=np.array([3, 3, 7], dtype=np.int64),
+        penalty_prompt=np.array([9], dtype=np.int64),
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+    )
+    outs = {}
+    for name, eng in (("compiled", comp), ("eager", eager)):
+        alloc = Pages(eng, first_page=0, first_embed=0)
+        a, b = Seq(alloc), Seq(alloc)
+        a.step(prompt(7, vocab, seed=11))
+        b.step(prompt(12, vocab, seed=12))
+        before = eng.compiled.steps if eng.compiled else 0
+        (ea, fa, *_), oa = a.forward_calls([5])
+        (eb, fb, *_), ob = b.forward_calls([6])
+        fb = dataclasses.replace(fb, logprob_targets=np.array([2], np.int64), logprob_top=3)
+        res = eng.execute(
+            [
+                ea,
+                eb,
+                fa,
+                fb,
+                NextDist(oa, k=vocab, **processing),
+                Sample(oa, temperature=0.8, top_k=20, seed=5, logprobs=4, **processing),
+                Sample(ob, temperature=1.1, top_p=0.9, seed=6, logprobs=2),
+            ]
+        )
+        if eng.compiled:
+            assert eng.compiled.steps == before + 1  # the decode batch ran compiled
+        assert res[2] is None
+        lp, dist, sa, sb = res[3:]
+        assert dense(dist, vocab)[64:].sum() == 0  # the mask held
+        assert sa.token < 64
+        outs[name] = (lp, dense(dist, vocab), sa, sb)
+    (lp, dist, sa, sb), (lp_e, dist_e, sa_e, sb_e) = outs["compiled"], outs["eager"]
+    np.testing.assert_allclose(dist, dist_e, atol=1e-6)
+    np.testing.assert_allclose(lp.logprobs, lp_e.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(lp.top_ids, lp_e.top_ids)
+    for s, e in ((sa, sa_e), (sb, sb_e)):
+        assert s.token == e.token
+        assert s.logprob == pytest.approx(e.logprob, abs=1e-5)
+        np.testing.assert_array_equal(s.top_ids, e.top_ids)
+
+
+def test_kv_swapped_out_and_back_decodes_compiled_as_eager(llama):
+    """KV swap (issue 13) copies pages of the pool tensor the graph reads in place: a context
+    swapped to host, the device pages overwritten, and swapped back into other pages
+    decodes compiled exactly as the eager engine without any swap."""
+    path, comp, _ = llama
+    vocab = comp.info.vocab_size
+    toks = prompt(13, vocab, seed=21)
+    want = Seq(Pages(load(path))).greedy(toks, 8)
+    s = Seq(Pages(comp, first_page=10, first_embed=0))
+    calls, out = s.forward_calls(toks)
+    got = [comp.execute([*calls, Sample(out)])[-1]]
+    for _ in range(3):  # s holds the K/V of every token but the last one sampled
+        calls, out = s.forward_calls([got[-1]])
+        got.append(comp.execute([*calls, Sample(out)])[-1])
+    assert got == want[:4]
+    old = list(s.pages)
+    host = ids(range(len(old)))
+    assert comp.execute([SwapOut(ids(old), host)]) == [None]
+    other = Seq(Pages(comp, first_page=10, first_embed=500))  # reuses the same pages
+    other.step(prompt(len(old) * comp.page_size, vocab, seed=22))
+    new = list(range(60, 60 + len(old)))
+    assert comp.execute([SwapIn(host, ids(new))]) == [None]
+    s.pages = new
+    steps = comp.compiled.steps
+    for _ in range(4):
+        calls, out = s.forward_calls([got[-1]])
+        got.append(comp.execute([*calls, Sample(out)])[-1])
+    assert got == want
+    assert comp.compiled.steps - steps == 4
