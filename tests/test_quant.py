@@ -198,3 +198,21 @@ def test_quantize_needs_the_cpu(make_tiny):
         build_model(cfg, torch.float32, torch.device("meta"), sd, "int4")
     with pytest.raises(ValueError, match="quantize must be one of"):
         EngineConfig(quantize="int3")
+
+
+def test_the_engine_keeps_a_gguf_file_s_blocks_on_the_cpu_only(make_tiny, tmp_path):
+    """What Engine.load serves quantized from a checkpoint: a GGUF's blocks with auto, int8 or
+    int4 on the CPU; nothing with none, on another device, or from an HF directory."""
+    path = make_tiny("llama")
+    cfg, sd = _weights(path)
+    gguf_file = export_gguf(tmp_path / "m.gguf", cfg, {k: v.numpy() for k, v in sd.items()}, "Q4_0")
+    cpu = torch.device("cpu")
+    for mode in ("auto", "int8", "int4"):
+        kept = quant.kept_codes(gguf_file, cfg, mode, cpu)
+        assert set(kept) == set(quant.gguf_codes(gguf_file, cfg)), mode
+        assert isinstance(kept["model.layers.0.mlp.up_proj.weight"], quant.Int4Codes)
+    assert quant.kept_codes(gguf_file, cfg, "none", cpu) == {}
+    assert quant.kept_codes(gguf_file, cfg, "auto", torch.device("meta")) == {}
+    assert quant.kept_codes(path, cfg, "auto", cpu) == {}
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        quant.kept_codes(gguf_file, cfg, "int3", cpu)

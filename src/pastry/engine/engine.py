@@ -53,7 +53,7 @@ from pastry.engine.logits import (
 from pastry.engine.lora import Adapter, plan_adapters, use_adapters
 from pastry.engine.model import LlamaModel
 from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
-from pastry.engine.quant import Codes, Int4Codes, Int8Codes
+from pastry.engine.quant import Codes, Int4Codes, Int8Codes, kept_codes
 from pastry.engine.sampling import SamplingParams, sample, top_k_dist
 from pastry.engine.transfer import KvSender
 
@@ -176,6 +176,8 @@ class Engine:
         dtype = resolve_dtype(config.dtype, ckpt.config)
         device = torch.device(config.device)
         weights = ckpt.load_state_dict(dtype, device)
+        weights.update(kept_codes(ckpt.path, ckpt.config, config.quantize, device))
+        model = build_model(ckpt.config, dtype, device, weights, config.quantize)
         model = build_model(ckpt.config, dtype, device, weights, config.quantize)
         del weights
         tok = ckpt.tokenizer

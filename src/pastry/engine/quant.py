@@ -362,3 +362,20 @@ def gguf_codes(path: str | Path, cfg: ModelConfig) -> dict[str, Codes]:
             continue  # an explicit output.weight wins
         out[hf] = codes
     return out
+
+
+def kept_codes(
+    path: str | Path, cfg: ModelConfig, mode: str, device: torch.device
+) -> dict[str, Codes]:
+    """The quantized projections of checkpoint ``path`` to serve as they are (codes by HF
+    name, for :func:`~pastry.engine.engine.build_model` over the dense weights): a GGUF
+    file's blocks unless ``mode`` is "none" (expand everything) or the device is not the
+    CPU (the kernels are CPU kernels: the dense weights serve there). With "int8"/"int4"
+    the file's blocks are kept too (re-quantizing them would only lose precision) and the
+    mode applies to its float projections. Empty for other checkpoints."""
+    path = Path(path)
+    if check_mode(mode) == "none" or device.type != "cpu" or not path.is_file():
+        return {}
+    if path.suffix.lower() != ".gguf":
+        return {}
+    return gguf_codes(path, cfg)
