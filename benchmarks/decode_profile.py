@@ -34,7 +34,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pastry.engine.config import EngineConfig
@@ -54,6 +53,10 @@ _KERNELS = (
 )
 
 
+# the compiled graph's frames in a profile; its fused kernels are their self time
+_GRAPH = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph", "cpp_fused")
+
+
 def group(event) -> str:
     """The group of a profiled operator (its self time), by itself and its ancestors."""
     up = event.cpu_parent
@@ -66,7 +69,7 @@ def group(event) -> str:
         return "projections"
     if name in _KERNELS:
         return "lm_head (outside the graph)"
-    if name.startswith(("cpp_fused", "graph_", "kernel_cpp")) or _in_graph(event):
+    if name.startswith(_GRAPH) or _in_graph(event):
         return "compiled graph"
     return "eager ops"
 
@@ -74,7 +77,7 @@ def group(event) -> str:
 def _in_graph(event) -> bool:
     up = event.cpu_parent
     while up is not None:
-        if up.name.startswith(("Torch-Compiled Region", "CompiledFunction", "## Call")):
+        if up.name.startswith(_GRAPH):
             return True
         up = up.cpu_parent
     return False
@@ -95,8 +98,6 @@ def main() -> None:
         from engine_decode import small_checkpoint
 
         args.model = small_checkpoint("cpu")
-    # inductor names its kernels in the profile only when asked
-    torch._inductor.config.cpp.enable_kernel_profile = True
     b = args.batch
     cfg = EngineConfig(
         dtype="bfloat16",
