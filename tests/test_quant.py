@@ -200,19 +200,33 @@ def test_quantize_needs_the_cpu(make_tiny):
         EngineConfig(quantize="int3")
 
 
-def test_the_engine_keeps_a_gguf_file_s_blocks_on_the_cpu_only(make_tiny, tmp_path):
-    """What Engine.load serves quantized from a checkpoint: a GGUF's blocks with auto, int8 or
-    int4 on the CPU; nothing with none, on another device, or from an HF directory."""
+def test_the_engine_keeps_a_gguf_file_s_blocks_when_asked(make_tiny, tmp_path):
+    """What Engine.load serves quantized from a checkpoint: a GGUF's blocks with int8 or int4
+    on the CPU (int4 blocks stay int4 in both modes); nothing with auto or none, on another
+    device, or from an HF directory."""
     path = make_tiny("llama")
     cfg, sd = _weights(path)
-    gguf_file = export_gguf(tmp_path / "m.gguf", cfg, {k: v.numpy() for k, v in sd.items()}, "Q4_0")
+    dense = {k: v.numpy() for k, v in sd.items()}
+    q4 = export_gguf(tmp_path / "q4.gguf", cfg, dense, "Q4_0")
     cpu = torch.device("cpu")
-    for mode in ("auto", "int8", "int4"):
-        kept = quant.kept_codes(gguf_file, cfg, mode, cpu)
-        assert set(kept) == set(quant.gguf_codes(gguf_file, cfg)), mode
+    everything = quant.gguf_codes(q4, cfg)
+    for mode in ("int8", "int4"):
+        kept = quant.kept_codes(q4, cfg, mode, cpu)
+        assert set(kept) == set(everything), mode
         assert isinstance(kept["model.layers.0.mlp.up_proj.weight"], quant.Int4Codes)
-    assert quant.kept_codes(gguf_file, cfg, "none", cpu) == {}
-    assert quant.kept_codes(gguf_file, cfg, "auto", torch.device("meta")) == {}
-    assert quant.kept_codes(path, cfg, "auto", cpu) == {}
+    for mode in ("auto", "none"):
+        assert quant.kept_codes(q4, cfg, mode, cpu) == {}
+    assert quant.kept_codes(q4, cfg, "int4", torch.device("meta")) == {}
+    assert quant.kept_codes(path, cfg, "int4", cpu) == {}
     with pytest.raises(ValueError, match="quantize must be one of"):
-        quant.kept_codes(gguf_file, cfg, "int3", cpu)
+        quant.kept_codes(q4, cfg, "int3", cpu)
+    # through Engine.load (issue 9's GGUF loader): the file's blocks, served as int4
+    eng = Engine.load(q4, EngineConfig(dtype="float32", quantize="int4", **POOLS))
+    assert eng.model.layers[0].mlp.gate_up_proj.kind == "int4"
+    ref = build_model(cfg, torch.float32, cpu, {**sd, **everything})
+    torch.testing.assert_close(
+        eng.model.layers[0].mlp.gate_up_proj.quantized.dequantize(),
+        ref.layers[0].mlp.gate_up_proj.quantized.dequantize(),
+        rtol=0,
+        atol=0,
+    )

@@ -148,8 +148,8 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
 def _engine_speed_options(p: argparse.ArgumentParser, compile_default: bool) -> None:
     p.add_argument(
         "--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
-        help="weight-only quantization on CPU: int8 or int4 for any checkpoint; auto (default) "
-        "keeps a GGUF's quantized blocks quantized, none expands them",
+        help="weight-only quantized projections on CPU: int8 or int4 for any checkpoint (a "
+        "GGUF's Q4 blocks are kept as they are); auto (default) and none serve dense weights",
     )  # fmt: skip
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=compile_default,

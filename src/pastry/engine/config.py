@@ -219,9 +219,9 @@ class EngineConfig:
     # A path (under /dev/shm) for a KV pool in shared memory, which peer engines on this
     # host write into directly (engine/transfer.py); empty: private memory.
     kv_shm: str = ""
-    # Weight-only quantization (engine/quant.py): "auto" keeps a GGUF's quantized tensors
-    # quantized and dense checkpoints dense; "none" expands everything; "int8"/"int4"
-    # quantize the dense projections too. CPU only.
+    # Weight-only quantization (engine/quant.py), CPU only: "int8"/"int4" serve a GGUF's
+    # quantized blocks as they are (Q4 blocks stay int4) and quantize the other projections;
+    # "auto" and "none" serve dense weights (a GGUF's blocks expanded: faster from batch ~8).
     quantize: str = "auto"
     # Run decode steps through the compiled graph (engine/compiled.py); compiles at start-up.
     compile: bool = False

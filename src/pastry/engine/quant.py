@@ -325,10 +325,11 @@ def _unpermute(codes: Codes, n_head: int) -> Codes:
     return codes.rows(index)
 
 
-def gguf_codes(path: str | Path, cfg: ModelConfig) -> dict[str, Codes]:
+def gguf_codes(path: str | Path, cfg: ModelConfig, lossy: bool = True) -> dict[str, Codes]:
     """Codes of every quantized projection of a llama-architecture GGUF, by HF tensor name
     (``model.layers.{i}.self_attn.q_proj.weight``, ..., ``lm_head.weight``; the tied
-    embedding's codes serve as ``lm_head.weight``). Float tensors are left out."""
+    embedding's codes serve as ``lm_head.weight``). Float tensors are left out, and so are
+    the types requantized to int8 (Q8_0, Q5_x, Q6_K) unless ``lossy``."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -350,6 +351,8 @@ def gguf_codes(path: str | Path, cfg: ModelConfig) -> dict[str, Codes]:
             hf = f"model.layers.{parts[1]}.{names[parts[2]]}.weight"
         else:
             continue
+        if not lossy and t.tensor_type.name not in _INT4_TYPES:
+            continue
         shape = (int(t.shape[1]), int(t.shape[0]))  # GGUF lists ne0 (row length) first
         codes = block_codes(np.asarray(t.data), t.tensor_type.name, shape)
         if codes is None:
@@ -368,13 +371,16 @@ def kept_codes(
     path: str | Path, cfg: ModelConfig, mode: str, device: torch.device
 ) -> dict[str, Codes]:
     """The quantized projections of checkpoint ``path`` to serve as they are (codes by HF
-    name, for :func:`~pastry.engine.engine.build_model` over the dense weights): a GGUF
-    file's blocks unless ``mode`` is "none" (expand everything) or the device is not the
-    CPU (the kernels are CPU kernels: the dense weights serve there). With "int8"/"int4"
-    the file's blocks are kept too (re-quantizing them would only lose precision) and the
-    mode applies to its float projections. Empty for other checkpoints."""
+    name, for :func:`~pastry.engine.engine.build_model` over the dense weights).
+
+    With ``mode`` "int4" or "int8" on the CPU, a GGUF file's blocks: Q4_0, Q4_1 and Q4_K
+    exactly as int4 (never requantized, whatever the mode), Q8_0, Q5_x and Q6_K requantized
+    to int8 per channel; the mode then applies to the file's float projections. With
+    "auto" and "none" nothing: the blocks are expanded to the model's dtype, which serves
+    batches of ~8 and more faster on the CPU (``benchmarks/vs_llamacpp.py``), the common
+    case of a server. Empty for other checkpoints and devices."""
     path = Path(path)
-    if check_mode(mode) == "none" or device.type != "cpu" or not path.is_file():
+    if check_mode(mode) not in ("int8", "int4") or device.type != "cpu" or not path.is_file():
         return {}
     if path.suffix.lower() != ".gguf":
         return {}
