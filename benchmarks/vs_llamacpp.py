@@ -20,8 +20,8 @@ Per model, two pairs on identical weights:
 - **bf16**: a bf16 GGUF written from the checkpoint's weights for llama.cpp; Pastry serves
   the same weights in bf16 (oneDNN-packed projections, compiled decode step).
 - **q4**: the 4-bit file (SmolLM2's own Q4_1; for ``small`` a Q4_0 written here, llama.cpp's
-  fastest 4-bit type) for llama.cpp; Pastry loads the same file keeping the blocks as int4
-  (``engine/quant.py``).
+  fastest 4-bit type) for llama.cpp; Pastry serves the same file keeping the blocks as int4
+  (``engine/quant.py``; what ``--quantize int4`` serves from it).
 
 Figures: decode ms per step (every sequence advances one token) at each batch size with
 32-token prompts, greedy; prefill tokens/s of one 512-token prompt; the roofline (weight
