@@ -87,8 +87,8 @@ def integrity(server: PastryServer) -> tuple[int, int]:
         used = [0, 0]
         for m in server.controller.models.values():
             m.resources.check_integrity()
-            used[0] += m.resources.usage("kv")[1]
-            used[1] += m.resources.usage("embed")[1]
+            used[0] += m.resources.referenced("kv")
+            used[1] += m.resources.referenced("embed")
         return tuple(used)
 
     return call(server, check)

@@ -153,7 +153,7 @@ def test_every_function_from_an_inferlet(make_tiny, http_server):
                 inst.send("hello inferlet")
         res = next(iter(controller.models.values())).resources
         res.check_integrity()
-        used = res.usage("kv")[1], res.usage("embed")[1]
+        used = res.referenced("kv"), res.referenced("embed")
         await controller.close()
         handle.close()
         return events, used

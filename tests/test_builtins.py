@@ -35,7 +35,7 @@ def run(ckpt, *launches, **pools):
     events, controller = asyncio.run(run_all(load_engine(ckpt, **pools), args))
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
-    assert res.usage("kv")[1] == 0 and res.usage("embed")[1] == 0  # everything released
+    assert res.referenced("kv") == 0 and res.referenced("embed") == 0  # everything released
     out = []
     for evs in events:
         *messages, end = evs
@@ -77,6 +77,7 @@ def test_greedy_matches_the_fused_reference(ckpt, tok):
         "prompt_tokens": 9,
         "completion_tokens": used,
         "total_tokens": 9 + used,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

@@ -151,7 +151,7 @@ def test_200_concurrent_inferlets_batch_together(make_tiny):
     assert stats.mean_batch > 100, stats
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
-    assert res.usage("kv")[1] == 0 and res.usage("embed")[1] == 0  # everything released
+    assert res.referenced("kv") == 0 and res.referenced("embed") == 0  # everything released
 
 
 MISUSE = """
@@ -220,7 +220,7 @@ def test_misuse_fails_only_that_inferlet(make_tiny):
     assert result(events[-1]) == result(alone[0])
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
-    assert res.usage("kv")[1] == 0 and res.usage("embed")[1] == 0
+    assert res.referenced("kv") == 0 and res.referenced("embed") == 0
 
 
 FORK = """
@@ -257,4 +257,4 @@ def test_fork_shares_full_pages_and_branches_batch(make_tiny):
     assert stats.forward_items / stats.forward_batches > 2, stats
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
-    assert res.usage("kv")[1] == 0
+    assert res.referenced("kv") == 0

@@ -90,7 +90,7 @@ def run_agents(
 
         async def execute(batch):
             counters.forwarded += sum(c.num_inputs for c in batch if isinstance(c, Forward))
-            counters.peak_pages = max(counters.peak_pages, res.usage("kv")[1])
+            counters.peak_pages = max(counters.peak_pages, res.referenced("kv"))
             out = await inner(batch)
             if counters.batch_delay:
                 await asyncio.sleep(counters.batch_delay)
@@ -117,7 +117,7 @@ def run_agents(
             [json.loads(result(e)) for e in events],
             counters,
             res.list_exports(),
-            res.usage("kv")[1],
+            res.referenced("kv"),
         )
         await controller.close()
         handle.close()

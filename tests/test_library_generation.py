@@ -57,7 +57,7 @@ def run(path, launches, **engine_kw):
     events, controller = asyncio.run(run_all(eng, progs))
     model = next(iter(controller.models.values()))
     model.resources.check_integrity()
-    assert model.resources.usage("kv")[1] == 0 and model.resources.usage("embed")[1] == 0
+    assert model.resources.referenced("kv") == 0 and model.resources.referenced("embed") == 0
     return [json.loads(result(ev)) for ev in events], model.scheduler.stats
 
 

@@ -165,7 +165,7 @@ def run(path, launches: list[dict], sandboxed: bool = False) -> list[dict]:
     )
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
-    assert res.usage("kv")[1] == 0 and res.usage("embed")[1] == 0
+    assert res.referenced("kv") == 0 and res.referenced("embed") == 0
     return [json.loads(result(ev)) for ev in events]
 
 

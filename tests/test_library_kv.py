@@ -83,7 +83,7 @@ def run_in_turn(ckpt, steps: Sequence[Sequence[Launch]]) -> Runs:
 
         async def execute(batch):
             seen["tokens"] += sum(c.num_inputs for c in batch if isinstance(c, Forward))
-            seen["peak"] = max(seen["peak"], res.usage("kv")[1])
+            seen["peak"] = max(seen["peak"], res.referenced("kv"))
             return await inner(batch)
 
         handle.execute = execute  # before the controller binds it
@@ -101,7 +101,7 @@ def run_in_turn(ckpt, steps: Sequence[Sequence[Launch]]) -> Runs:
             results = [json.loads(result(evs)) for evs in events]
             out.append(Step(results, seen["tokens"], seen["peak"]))
         res.check_integrity()
-        runs = Runs(out, res.list_exports(), res.usage("kv")[1])
+        runs = Runs(out, res.list_exports(), res.referenced("kv"))
         await controller.close()
         handle.close()
         return runs

@@ -108,7 +108,7 @@ def run_spied(path, name: str, opts: dict):
         def alloc_and_count(instance, kind, n):
             handles = alloc(instance, kind, n)
             if kind == "kv":
-                peak[0] = max(peak[0], res.usage("kv")[1])
+                peak[0] = max(peak[0], res.referenced("kv"))
             return handles
 
         res.alloc = alloc_and_count
@@ -120,7 +120,7 @@ def run_spied(path, name: str, opts: dict):
 
     events, model, peak = asyncio.run(go())
     model.resources.check_integrity()
-    assert model.resources.usage("kv")[1] == 0 and model.resources.usage("embed")[1] == 0
+    assert model.resources.referenced("kv") == 0 and model.resources.referenced("embed") == 0
     out = json.loads(result(events))
     return out, model.scheduler.stats, peak, out.pop("_forks")
 

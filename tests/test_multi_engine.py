@@ -312,7 +312,7 @@ def test_migrated_context_continues_as_if_it_never_moved(make_tiny, tmp_path):
                 out.append(end.result.rsplit("|", 1))
             for m in server.controller.all_engines():
                 m.resources.check_integrity()
-                assert m.resources.usage("kv")[1] == 0
+                assert m.resources.referenced("kv") == 0  # (the prefix cache may hold some)
             return out
         finally:
             await server.stop()

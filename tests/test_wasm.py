@@ -74,7 +74,7 @@ def error(events) -> str:
 def _released(controller) -> None:
     res = next(iter(controller.models.values())).resources
     res.check_integrity()
-    assert res.usage("kv")[1] == 0 and res.usage("embed")[1] == 0
+    assert res.referenced("kv") == 0 and res.referenced("embed") == 0
 
 
 def test_same_source_same_results(eng, box):

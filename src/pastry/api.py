@@ -40,7 +40,7 @@ TRAITS: dict[str, tuple[str, ...]] = {
     ),
     "forward": ("forward", "mask_kvpage"),
     "forward_with_adapter": ("forward_with_adapter", "get_adapters"),
-    "input_text": ("embed_txt",),
+    "input_text": ("embed_txt", "prefill"),
     "tokenize": (
         "tokenize",
         "detokenize",
@@ -180,6 +180,32 @@ class InferletApi(Protocol):
 
     def mask_kvpage(self, q: int, page: int, mask: list[bool]) -> Awaitable[None]:
         """Queued: ``mask[i]`` True makes token ``i`` of ``page`` not attendable."""
+
+    def prefill(
+        self,
+        q: int,
+        tokens: list[int],
+        kv_len: int,
+        pages: list[int],
+        out_embeds: list[int],
+        reserve: int = 0,
+    ) -> tuple[list[int], Awaitable[int]]:
+        """Queued: the K/V of text through the automatic prefix cache (RadixAttention).
+
+        ``tokens`` is the whole sequence, from position 0; ``pages`` (in order) hold the
+        K/V of its first ``kv_len`` tokens. Returns, at once, new page handles for the page
+        indices after ``pages``, enough for ``len(tokens) + reserve`` tokens (``reserve``:
+        room for tokens to come, e.g. the generation budget, taken with the prompt so that
+        a program admitted under memory pressure can finish), and an awaitable of how many
+        of the new tokens came from the cache. When the call
+        is admitted (it may wait for KV pages), the longest cached prefix of ``tokens``
+        that starts at a page boundary of the context fills new pages (full pages shared
+        by reference, the slots of a partial one copied) and the rest is embedded and
+        forwarded; ``out_embeds`` receive the outputs of the last ``len(out_embeds)``
+        tokens (always computed). The pages then hold what ``embed_txt`` + ``forward``
+        would write. A page shared through the cache is read-only while another inferlet
+        uses it: writing it (``forward`` into it, ``mask_kvpage``, ``copy_kvpage`` onto
+        it) raises ``ApiError``; copy it into a page of your own first."""
 
     # ------------------------------------------------------------------ input text, tokenize
     def embed_txt(

@@ -232,7 +232,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 def add_serve(subparsers: argparse._SubParsersAction) -> None:
     """``pastry serve``: engines + the WebSocket and OpenAI endpoints, until stopped."""
-    from pastry.control.policies import BATCH_POLICIES, DEFAULT_SCHEDULE, SCHEDULES
+    from pastry.control.policies import (
+        ADMISSION_POLICIES,
+        BATCH_POLICIES,
+        DEFAULT_SCHEDULE,
+        SCHEDULES,
+    )
 
     p = subparsers.add_parser(
         "serve",
@@ -287,6 +292,16 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="run programs that operators upload from now on in the server process instead "
         "of the WebAssembly sandbox (only for programs you trust; logged as a warning)",
     )
+    p.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false",
+        help="turn off the automatic prefix cache (every prompt is computed in full; for "
+        "comparisons)",
+    )  # fmt: skip
+    p.add_argument(
+        "--admission", choices=tuple(ADMISSION_POLICIES), default="lpm",
+        help="order of prefills waiting for a batch or KV pages: lpm (longest cached "
+        "prefix first, default), fcfs or random",
+    )  # fmt: skip
     m = p.add_argument_group("several engines (docs/multi-engine.md)")
     m.add_argument(
         "--engines", type=int, default=None, metavar="N",
@@ -475,6 +490,8 @@ def _serve(args: argparse.Namespace) -> int:
             quotas=_quotas(args),
             max_upload_bytes=args.max_upload_bytes,
             engine_kwargs={"quantize": args.quantize, "compile": args.compile},
+            prefix_cache=args.prefix_cache,
+            admission=args.admission,
         )
     except (ConfigError, UsersError, ValueError) as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)

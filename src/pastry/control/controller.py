@@ -19,8 +19,19 @@ from dataclasses import dataclass, field
 
 from pastry.control.kvstore import KvStore, KvStoreConfig
 from pastry.control.messaging import MessageBus
-from pastry.control.policies import BatchPolicy, FairShare, Fcfs, SchedulePolicy
+from pastry.control.policies import (
+    AdmissionPolicy,
+    BatchPolicy,
+    CacheAwareSchedule,
+    FairShare,
+    Fcfs,
+    LongestPrefixMatch,
+    SchedulePolicy,
+)
+from pastry.control.prefill import Prefiller
+from pastry.control.prefix_cache import PrefixCache
 from pastry.control.programs import ProcessTable
+from pastry.control.provenance import KvProvenance
 from pastry.control.quotas import Quotas, share_of
 from pastry.control.resources import KINDS, ResourceManager
 from pastry.control.routing import Routing
@@ -51,6 +62,7 @@ class Model:
     swapper: KvSwapper | None = None  # when the engine has swap space
     rank: int = 0  # which of the model's engines (several: data parallel, P/D, migration)
     tokens: Tokenization | None = None  # tokenizing off the event loop; set by the controller
+    prefiller: Prefiller | None = None  # the cache-aware prefill path (prefix cache or not)
 
     def __post_init__(self) -> None:
         if self.tokens is None:
@@ -67,10 +79,14 @@ class Controller:
     Each engine's model gets a :class:`BatchScheduler` with the ``batching`` policy (default
     :class:`~pastry.control.policies.Adaptive`), at most ``max_batch`` forward calls per
     batch (None: no cap) and its own schedule policy, made by calling ``schedule`` (default
-    :class:`~pastry.control.policies.Fcfs`). Every instance is a program in
+    :class:`~pastry.control.policies.Fcfs`), composed with the admission order of waiting
+    prefills made by ``admission`` (default
+    :class:`~pastry.control.policies.LongestPrefixMatch`). Every instance is a program in
     ``programs``, the process table all schedulers share. An engine with swap space (the
     ``kv_swap`` trait and host pages) gets a :class:`KvSwapper`: page shortage preempts
     programs with their KV kept in host memory before anyone is terminated.
+    ``prefix_cache`` keeps an automatic prefix cache (RadixAttention,
+    :mod:`pastry.control.prefix_cache`) per engine.
     """
 
     def __init__(
@@ -83,6 +99,8 @@ class Controller:
         quotas: Quotas | None = None,
         grants: Grants | None = None,
         several_users: bool = False,
+        prefix_cache: bool = True,
+        admission: Callable[[], AdmissionPolicy] = LongestPrefixMatch,
     ) -> None:
         self.models: dict[str, Model] = {}  # each model's first engine
         self.engines: dict[str, list[Model]] = {}  # every engine of each model, by rank
@@ -109,17 +127,28 @@ class Controller:
             if replicas:
                 check_replica(replicas[0].info, info)
             sched = BatchScheduler(
-                eng.execute, info.max_batch_tokens, info.page_size, batching, schedule(),
-                programs=self.programs, engine=info.model_name if not rank else
-                f"{info.model_name}/{rank}", max_batch=max_batch,
+                eng.execute, info.max_batch_tokens, info.page_size, batching,
+                CacheAwareSchedule(schedule(), admission()), programs=self.programs,
+                engine=info.model_name if not rank else f"{info.model_name}/{rank}",
+                max_batch=max_batch,
             )  # fmt: skip
+            cache = provenance = None
+            if prefix_cache:  # one per engine: its pages are its own
+                cache = PrefixCache(info.page_size)
+                provenance = KvProvenance(
+                    info.page_size, info.num_pages, info.num_embeds, info.vocab_size,
+                    info.max_position, info.max_batch_tokens,
+                )  # fmt: skip
             # Handles of different engines never collide (a page handle names its engine).
             res = ResourceManager(
                 info.num_pages, info.num_embeds, policy=FairShare(), on_terminate=self._evict,
                 num_host_pages=info.num_host_pages if "kv_swap" in info.traits else 0,
-                first_handle=rank << 24,
+                first_handle=rank << 24, cache=cache, provenance=provenance,
             )  # fmt: skip
             swapper = KvSwapper(res, sched) if res.host_usage()[2] else None
+            prefiller = Prefiller(res, sched, info.page_size, cache, provenance)
+            if prefix_cache:
+                sched.on_dispatch = prefiller.on_dispatch
             tok = (
                 replicas[0].tokenizer
                 if replicas
@@ -134,8 +163,8 @@ class Controller:
             )
             model = Model(
                 info.model_name, eng, info, tok, sched, res, adapters, swapper=swapper, rank=rank,
-                tokens=tokens,
-            )
+                tokens=tokens, prefiller=prefiller,
+            )  # fmt: skip
             replicas.append(model)
             self.models.setdefault(info.model_name, model)
             sched.start()
@@ -173,6 +202,7 @@ class Controller:
         self.routing.end_instance(instance)
         for m in self.all_engines():
             m.resources.remove_instance(instance)
+            m.scheduler.wake()  # prefills may wait for the pages it held
         self.programs.end(instance)
         self.bus.unsubscribe_all(str(instance))
 

@@ -33,6 +33,9 @@ running request uses. This module is that tree, adapted to Pastry's paged KV cac
   insert) whose ``lock_ref`` is 0, recursively (a parent whose last child went becomes a
   leaf), until enough pages are freed. ``evictable_pages`` counts the pages that eviction
   could free now: they count as available memory.
+- **Namespaces.** Matches and inserts name a namespace (a user; ``None`` by default), each
+  with its own root: what one namespace cached is never matched from another. Eviction is
+  one LRU order over all of them (they share the memory).
 
 Pure Python bookkeeping, used from the control loop only (no locks). The tree never frees
 memory itself: :meth:`evict` and :meth:`detach` return the pages that left it, and the
@@ -145,7 +148,7 @@ class PrefixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self._seq = itertools.count()
-        self.root = RadixNode((), 0, [], None, False, next(self._seq))
+        self._roots: dict[object, RadixNode] = {}  # namespace -> its root
         self._owner: dict[int, RadixNode] = {}  # own page -> its node
         self._referenced: set[int] = set()  # own pages referenced from outside
         self.evictable_pages = 0
@@ -153,6 +156,17 @@ class PrefixCache:
         self._tick = 0
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def root(self) -> RadixNode:
+        """The root of the default namespace (``None``)."""
+        return self.root_of(None)
+
+    def root_of(self, namespace: object) -> RadixNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = RadixNode((), 0, [], None, False, next(self._seq))
+        return root
 
     @property
     def cached_pages(self) -> int:
@@ -175,18 +189,27 @@ class PrefixCache:
         """The node that owns ``page`` (``None`` if the tree does not hold it)."""
         return self._owner.get(page)
 
-    def match(self, tokens: Sequence[int], limit: int | None = None, touch: bool = True) -> Match:
-        """The longest cached prefix of ``tokens[:limit]``.
+    def match(
+        self,
+        tokens: Sequence[int],
+        limit: int | None = None,
+        touch: bool = True,
+        namespace: object = None,
+    ) -> Match:
+        """The longest prefix of ``tokens[:limit]`` cached in ``namespace``.
 
         ``touch`` marks the nodes on the path as used now (LRU order); a scheduler that
         only looks (to order waiting requests) passes ``False``.
         """
         tokens = tuple(tokens if limit is None else tokens[: max(0, limit)])
         ps = self.page_size
-        node, pos = self.root, 0
+        pos = 0
         pages: list[int] = []
         tick = self._next_tick() if touch else 0
         n = len(tokens)
+        node = self._roots.get(namespace)
+        if node is None:
+            return Match(0, (), self.root_of(namespace))
         while pos < n:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -205,9 +228,11 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> Insertion:
-        """Cache ``tokens`` with ``pages`` (``pages[i]`` holds page index ``i``; exactly
-        ``ceil(len(tokens) / page_size)`` of them).
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], namespace: object = None
+    ) -> Insertion:
+        """Cache ``tokens`` with ``pages`` in ``namespace`` (``pages[i]`` holds page index
+        ``i`` of this sequence; exactly ``ceil(len(tokens) / page_size)`` of them).
 
         The part already cached is kept as it is (the caller's pages for it are not taken);
         the rest becomes a new leaf that takes the caller's pages from the page holding its
@@ -222,7 +247,7 @@ class PrefixCache:
                 f"{len(tokens)} tokens need {-(-len(tokens) // ps)} pages of {ps}, got {len(pages)}"
             )
         tick = self._next_tick()
-        node, pos, n = self.root, 0, len(tokens)
+        node, pos, n = self.root_of(namespace), 0, len(tokens)
         while pos < n:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -328,7 +353,7 @@ class PrefixCache:
         if delta == 0:
             return
         x: RadixNode | None = node
-        while x is not None and x is not self.root:
+        while x is not None and x.key:  # roots have no key
             before = x.lock_ref
             x.lock_ref = before + delta
             if before == 0 and delta > 0:
@@ -351,7 +376,7 @@ class PrefixCache:
             _, _, leaf = heapq.heappop(heap)
             freed += self._remove(leaf)
             parent = leaf.parent
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.key and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.seq, parent))
         return freed
 
@@ -366,7 +391,7 @@ class PrefixCache:
         return own
 
     def _leaves(self) -> list[RadixNode]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [c for r in self._roots.values() for c in r.children.values()]
         while stack:
             x = stack.pop()
             if x.children:
@@ -408,6 +433,7 @@ class PrefixCache:
         self.version += 1
         self._add_lock(node.parent, -node.lock_ref)
         del node.parent.children[node.key[0]]
+        node.parent = None  # a later unlock of a node in it changes nothing in the tree
         free: list[int] = []
         kept: list[int] = []
         stack = [node]
@@ -428,31 +454,29 @@ class PrefixCache:
     # ------------------------------------------------------------------ checks and views
 
     def nodes(self) -> list[RadixNode]:
-        """Every node but the root, parents before children."""
-        out, stack = [], [self.root]
+        """Every node but the roots, parents before children."""
+        out, stack = [], list(self._roots.values())
         while stack:
             x = stack.pop()
-            if x is not self.root:
+            if x.key:
                 out.append(x)
             stack.extend(sorted(x.children.values(), key=lambda c: c.key[0], reverse=True))
         return out
 
-    def render(self, decode=lambda key: key) -> dict:
-        """The tree as nested dicts ``{decode(edge key): {...}}`` (for tests and logs)."""
+    def render(self, decode=lambda key: key, namespace: object = None) -> dict:
+        """The tree of ``namespace`` as nested dicts ``{decode(edge key): {...}}`` (for
+        tests and logs)."""
 
         def walk(x: RadixNode) -> dict:
             return {decode(c.key): walk(c) for c in x.children.values()}
 
-        return walk(self.root)
+        return walk(self.root_of(namespace))
 
     def check_integrity(self) -> None:
         """Assert the contracts of the class docstring and the shape of every node."""
         ps = self.page_size
         owned: dict[int, RadixNode] = {}
         evictable = 0
-        root = self.root
-        assert not root.key and not root.pages and root.parent is None and root.lock_ref == 0
-        assert not root.refs and not root.pins
 
         def visit(x: RadixNode) -> int:
             nonlocal evictable
@@ -462,7 +486,7 @@ class PrefixCache:
                 assert c.key and c.key[0] == first, (first, c)
                 assert c.start == x.end, (c, x)
                 locks += visit(c)
-            if x is root:
+            if not x.key:  # a root
                 return locks
             want = (x.end - 1) // ps - x.start // ps + 1
             assert len(x.pages) == want, f"{x!r} holds {len(x.pages)} pages, not {want}"
@@ -478,7 +502,10 @@ class PrefixCache:
                 evictable += len(own)
             return locks
 
-        visit(root)
+        for root in self._roots.values():
+            assert not root.key and not root.pages and root.parent is None
+            assert not root.refs and not root.pins and root.lock_ref == 0
+            visit(root)
         for x in self.nodes():
             for p in x.pages:
                 assert p in owned, f"page {p} of {x!r} has no owner"

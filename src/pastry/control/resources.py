@@ -40,6 +40,26 @@ The engine owns the memory: KV pages ``[0, num_pages)`` and embedding slots
   pages released meanwhile stay held until then, so that no move of that batch can
   overwrite another's source.
 
+- The prefix cache (optional, :mod:`pastry.control.prefix_cache`): a KV page may be *held
+  by the cache* instead. It then belongs to the radix tree (the tree of its user's
+  namespace); handles and exports that still reference it *borrow* it read-only, and their
+  references are the tree node's uses (a used node is never evicted). A page whose last
+  reference goes and whose content is certified canonical
+  (:mod:`pastry.control.provenance`) is offered to the cache instead of being freed (the
+  prompt *and* the generated tokens of a released context). When an ``alloc`` cannot be
+  met, least-recently-used cached pages nobody uses are evicted first. A write to a cached
+  page is allowed only to an instance that is its only user (the page and what the tree
+  holds after it then leave the cache: :meth:`ResourceManager.claim_writes`). Cached
+  pages are never swapped (the cache evicts instead).
+- Reserved handles: :meth:`ResourceManager.reserve` gives handles that are bound later
+  (:meth:`ResourceManager.bind_cached`, :meth:`ResourceManager.bind_fresh`), so that a
+  prefill can decide at admission which pages come from the cache.
+
+Each physical KV page is in exactly one of these states: free, referenced by inferlets
+(handles and exports, ref-counted), held by the prefix cache (maybe borrowed), or — for the
+handles' view — swapped to a host page; :meth:`ResourceManager.check_integrity` checks all
+of it.
+
 Used from the control loop only (no locks). Pure Python; numpy only for ``translate_array``.
 """
 
@@ -48,12 +68,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pastry.control.prefix_cache import PrefixCache
+    from pastry.control.provenance import KvProvenance, PageRecord
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +122,8 @@ class PhysicalPool:
     """Physical ids ``[0, size)`` with a free list and a reference count each.
 
     ``alloc`` hands out the lowest free ids first (deterministic, so tests can name ids).
-    An id is free exactly when its count is 0.
+    An id is free exactly when its count is 0 and it is not *held* (by the prefix cache:
+    :meth:`hold`); a held id keeps its place when its count drops to 0.
     """
 
     def __init__(self, size: int) -> None:
@@ -106,6 +132,7 @@ class PhysicalPool:
         self._size = size
         self._free: list[int] = list(range(size))  # a min-heap (a sorted list is one)
         self._refcount: list[int] = [0] * size
+        self._held: set[int] = set()
 
     @property
     def size(self) -> int:
@@ -122,6 +149,31 @@ class PhysicalPool:
     def refcount(self, pid: int) -> int:
         return self._refcount[pid]
 
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def is_held(self, pid: int) -> bool:
+        return pid in self._held
+
+    def hold(self, ids: Iterable[int]) -> None:
+        """Keep ids that are in use (count > 0) off the free list even at count 0."""
+        ids = list(ids)
+        bad = [p for p in ids if not (0 <= p < self._size) or self._refcount[p] == 0]
+        if bad or self._held.intersection(ids):
+            raise ValueError(f"hold of ids that are free or held already: {sorted(ids)}")
+        self._held.update(ids)
+
+    def release(self, ids: Iterable[int]) -> list[int]:
+        """Stop holding ids; those at count 0 return to the free list (returned)."""
+        freed = []
+        for pid in ids:
+            self._held.remove(pid)
+            if self._refcount[pid] == 0:
+                heapq.heappush(self._free, pid)
+                freed.append(pid)
+        return freed
+
     def alloc(self, n: int) -> list[int]:
         """``n`` free ids, lowest first, each with count 1; all or nothing."""
         if n < 0:
@@ -137,7 +189,12 @@ class PhysicalPool:
     def incref(self, ids: Iterable[int]) -> None:
         """Add one reference per listed id (an id listed twice gets two); ids must be in use."""
         ids = list(ids)
-        bad = [pid for pid in ids if not (0 <= pid < self._size) or self._refcount[pid] == 0]
+        held = self._held
+        bad = [
+            pid
+            for pid in ids
+            if not (0 <= pid < self._size) or (self._refcount[pid] == 0 and pid not in held)
+        ]
         if bad:
             raise ValueError(f"incref of ids that are not in use: {sorted(set(bad))}")
         rc = self._refcount
@@ -156,10 +213,11 @@ class PhysicalPool:
         if bad:
             raise ValueError(f"decref below zero for ids {sorted(bad)}")
         rc = self._refcount
+        held = self._held
         freed = []
         for pid, k in drops.items():
             rc[pid] -= k
-            if rc[pid] == 0:
+            if rc[pid] == 0 and pid not in held:
                 heapq.heappush(self._free, pid)
                 freed.append(pid)
         return freed
@@ -174,10 +232,12 @@ class PhysicalPool:
         assert not negative, f"negative refcounts at ids {negative}"
         both = sorted(pid for pid in free_set if rc[pid] != 0)
         assert not both, f"ids both free and referenced: {both}"
-        used = sum(1 for c in rc if c > 0)
+        held = self._held
+        assert not held & free_set, f"ids both free and held: {sorted(held & free_set)}"
+        used = sum(1 for pid, c in enumerate(rc) if c > 0 or pid in held)
         assert len(free) + used == size, (
             f"free ({len(free)}) + used ({used}) != size ({size}); ids neither free nor "
-            f"referenced: {[pid for pid, c in enumerate(rc) if c == 0 and pid not in free_set]}"
+            f"in use: {[p for p, c in enumerate(rc) if c == 0 and p not in free_set | held]}"
         )
 
 
@@ -265,6 +325,11 @@ class ResourceManager:
 
     Instances are ``int`` ids, remembered in creation order. Calls naming an instance that is
     not registered raise :class:`ResourceError`; an unknown kind raises ``ValueError``.
+
+    With a ``cache`` (and the ``provenance`` that certifies page contents), KV pages can be
+    held by the prefix cache (see the module docstring); ``cache_seconds`` accumulates the
+    time spent in its bookkeeping here, ``cache_events`` counts pages ``adopted``,
+    ``evicted`` and ``detached``.
     """
 
     def __init__(
@@ -275,7 +340,11 @@ class ResourceManager:
         on_terminate: Callable[[int, str], None] | None = None,
         num_host_pages: int = 0,
         first_handle: int = 0,
+        cache: PrefixCache | None = None,
+        provenance: KvProvenance | None = None,
     ) -> None:
+        if (cache is None) != (provenance is None):
+            raise ValueError("a prefix cache needs the provenance that certifies its pages")
         self.first_handle = first_handle  # handles start here (distinct per engine)
         self._pools: dict[Kind, PhysicalPool] = {
             "kv": PhysicalPool(num_pages),
@@ -309,6 +378,12 @@ class ResourceManager:
         self._arriving: set[int] = set()  # device pages that _moves_in fill
         self._held: list[int] = []  # host references released while moves are unsent
         self.defer_when_short = False  # set by the swapper: short allocs start on host
+        # kind -> instance -> handles reserved but not bound yet
+        self._reserved: dict[Kind, dict[int, set[int]]] = {k: {} for k in KINDS}
+        self.cache = cache
+        self.provenance = provenance
+        self.cache_seconds = 0.0
+        self.cache_events: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ instances
 
@@ -322,6 +397,7 @@ class ResourceManager:
             self._handles[kind][instance_id] = {}
             self._next[kind][instance_id] = self.first_handle
             self._charge[kind][instance_id] = Counter()
+            self._reserved[kind][instance_id] = set()
 
     def remove_instance(self, instance_id: int) -> None:
         """Release everything the instance holds: its handles' references and its
@@ -334,13 +410,14 @@ class ResourceManager:
         for key in keys:
             exp = self._exports.pop(key)
             self._uncharge_user(exp.kind, user, exp.ids)
-            self._pools[exp.kind].decref(exp.ids)
+            self._drop(exp.kind, exp.ids, user)
         for kind in KINDS:
             table = self._handles[kind].pop(instance_id)
             del self._next[kind][instance_id]
             del self._charge[kind][instance_id]
+            del self._reserved[kind][instance_id]
             self._uncharge_user(kind, user, table.values())
-            self._release(kind, table.values())
+            self._release(kind, table.values(), user)
         self._handles_on_host.pop(instance_id, None)
 
     def instances(self) -> list[int]:
@@ -401,8 +478,10 @@ class ResourceManager:
         table = self._table(instance, kind)
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of {_PLURAL[kind]} ({n})")
-        self._check_limit(instance, kind, n)
+        self._check_limit(instance, kind, n + len(self._reserved[kind][instance]))
         pool = self._pools[kind]
+        if pool.free < n and kind == "kv" and self.cache is not None:
+            self._evict(n - pool.free)  # the prefix cache's unused pages go first
         if pool.free < n and self._last_import:
             self._drop_cached(kind, n)  # before swapping anyone: stale caches go first
         if pool.free < n and kind == "kv" and self.defer_when_short and self._host.free >= n:
@@ -415,18 +494,31 @@ class ResourceManager:
         return self._bind(instance, kind, table, pool.alloc(n))
 
     def free(self, instance: int, kind: Kind, handles: Iterable[int]) -> None:
-        """Drop the handles. Any bad handle (or one listed twice) raises
-        :class:`InvalidHandle` and nothing changes."""
+        """Drop the handles (a reserved one that was never bound just stops being
+        reserved). Any bad handle (or one listed twice) raises :class:`InvalidHandle` and
+        nothing changes."""
         table = self._table(instance, kind)
         handles = list(handles)
-        if len(set(handles)) != len(handles) or not all(h in table for h in handles):
+        reserved = self._reserved[kind][instance]
+        if len(set(handles)) != len(handles) or not all(
+            h in table or h in reserved for h in handles
+        ):
             raise self._invalid(instance, kind, handles, twice_is_bad=True)
-        ids = [table.pop(h) for h in handles]
+        reserved.difference_update(handles)
+        ids = [table.pop(h) for h in handles if h in table]
         on_host = sum(1 for pid in ids if pid < 0)
         if on_host:
             self._handles_on_host[instance] -= on_host
         self._uncharge(kind, instance, ids)
-        self._release(kind, ids)
+        self._release(kind, ids, self._users[instance])
+
+    def check(self, instance: int, kind: Kind, handles: Sequence[int]) -> None:
+        """Raise :class:`InvalidHandle` unless every handle is the instance's (bound or
+        reserved)."""
+        table = self._table(instance, kind)
+        reserved = self._reserved[kind][instance]
+        if not all(h in table or h in reserved for h in handles):
+            raise self._invalid(instance, kind, handles)
 
     def translate(self, instance: int, kind: Kind, handles: Sequence[int]) -> list[int]:
         """Physical ids of ``handles`` (hot path: one dict lookup per handle)."""
@@ -481,7 +573,7 @@ class ResourceManager:
                 f"inferlet {instance}: cannot export pages that are swapped out to host memory "
                 "(the scheduler brings them back before the instance's commands run)"
             )
-        self._pools[kind].incref(ids)
+        self._take(kind, ids)
         self._exports[key] = _Export(kind, ids, instance, persistent, user, pinned)
         if persistent:
             self._last_import[key] = next(self._clock)
@@ -508,7 +600,7 @@ class ResourceManager:
         self._check_limit(instance, kind, exp.ids, keep=key)
         if exp.persistent:
             self._last_import[key] = next(self._clock)
-        self._pools[kind].incref(exp.ids)
+        self._take(kind, exp.ids)
         return self._bind(instance, kind, table, list(exp.ids))
 
     def unexport(self, instance: int | None, name: str, owner: object = None) -> None:
@@ -542,6 +634,252 @@ class ResourceManager:
             if owner is _SAME or user == owner
         ]
 
+    # ------------------------------------------------------------------ reserved handles
+
+    def reserve(self, instance: int, kind: Kind, n: int) -> list[int]:
+        """``n`` new handles of ``kind`` bound to nothing yet (a queued call binds them:
+        :meth:`bind_cached`, :meth:`bind_fresh`). They count against the instance's limit
+        as fresh ids; using one before it is bound is an :class:`InvalidHandle` error."""
+        self._table(instance, kind)
+        if n < 0:
+            raise ValueError(f"cannot reserve a negative number of {_PLURAL[kind]} ({n})")
+        reserved = self._reserved[kind][instance]
+        self._check_limit(instance, kind, n + len(reserved))
+        start = self._next[kind][instance]
+        handles = list(range(start, start + n))
+        self._next[kind][instance] = start + n
+        reserved.update(handles)
+        return handles
+
+    def unreserve(self, instance: int, kind: Kind, handles: Iterable[int]) -> None:
+        """Give up reserved handles that were never bound (a no-op for any other)."""
+        mine = self._reserved[kind].get(instance)
+        if mine is not None:
+            mine.difference_update(handles)
+
+    def bind_cached(self, instance: int, handles: Sequence[int], pages: Sequence[int]) -> None:
+        """Bind reserved KV handles to pages held by the prefix cache (borrowed: each takes a
+        reference, so the tree node stays in use while the handle lives)."""
+        self._take("kv", pages)
+        self._bind_reserved(instance, "kv", handles, pages)
+
+    def bind_fresh(self, instance: int, kind: Kind, handles: Sequence[int]) -> list[int]:
+        """Bind reserved handles to newly allocated ids (evicting cached pages, then the
+        eviction policy's victims, when short; raises like :meth:`alloc`). Returns the ids."""
+        self._table(instance, kind)
+        pool = self._pools[kind]
+        n = len(handles)
+        if pool.free < n and kind == "kv" and self.cache is not None:
+            self._evict(n - pool.free)
+        if pool.free < n and self._last_import:
+            self._drop_cached(kind, n)
+        if pool.free < n:
+            self._reclaim(instance, kind, n)
+        ids = pool.alloc(n)
+        self._bind_reserved(instance, kind, handles, ids)
+        return ids
+
+    def unbind(self, instance: int, kind: Kind, handles: Sequence[int]) -> None:
+        """Make bound handles reserved again (their references are dropped)."""
+        table = self._table(instance, kind)
+        if not all(h in table for h in handles):
+            raise self._invalid(instance, kind, handles)
+        ids = [table.pop(h) for h in handles]
+        self._reserved[kind][instance].update(handles)
+        self._uncharge(kind, instance, ids)
+        self._drop(kind, ids, self._users[instance])
+
+    def _bind_reserved(
+        self, instance: int, kind: Kind, handles: Sequence[int], ids: Sequence[int]
+    ) -> None:
+        table = self._table(instance, kind)
+        mine = self._reserved[kind][instance]
+        missing = [h for h in handles if h not in mine]
+        if missing or len(handles) != len(ids):
+            raise InvalidHandle(
+                f"inferlet {instance}: {_NOUN[kind]} handles {missing} are not reserved "
+                "(freed or bound already)"
+            )
+        mine.difference_update(handles)
+        table.update(zip(handles, ids, strict=True))
+        self._charge_ids(kind, instance, ids)
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def available(self, kind: Kind) -> int:
+        """Ids of ``kind`` an allocation could get now: free ones plus cached pages that
+        eviction could free."""
+        free = self._pool(kind).free
+        if kind == "kv" and self.cache is not None:
+            free += self.cache.evictable_pages
+        return free
+
+    def claim_writes(self, instance: int, pages: Iterable[int]) -> None:
+        """Check that ``instance`` may write the physical KV ``pages`` (a forward's output
+        pages, a mask, a copy's destination). A page held by the prefix cache may be written
+        only when every reference to it, and to what the cache holds after it, is this
+        instance's own: the page and everything cached after it then leave the cache (the
+        instance owns them again, as before it shared them). Otherwise raises
+        :class:`ResourceError`: other inferlets read the page."""
+        cache = self.cache
+        if cache is None:
+            return
+        for pid in pages:
+            if pid in cache:
+                self._claim(instance, pid)
+
+    def uncache(self, pages: Iterable[int]) -> None:
+        """Take ``pages`` (those the cache holds) and what is cached after them out of the
+        cache, whoever uses them (their content is not what the cache says)."""
+        cache = self.cache
+        if cache is None:
+            return
+        for pid in pages:
+            if pid in cache:
+                free, kept = cache.detach(pid)
+                self._pools["kv"].release(free + kept)
+                self.cache_events["detached"] += len(free) + len(kept)
+
+    def _claim(self, instance: int, pid: int) -> None:
+        t0 = time.perf_counter()
+        cache, pool = self.cache, self._pools["kv"]
+        referenced, pins = cache.detach_scope(pid)
+        mine = Counter(self._handles["kv"][instance].values())
+        others = [p for p in referenced if pool.refcount(p) != mine[p]]
+        if pins or others:
+            self.cache_seconds += time.perf_counter() - t0
+            raise ResourceError(
+                f"KV page {pid} is shared through the prefix cache with other inferlets "
+                "(it holds canonical K/V they read), so it cannot be written. Copy its "
+                "slots into a page of your own (copy_kvpage) and write that one"
+            )
+        free, kept = cache.detach(pid)
+        pool.release(free + kept)
+        self.cache_events["detached"] += len(free) + len(kept)
+        self.cache_seconds += time.perf_counter() - t0
+
+    def _take(self, kind: Kind, ids: Sequence[int]) -> None:
+        """Add one reference per id (cached pages become borrowed: their node is in use)."""
+        pool = self._pools[kind]
+        cache = self.cache if kind == "kv" else None
+        if cache is None or not cache.cached_pages:
+            pool.incref(ids)
+            return
+        newly = {p for p in ids if p in cache and pool.refcount(p) == 0}
+        pool.incref(ids)
+        if newly:
+            cache.ref_pages(newly)
+
+    def _drop(
+        self, kind: Kind, ids: Sequence[int], user: object = None, offer: bool = True
+    ) -> None:
+        """Drop one reference per device id. KV pages that lose their last reference and
+        hold certified K/V are offered to ``user``'s prefix cache first (unless not
+        ``offer``); the others are freed."""
+        pool = self._pools[kind]
+        cache = self.cache if kind == "kv" else None
+        if cache is None or not ids:
+            pool.decref(ids)
+            return
+        t0 = time.perf_counter()
+        drops = Counter(ids)
+        if offer:
+            self._offer(drops, user)
+        pool.decref(ids)
+        zero = [p for p in drops if p in cache and pool.refcount(p) == 0]
+        if zero:
+            cache.unref_pages(zero)
+        self.cache_seconds += time.perf_counter() - t0
+
+    def _offer(self, drops: Counter[int], user: object) -> None:
+        """Insert into ``user``'s cache the certified sequences that end in pages losing
+        their last reference (``drops``: references about to be dropped per page)."""
+        cache, pool, recs = self.cache, self._pools["kv"], self.provenance.records
+        ending = [
+            p
+            for p, k in drops.items()
+            if recs[p] is not None and p not in cache and pool.refcount(p) == k
+        ]
+        if not ending:
+            return
+        exported: set[int] | None = None
+        done: set[int] = set()
+        for p in sorted(ending, key=lambda p: recs[p].index, reverse=True):
+            if p in done:
+                continue
+            chain = self.provenance.chain(p)
+            done.update(r.page for r in chain)
+            if exported is None:
+                exported = {i for e in self._exports.values() if e.kind == "kv" for i in e.ids}
+            self._insert_chain(chain, drops, exported, user)
+
+    def offer(self, instance: int, pages: Iterable[int]) -> None:
+        """Insert the certified sequences ending in ``pages`` (that ``instance`` still
+        references, e.g. a prompt just prefilled) into its user's cache, so that others can
+        reuse them now. Pages another inferlet or an export also references are not
+        taken."""
+        if self.cache is None or instance not in self._users:  # (it ended: nothing to do)
+            return
+        t0 = time.perf_counter()
+        user = self._users[instance]
+        exported = {i for e in self._exports.values() if e.kind == "kv" for i in e.ids}
+        for p in pages:
+            if p not in self.cache and self.provenance.records[p] is not None:
+                self._insert_chain(self.provenance.chain(p), Counter(), exported, user)
+        self.cache_seconds += time.perf_counter() - t0
+
+    def _insert_chain(
+        self, chain: list[PageRecord], drops: Counter[int], exported: set[int], user: object
+    ) -> None:
+        """Insert the tokens of ``chain`` with the pages that still hold them, as far as
+        each page can be taken: it must still hold its record's content, be in use (not
+        freed already), not be cached already, and have at most one reference left (not an
+        export's) after ``drops``."""
+        cache, pool, recs = self.cache, self._pools["kv"], self.provenance.records
+        ps = cache.page_size
+        tokens: list[int] = []
+        for r in chain:
+            tokens.extend(r.tokens)
+        match = cache.match(tokens, touch=False, namespace=user)
+        cached, mine = match.length, match.pages
+        end = len(tokens)
+        for i in range(cached // ps, len(chain)):
+            r = chain[i]
+            p = r.page
+            cur = recs[p]
+            rc = pool.refcount(p)
+            left = rc - drops.get(p, 0)
+            if (
+                cur is None
+                or not cur.holds(r)
+                # a cached page may only be the partial last page of what this tree has
+                or (p in cache and (i > cached // ps or i >= len(mine) or mine[i] != p))
+                or (p not in cache and (rc == 0 or left > 1 or (left == 1 and p in exported)))
+            ):
+                end = i * ps
+                break
+        if end <= cached:
+            return
+        pages = [r.page for r in chain[: -(-end // ps)]]
+        try:
+            done = cache.insert(tokens[:end], pages, namespace=user)
+        except ValueError as e:  # an invariant the tree checks: keep the pages out
+            log.warning("prefix cache: not inserting %d tokens: %s", end, e)
+            return
+        if done.adopted:
+            pool.hold(done.adopted)
+            cache.ref_pages(done.adopted)  # all still referenced until the drop
+            self.cache_events["adopted"] += len(done.adopted)
+
+    def _evict(self, n: int) -> int:
+        """Evict at least ``n`` cached pages nobody uses (fewer if there are not that many)."""
+        t0 = time.perf_counter()
+        freed = self.cache.evict(n)
+        self._pools["kv"].release(freed)
+        self.cache_events["evicted"] += len(freed)
+        self.cache_seconds += time.perf_counter() - t0
+        return len(freed)
+
     # ------------------------------------------------------------------ accounting
 
     def held(self, instance: int, kind: Kind) -> int:
@@ -569,6 +907,13 @@ class ResourceManager:
         pool = self._pool(kind)
         return pool.free, pool.used, pool.size
 
+    def referenced(self, kind: Kind) -> int:
+        """Physical ids of ``kind`` that handles or exports reference (the memory programs
+        use: ``usage`` counts cached pages nobody uses as used too)."""
+        pool = self._pool(kind)
+        idle = pool.held - (self.cache.referenced_pages if kind == "kv" and self.cache else 0)
+        return pool.used - idle
+
     def refcount(self, kind: Kind, pid: int) -> int:
         """References to physical id ``pid`` (handles plus exports)."""
         return self._pool(kind).refcount(pid)
@@ -590,9 +935,25 @@ class ResourceManager:
         return sum(1 for pid, k in refs.items() if pool.refcount(pid) == k)
 
     def check_integrity(self) -> None:
-        """Assert that the pools are consistent and that every physical id's count equals
-        the references to it from handles and exports."""
+        """Assert that the pools are consistent, that every physical id's count equals the
+        references to it from handles and exports, and that the pages the pool holds for
+        the prefix cache are exactly the tree's (borrowed exactly when referenced)."""
         assert self._instances.keys() == self._handles["kv"].keys() == self._handles["embed"].keys()
+        for kind in KINDS:
+            assert self._reserved[kind].keys() == self._instances.keys(), kind
+            for inst, res in self._reserved[kind].items():
+                assert not res & self._handles[kind][inst].keys(), (inst, "bound and reserved")
+                assert all(self.first_handle <= h < self._next[kind][inst] for h in res), inst
+        kv = self._pools["kv"]
+        if self.cache is None:
+            assert kv.held == 0, "pages held without a prefix cache"
+        else:
+            self.cache.check_integrity()
+            pages = self.cache.page_ids()
+            assert kv._held == pages, f"held {sorted(kv._held ^ pages)} disagree with the tree"
+            for p in pages:
+                assert (kv.refcount(p) > 0) == self.cache.is_referenced(p), f"page {p} borrowed?"
+        assert self._pools["embed"].held == 0, "embeds are never held"
         assert self._limits.keys() <= self._instances.keys(), "limits of unknown instances"
         for kind in KINDS:
             pool = self._pools[kind]
@@ -698,7 +1059,7 @@ class ResourceManager:
         self._recharge(instance, moved)
         for pid, host in where.items():
             self._host.incref([host] * (refs[pid] - 1))
-            self._pools["kv"].decref([pid] * refs[pid])
+            self._drop("kv", [pid] * refs[pid], offer=False)  # its content leaves
         self._handles_on_host[instance] = self._handles_on_host.get(instance, 0) + refs.total()
         self._moves_out.extend(where.items())
         return n
@@ -712,9 +1073,13 @@ class ResourceManager:
             return 0
         refs = Counter(-1 - pid for pid in table.values() if pid < 0)
         pool = self._pools["kv"]
+        if pool.free < len(refs) and self.cache is not None:
+            self._evict(len(refs) - pool.free)
         if pool.free < len(refs):
             raise self._out_of(instance, "kv", len(refs), "to bring its swapped pages back")
         where = dict(zip(refs, pool.alloc(len(refs)), strict=True))
+        if self.provenance is not None:  # the swap-in overwrites them (observed or not)
+            self.provenance.forget(where.values())
         moved: list[tuple[int, int]] = []
         for h, pid in table.items():
             if pid < 0:
@@ -755,18 +1120,20 @@ class ResourceManager:
         pool = self._pools["kv"]
         refs: Counter[int] = Counter()
         order: dict[int, None] = {}
+        cache = self.cache if self.cache is not None else ()
         for h in reversed(table):  # newest handles first
             pid = table[h]
-            if pid >= 0 and pid not in self._arriving:
+            if pid >= 0 and pid not in self._arriving and pid not in cache:
                 refs[pid] += 1
                 order[pid] = None
         return [pid for pid in order if pool.refcount(pid) == refs[pid]]
 
-    def _release(self, kind: Kind, ids: Iterable[int]) -> None:
-        """Drop one reference per id: device ids at once, host pages via the hold."""
+    def _release(self, kind: Kind, ids: Iterable[int], user: object = None) -> None:
+        """Drop one reference per id: device ids at once (offered to ``user``'s prefix
+        cache), host pages via the hold."""
         ids = list(ids)
         hosts = [-1 - pid for pid in ids if pid < 0]
-        self._pools[kind].decref([pid for pid in ids if pid >= 0] if hosts else ids)
+        self._drop(kind, [pid for pid in ids if pid >= 0] if hosts else ids, user)
         if hosts:
             self._release_host(hosts)
 
@@ -933,18 +1300,23 @@ class ResourceManager:
         else:
             self._instances[exp.owner].discard(key)
             self._uncharge(exp.kind, exp.owner, exp.ids)
-        self._pools[exp.kind].decref(exp.ids)
+        self._drop(exp.kind, exp.ids, exp.user)
 
     def _export_gain(self, kind: Kind, wanted: int) -> tuple[int, list[tuple[object, str]]]:
         """Which persistent exports to drop, least recently used first, to free ``wanted``
         ids (all that free anything if that is not enough), and how many ids they free.
-        Exports whose ids are all held by something else are never chosen."""
+        Exports whose ids are all held by something else (or by the prefix cache) are never
+        chosen."""
         pool = self._pools[kind]
         lru = self._lru_exports(kind)
         total: Counter[int] = Counter()
         for key in lru:
             total.update(self._exports[key].ids)
-        cache_only = {pid for pid, k in total.items() if pool.refcount(pid) == k}
+        cache = self.cache if kind == "kv" and self.cache is not None else ()
+        # (a page the prefix cache holds stays there, maybe in use by what is cached after it)
+        cache_only = {
+            pid for pid, k in total.items() if pool.refcount(pid) == k and pid not in cache
+        }
         dropped: Counter[int] = Counter()
         gain, chosen = 0, []
         for key in lru:
@@ -972,17 +1344,25 @@ class ResourceManager:
             if pool.free + gain < needed:
                 return False
         for key in exports:
-            if pool.free >= needed:
+            if self.available(kind) >= needed:
                 break
             log.info("dropping persistent export %r of user %s to free %s",
                      key[1], key[0], _PLURAL[kind])  # fmt: skip
             self._drop_export(key)
+        if pool.free < needed and kind == "kv" and self.cache is not None:
+            self._evict(needed - pool.free)  # dropped pages with canonical K/V were cached
         assert pool.free >= needed, "dropping persistent exports freed less than counted"
         return True
 
     def _reclaim(self, requester: int, kind: Kind, needed: int) -> None:
-        """Terminate the policy's victims so that ``needed`` ids are free, or raise."""
+        """Free ``needed`` ids: evict the prefix cache's unused pages, drop unused
+        persistent exports, then terminate the policy's victims, or raise."""
         pool = self._pools[kind]
+        cached = kind == "kv" and self.cache is not None
+        if cached and pool.free < needed:
+            self._evict(needed - pool.free)
+            if pool.free >= needed:
+                return
         free = pool.free
         gain, exports = self._export_gain(kind, needed - free) if self._last_import else (0, [])
         if free + gain >= needed:
@@ -1019,6 +1399,8 @@ class ResourceManager:
             finally:
                 self.remove_instance(victim)
         self._require(requester)
+        if cached and pool.free < needed:  # the victims' pages may have gone to the cache
+            self._evict(needed - pool.free)
         if pool.free < needed:
             raise self._out_of(
                 requester, kind, needed, f"still short after terminating inferlets {ended}"
@@ -1058,6 +1440,11 @@ class ResourceManager:
                 if twice_is_bad and h in seen:
                     problems[f"{what} is listed twice"] = None
                 seen.add(h)
+            elif h in self._reserved[kind].get(instance, ()):
+                problems[
+                    f"{what} is not filled yet (a queued prefill fills it: use it on that "
+                    f"queue, or synchronize the queue first)"
+                ] = None
             elif not is_int:
                 problems[f"{what} is not an integer handle"] = None
             elif self.first_handle <= h < nxt:

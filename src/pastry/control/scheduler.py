@@ -104,6 +104,12 @@ class CommandError(ApiError):
     """A command was rejected (by the control layer or the engine); only its caller sees it."""
 
 
+class NotAdmitted(Exception):
+    """Raised by a command's ``prepare`` that cannot run yet (e.g. a prefill waiting for KV
+    pages): the command stays at the head of its queue and is offered again in a later
+    batch."""
+
+
 @dataclass(eq=False)
 class Command:
     """One queued API call.
@@ -124,6 +130,7 @@ class Command:
     created: float = field(default_factory=time.perf_counter)
     call: Call | None = None
     queue: Queue | None = None  # set by submit
+    admission: Any = None  # what a waiting prefill asks for (control/policies/admission.py)
 
 
 @dataclass(eq=False)
@@ -218,6 +225,9 @@ class BatchScheduler:
         # Called with (batch, seconds from dispatch to results) after each batch completes
         # (metrics); they must be quick and must not raise.
         self.observers: list[Callable[[list[Command], float], None]] = []
+        # Called with a batch's engine commands in execution order when it is dispatched,
+        # before its control commands act (the prefix cache's provenance of KV pages).
+        self.on_dispatch: Callable[[list[Command]], None] | None = None
 
     # ---------------------------------------------------------------- queues and commands
 
@@ -287,6 +297,20 @@ class BatchScheduler:
         """Commands submitted so far (:class:`~pastry.control.policies.SchedulerState`)."""
         return self.stats.commands
 
+    def busy(self, besides: Queue | None = None) -> bool:
+        """Whether work is under way that may release memory: a batch on the engine,
+        commands taken into the batch being formed, or queues (but ``besides``) with a
+        pending command that is not a prefill waiting for admission."""
+        if self._inflight > 0 or (self._forming is not None and self._forming.commands):
+            return True
+        return any(
+            q.pending and q.pending[0].admission is None for q in self.queues if q is not besides
+        )
+
+    def wake(self) -> None:
+        """Look at the queues again (e.g. memory was released outside any batch)."""
+        self._wake.set()
+
     def ready_count(self) -> int:
         """Commands taken into the batch being formed plus queues with a pending command."""
         taken = len(self._forming.commands) if self._forming is not None else 0
@@ -345,7 +369,11 @@ class BatchScheduler:
                 if cmd.stage < stage or over:
                     f.blocked.add(q)
                     break
-                if not self._prepare(cmd):  # rejected: its future holds the error
+                ok = self._prepare(cmd)
+                if ok is None:  # not admitted yet: it stays first in its queue
+                    f.blocked.add(q)
+                    break
+                if not ok:  # rejected: its future holds the error
                     q.pending.popleft()
                     self.programs.dropped(q.thread)
                     continue
@@ -390,9 +418,13 @@ class BatchScheduler:
         self._forming = None
         return batch
 
-    def _prepare(self, cmd: Command) -> bool:
+    def _prepare(self, cmd: Command) -> bool | None:
+        """Translate ``cmd``: True if prepared, False if rejected (its future holds the
+        error), None if it raised :class:`NotAdmitted`."""
         try:
             cmd.call = cmd.prepare()
+        except NotAdmitted:
+            return None
         except Exception as e:  # the control layer rejected it: only this caller sees it
             if not cmd.future.done():
                 cmd.future.set_exception(e if isinstance(e, ApiError) else CommandError(str(e)))
@@ -402,11 +434,13 @@ class BatchScheduler:
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, batch: list[Command]) -> None:
+        engine_cmds = [c for c in batch if c.call is not None and c.stage != Stage.CONTROL]
+        engine_cmds.sort(key=lambda c: (_STAGE[type(c.call)], _TYPE_ORDER[type(c.call)]))
+        if self.on_dispatch is not None:
+            self.on_dispatch(engine_cmds)
         for c in batch:  # control commands act now, in queue order (see form_batch)
             if c.stage == Stage.CONTROL:
                 self._prepare(c)
-        engine_cmds = [c for c in batch if c.call is not None]
-        engine_cmds.sort(key=lambda c: (_STAGE[type(c.call)], _TYPE_ORDER[type(c.call)]))
         if self.swapper is not None:  # pages to move first (they free or fill pages used here)
             engine_cmds[:0] = [_internal(call) for call in self.swapper.take_calls()]
         self.stats.batches += 1
@@ -450,8 +484,8 @@ class BatchScheduler:
                 c.future.set_result(c.finish(r))
             except Exception as e:
                 c.future.set_exception(e)
-        for c in batch:  # control commands resolve once the commands before them are done
-            if c.stage == Stage.CONTROL and not c.future.done():
+        for c in batch:  # commands without an engine call (control ones) resolve once the
+            if c.call is None and not c.future.done():  # commands before them are done
                 try:
                     c.future.set_result(c.finish(None))
                 except Exception as e:
@@ -513,8 +547,24 @@ def _conflicts(earlier: list[Command], cmd: Command, ps: int) -> bool:
             isinstance(e.call, EmbedTxt) and outs & set(e.call.out_embeds.tolist()) for e in earlier
         )
     if isinstance(call, (CopyKv, MaskKv, SwapIn, SwapOut)):
-        return any(e.call is not None and e.stage == Stage.KV for e in earlier)
+        # The engine runs all copies of a batch, then all masks, then swaps: calls of one
+        # queue that touch different pages may share a batch, in any order.
+        mine = _kv_pages(call)
+        return any(
+            e.stage == Stage.KV and e.call is not None and mine & _kv_pages(e.call) for e in earlier
+        )
     return False
+
+
+def _kv_pages(call: Call) -> set[int]:
+    """The KV pages a copy, mask or swap reads or writes (host pages as ``-1 - id``)."""
+    if isinstance(call, CopyKv):
+        return {int(call.src_page), int(call.dst_page)}
+    if isinstance(call, MaskKv):
+        return {int(call.page)}
+    if isinstance(call, (SwapIn, SwapOut)):
+        return set(call.pages.tolist()) | {-1 - h for h in call.host_pages.tolist()}
+    return set()
 
 
 def _slots(pages, offset: int, n: int, ps: int) -> set[int]:

@@ -209,6 +209,7 @@ class Session:
 
         def prepare():
             s, d = self._phys(ref, "kv", [src, dst])
+            self._claim(ref, [d])
             return CopyKv(s, d, int(src_offset), int(dst_offset), int(size))
 
         return self._submit(q, Command(Stage.KV, prepare=prepare))
@@ -239,6 +240,7 @@ class Session:
         ref = self._queue(q)
         _, name = self._scoped(name, write=True)
         self._resource_call(lambda: ref.model.resources.unexport(self.instance, name))
+        ref.model.scheduler.wake()  # prefills may wait for its pages
 
     def list_exported_kvpages(self, q: int) -> list[tuple[str, int]]:
         """This user's KV exports (another user's are imported by name, ``~OWNER/NAME``)."""
@@ -308,11 +310,13 @@ class Session:
             raise ApiError("logprob_top needs logprob_targets")
 
         def prepare():
+            out_pages = self._phys(ref, "kv", out_kv)
+            self._claim(ref, out_pages)
             return Forward(
                 in_embeds=ids(self._phys(ref, "embed", in_embeds)),
                 ctx_pages=ids(self._phys(ref, "kv", in_kv)),
                 ctx_last_len=int(in_kv_last_len) if len(in_kv) else 0,
-                out_pages=ids(self._phys(ref, "kv", out_kv)),
+                out_pages=ids(out_pages),
                 out_offset=int(out_kv_offset),
                 out_embeds=ids(self._phys(ref, "embed", out_embeds)),
                 out_indices=ids(range(n - m, n)),
@@ -368,9 +372,37 @@ class Session:
         arr = np.asarray(mask, dtype=np.bool_)
 
         def prepare():
-            return MaskKv(self._phys(ref, "kv", [page])[0], arr)
+            phys = self._phys(ref, "kv", [page])
+            self._claim(ref, phys)
+            return MaskKv(phys[0], arr)
 
         return self._submit(q, Command(Stage.KV, prepare=prepare))
+
+    def prefill(
+        self,
+        q: int,
+        tokens: list[int],
+        kv_len: int,
+        pages: list[int],
+        out_embeds: list[int],
+        reserve: int = 0,
+    ) -> tuple[list[int], asyncio.Future]:
+        """Queued: the K/V of ``tokens`` (positions ``0..``) through the prefix cache; see
+        :meth:`pastry.api.InferletApi.prefill` and :mod:`pastry.control.prefill`."""
+        ref = self._queue(q)
+        for name, value in (("kv_len", kv_len), ("reserve", reserve)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ApiError(f"{name} must be a non-negative integer, got {value!r}")
+        try:
+            return self._resource_call(
+                lambda: ref.model.prefiller.submit(
+                    self.instance, ref.queue, tokens, kv_len, pages, out_embeds, reserve
+                )
+            )
+        except ApiError:
+            raise
+        except ValueError as e:
+            raise ApiError(str(e)) from None
 
     # ------------------------------------------------------------------ input text, tokenize
 
@@ -826,12 +858,18 @@ class Session:
         ref = self._queue(q)
         handles = list(handles)
         res = ref.model.resources
-        self._resource_call(lambda: res.translate(self.instance, kind, handles))  # fail fast
+        self._resource_call(lambda: res.check(self.instance, kind, handles))  # fail fast
 
         def prepare():
             res.free(self.instance, kind, handles)
 
         return self._submit(q, Command(Stage.CONTROL, prepare=prepare))
+
+    def _claim(self, ref: _QueueRef, pages: list[int]) -> None:
+        """This instance is about to write physical ``pages`` (see ``claim_writes``)."""
+        res = ref.model.resources
+        if res.cache is not None:
+            self._resource_call(lambda: res.claim_writes(self.instance, pages))
 
     def _phys(self, ref: _QueueRef, kind: str, handles) -> list[int]:
         # The hot path (every handle of every command): no closure, no copy.

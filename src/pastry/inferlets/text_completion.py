@@ -134,6 +134,8 @@ async def complete(ctx: Context, opts: dict, plain: bool = False) -> dict:
         "prompt_tokens": len(prompt),
         "completion_tokens": completion_tokens,
         "total_tokens": len(prompt) + completion_tokens,
+        # prompt tokens the automatic prefix cache supplied (not computed again)
+        "prompt_tokens_details": {"cached_tokens": ctx.cached_tokens},
     }
     return {"choices": choices, "prompt": echo, "usage": usage}
 

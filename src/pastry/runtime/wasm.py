@@ -170,6 +170,11 @@ def _broadcast(g: Guest, topic: str, message: str) -> int:
     return g.session.broadcast(topic, message)
 
 
+def _prefill(g: Guest, *args) -> tuple[list[int], int]:
+    pages, fut = g.session.prefill(*args)
+    return pages, g.track(fut)
+
+
 def _store_set(g: Guest, key: str, value: str) -> None:
     check_message(g, key, value)
     g.session.store_set(key, value)
@@ -247,6 +252,7 @@ HOST: dict[str, Callable] = {
     "forward-with-adapter": _queued(lambda g, *a: _s(g).forward_with_adapter(*a)),
     "get-adapters": lambda g, q: _s(g).get_adapters(q),
     "mask-kvpage": _queued(lambda g, q, p, m: _s(g).mask_kvpage(q, p, m)),
+    "prefill": lambda g, *a: _prefill(g, *a),
     "embed-txt": _queued(lambda g, *a: _s(g).embed_txt(*a)),
     "tokenize": _tokenize,
     "detokenize": lambda g, q, t: _s(g).detokenize(q, t),

@@ -6,6 +6,12 @@ or tokens (lazily: they are forwarded with the next ``generate`` or ``flush``),
 child that shares every *full* page by reference (the partial last page is copied), and
 pages are allocated as the sequence grows and released when the context is.
 
+Filled tokens go through the server's automatic prefix cache (``prefill``): whatever
+prefix of the context another program (or an earlier request) already computed is shared
+instead of computed again, and the context's own tokens — prompt and generated ones — are
+kept for others when its pages are released. ``cached_tokens`` counts the tokens that came
+from the cache.
+
 Within one step, embed, forward and sample are issued together and awaited once (the
 inferlet wakes once per step), so the scheduler can run them in one engine batch.
 """
@@ -93,6 +99,9 @@ class Context:
         self._eos: list[int] | None = None
         self._last: asyncio.Future | None = None  # the latest flush still in flight
         self.released = False
+        self.cached_tokens = 0  # filled tokens that came from the prefix cache
+        # Pages [0, frozen) may be shared through the prefix cache: never written in place.
+        self.frozen = 0
 
     # ------------------------------------------------------------------ filling
 
@@ -120,7 +129,7 @@ class Context:
         await self.place()
         todo = self.pending[:-1] if keep_last else self.pending
         if todo:
-            futs, _ = self._forward(todo, want_output=False)
+            futs, _ = self._forward(todo, 0)
             self.pending = self.pending[len(todo) :]
             self._last = asyncio.gather(*futs)
         if self._last is not None:  # also when a concurrent flush (or fork) issued it
@@ -141,8 +150,11 @@ class Context:
         await self.place()
         a, q = self.api, self.queue
         out: list[int] = []
+        # Room for the tokens to come, reserved with the prompt (the last is not stored).
+        reserve = max(0, (stop.max_tokens or 1) - 1)
         while True:
-            futs, emb = self._forward(self.pending, want_output=True)
+            futs, (emb,) = self._forward(self.pending, 1, reserve)
+            reserve = 0
             if sampler.on_device:
                 tok = await _step(futs, a.sample(q, emb, **sampler.params(len(out))))
             else:
@@ -194,6 +206,7 @@ class Context:
         for p in self.pages[:full]:
             refs[p] = refs.get(p, 1) + 1
         child.pages = list(self.pages[:full])
+        child.frozen = min(self.frozen, full)
         rest = self.kv_len % self.page_size
         if rest:
             page = child._alloc_pages(1)[0]
@@ -303,24 +316,37 @@ class Context:
             self._embeds += self.api.alloc_embeds(self.queue, n - len(self._embeds))
         return self._embeds[:n]
 
-    def _forward(self, tokens: list[int], want_output: bool):
-        """Issue embed + forward for ``tokens``; returns (futures, output embed slot)."""
+    def _forward(self, tokens: list[int], n_out: int, reserve: int = 0) -> tuple[list, list[int]]:
+        """Issue the calls that forward ``tokens`` (the pending ones, from ``kv_len``);
+        returns (futures, the embedding slots of the outputs of the last ``n_out``). A
+        prefill also reserves pages for ``reserve`` tokens after them."""
         a, q, ps = self.api, self.queue, self.page_size
         n = len(tokens)
         start = self.kv_len
+        self.kv_len += n
+        if n > n_out:  # some of them may be in the prefix cache
+            outs = self._embed_slots(n_out)  # the prefill brings its own input slots
+            if start == len(self.pages) * ps:  # reusable: pages up to the end may be shared
+                self.frozen = (start + n) // ps
+            seq = self.tokens[: start + n]
+            new, fut = a.prefill(q, seq, start, self.pages, outs, reserve)
+            self.pages.extend(new)
+            fut.add_done_callback(self._count_cached)
+            return [fut], outs
+        embeds = self._embed_slots(n + n_out)
+        ins, outs = embeds[:n], embeds[n : n + n_out]
         need = -(-(start + n) // ps) - len(self.pages)
         if need > 0:
             self._alloc_pages(need)
-        embeds = self._embed_slots(n + 1)
         ctx_pages = self.pages[: -(-start // ps)]
         last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
         out_pages = self.pages[start // ps : -(-(start + n) // ps)]
-        out = embeds[n]
         futs = [
-            a.embed_txt(q, list(tokens), list(range(start, start + n)), embeds[:n]),
-            a.forward(
-                q, ctx_pages, last, embeds[:n], out_pages, start % ps, [out] if want_output else []
-            ),
+            a.embed_txt(q, list(tokens), list(range(start, start + n)), ins),
+            a.forward(q, ctx_pages, last, ins, out_pages, start % ps, outs),
         ]
-        self.kv_len += n
-        return futs, out
+        return futs, outs
+
+    def _count_cached(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.cached_tokens += fut.result()

@@ -13,8 +13,9 @@ watermarking) need three more operations, built here on the context's pages:
 - :func:`truncate` drops tokens from the end, e.g. rejected draft tokens. Their K/V stay in
   the slots after the new end but are never read: a forward attends to the context only up
   to ``kv_len`` (the last page up to ``in_kv_last_len``), and the next forward writes its
-  own tokens' K/V from slot ``kv_len`` on, over them. Pages shared with a fork are never
-  written: a shared page that would be is replaced by a private copy.
+  own tokens' K/V from slot ``kv_len`` on, over them. Pages shared with a fork or through
+  the prefix cache (``Context.frozen``) are never written: a shared page that would be is
+  replaced by a private copy.
 
 Each function issues its embed, forward and output calls together and awaits them once, so
 they run in one engine batch (and batch with other queues' calls).
@@ -67,14 +68,14 @@ async def greedy_after(ctx: Context, tokens: Sequence[int]) -> list[int]:
     """
     ctx.fill_tokens(tokens)
     results = await asyncio.gather(*_forward_pending(ctx, len(tokens) + 1, None))
-    return results[2:]
+    return results[-(len(tokens) + 1) :]
 
 
 async def dists_after(ctx: Context, tokens: Sequence[int], k: int = 256) -> list[Dist]:
     """Like :func:`greedy_after`, but the top-``k`` distribution after each token."""
     ctx.fill_tokens(tokens)
     results = await asyncio.gather(*_forward_pending(ctx, len(tokens) + 1, k))
-    return results[2:]
+    return results[-(len(tokens) + 1) :]
 
 
 async def truncate(ctx: Context, length: int) -> None:
@@ -88,6 +89,7 @@ async def truncate(ctx: Context, length: int) -> None:
     if not 0 <= length <= len(ctx.tokens):
         raise ApiError(f"cannot truncate a context of {len(ctx.tokens)} tokens to {length}")
     a, ps, refs = ctx.api, ctx.page_size, _refs(ctx.api)
+    free: list[int] = []  # pages shared through the prefix cache that we stop using
     ctx.tokens = ctx.tokens[:length]
     ctx.kv_len = min(ctx.kv_len, length)
     ctx.pending = ctx.tokens[ctx.kv_len :]
@@ -95,24 +97,35 @@ async def truncate(ctx: Context, length: int) -> None:
     # The next forward writes from slot kv_len on: into the last used page if it is partial,
     # then into the spare pages. None of them may be a page a fork still reads.
     spare = ctx.pages[used:]
-    shared = {p for p in spare if refs.get(p, 1) > 1}
+    shared = {p for i, p in enumerate(spare, used) if refs.get(p, 1) > 1 or i < ctx.frozen}
     for p in shared:
-        refs[p] -= 1
+        if refs.get(p, 1) > 1:
+            refs[p] -= 1
+        else:
+            free.append(p)
     ctx.pages = ctx.pages[:used] + [p for p in spare if p not in shared]
+    ctx.frozen = min(ctx.frozen, used)
     rest = ctx.kv_len % ps
-    if rest and refs.get(ctx.pages[used - 1], 1) > 1:
+    if rest and (refs.get(ctx.pages[used - 1], 1) > 1 or used - 1 < ctx.frozen):
         old = ctx.pages[used - 1]
         new = a.alloc_kvpages(ctx.queue, 1)[0]
-        refs[old] -= 1
+        if refs.get(old, 1) > 1:
+            refs[old] -= 1
+        else:
+            free.append(old)
         ctx.pages[used - 1] = new
+        ctx.frozen = used - 1
         await a.copy_kvpage(ctx.queue, old, new, 0, 0, rest)
+    if free:
+        await a.dealloc_kvpages(ctx.queue, free)
 
 
 def _forward_pending(ctx: Context, n_out: int, k: int | None) -> list[Awaitable]:
-    """Issue embed + forward of every pending token, then one output call for each of the
-    last ``n_out``: ``get_next_dist(k)``, or a greedy ``sample`` when ``k`` is None.
+    """Issue the forward of every pending token (through the prefix cache when some of
+    them have no output), then one output call for each of the last ``n_out``:
+    ``get_next_dist(k)``, or a greedy ``sample`` when ``k`` is None.
 
-    Returns the futures (embed, forward, outputs...); the tokens count as forwarded.
+    Returns the futures (the forward's, then the outputs'); the tokens count as forwarded.
     """
     ctx._check_live()
     tokens = ctx.pending
@@ -120,22 +133,9 @@ def _forward_pending(ctx: Context, n_out: int, k: int | None) -> list[Awaitable]
     if n == 0:
         raise ApiError("nothing to forward: fill the context first")
     assert 1 <= n_out <= n, (n_out, n)
-    a, q, ps = ctx.api, ctx.queue, ctx.page_size
-    start = ctx.kv_len
-    need = -(-(start + n) // ps) - len(ctx.pages)
-    if need > 0:
-        ctx._alloc_pages(need)
-    slots = ctx._embed_slots(n + n_out)
-    ins, outs = slots[:n], slots[n:]
-    ctx_pages = ctx.pages[: -(-start // ps)]
-    last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
-    out_pages = ctx.pages[start // ps : -(-(start + n) // ps)]
-    futs = [
-        a.embed_txt(q, list(tokens), list(range(start, start + n)), ins),
-        a.forward(q, ctx_pages, last, ins, out_pages, start % ps, outs),
-    ]
+    a, q = ctx.api, ctx.queue
+    futs, outs = ctx._forward(tokens, n_out)
     futs += [a.sample(q, e) if k is None else a.get_next_dist(q, e, k) for e in outs]
-    ctx.kv_len += n
     ctx.pending = []
     return futs
 
@@ -149,7 +149,7 @@ async def sample_next(ctx: Context, **kw):
     if not ctx.pending:
         raise ApiError("nothing to generate from: fill the context first")
     await ctx.place()  # on a model with several engines, the router places it first
-    futs, emb = ctx._forward(ctx.pending, want_output=True)
+    futs, (emb,) = ctx._forward(ctx.pending, 1)
     ctx.pending = []
     *_, out = await asyncio.gather(*futs, ctx.api.sample(ctx.queue, emb, **kw))
     return out

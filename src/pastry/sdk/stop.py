@@ -9,6 +9,9 @@ class StopCondition:
     # How many trailing tokens' text ``should_stop`` needs (0: none, so generation never
     # decodes while it runs).
     tail_tokens: int = 0
+    # The most tokens generation can run to (None: no bound); a prefill reserves KV pages
+    # for them, so a program admitted under memory pressure can finish.
+    max_tokens: int | None = None
 
     def should_stop(self, tokens: list[int], text: str) -> bool:
         """``tokens``: generated so far; ``text``: the text of the last ``tail_tokens``."""
@@ -26,6 +29,8 @@ class AnyOf(StopCondition):
     def __init__(self, conds: Sequence[StopCondition]) -> None:
         self.conds = list(conds)
         self.tail_tokens = max(c.tail_tokens for c in self.conds)
+        bounds = [c.max_tokens for c in self.conds if c.max_tokens is not None]
+        self.max_tokens = min(bounds) if bounds else None
 
     def should_stop(self, tokens, text) -> bool:
         return any(c.should_stop(tokens, text) for c in self.conds)
@@ -40,7 +45,7 @@ class MaxTokens(StopCondition):
     def __init__(self, n: int) -> None:
         if n <= 0:
             raise ValueError(f"max tokens must be positive, got {n}")
-        self.n = n
+        self.n = self.max_tokens = n
 
     def should_stop(self, tokens, text) -> bool:
         return len(tokens) >= self.n

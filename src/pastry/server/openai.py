@@ -597,8 +597,9 @@ def _instance_error(ev: Failed | Terminated) -> OpenAIError:
 
 def _total(usages) -> dict:
     total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0  # prompt tokens that came from the prefix cache
     for u in usages:
         for key in total:
             total[key] += u[key]
-    # cached_tokens: 0 until the prefix cache (issue 11) reports what it reused
-    return {**total, "prompt_tokens_details": {"cached_tokens": 0}}
+        cached += u.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}

@@ -22,7 +22,12 @@ from pathlib import Path
 
 from pastry.control.controller import Controller
 from pastry.control.gc_tuning import tune_for_serving
-from pastry.control.policies import DEFAULT_SCHEDULE, batch_policy, schedule_policy
+from pastry.control.policies import (
+    DEFAULT_SCHEDULE,
+    admission_policy,
+    batch_policy,
+    schedule_policy,
+)
 from pastry.control.quotas import Quotas
 from pastry.control.users import LOCAL_USER, Account, Directory, User, UsersError, check_token
 from pastry.engine.config import EngineConfig
@@ -74,6 +79,8 @@ class ServerConfig:
     users: tuple[Account, ...] = field(default=(), repr=False)  # --users FILE
     grants: tuple[tuple[str, str], ...] = ()  # (owner, reader): reader may read owner's
     quotas: Quotas = field(default_factory=Quotas)
+    prefix_cache: bool = True  # the automatic prefix cache (RadixAttention)
+    admission: str = "lpm"  # order of waiting prefills: lpm, fcfs or random
 
     def __post_init__(self) -> None:
         if self.auth_token:  # "" is no token, like an empty PASTRY_AUTH_TOKEN
@@ -103,6 +110,7 @@ class ServerConfig:
                 "--engine needs the engines' token (--engine-token or PASTRY_ENGINE_TOKEN): "
                 "`pastry engine --listen` prints it, and refuses clients without it"
             )
+        admission_policy(self.admission)  # validates the name
 
     def directory(self) -> Directory:
         """Who may connect, as which user (from ``auth_token`` and ``users``)."""
@@ -172,6 +180,8 @@ class PastryServer:
             quotas=cfg.quotas,
             grants=self.directory.grants,
             several_users=not self.directory.single_user,
+            prefix_cache=cfg.prefix_cache,
+            admission=lambda: admission_policy(cfg.admission),
         )
         self.runtime = TrustedRuntime(self.controller)
         # Long-lived objects (tokenizers, an in-process model) stay out of later garbage

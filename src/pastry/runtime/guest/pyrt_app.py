@@ -398,6 +398,12 @@ class GuestApi:
     def mask_kvpage(self, q, page, mask):
         return self._queued(host.mask_kvpage, q, page, [bool(x) for x in mask])
 
+    def prefill(self, q, tokens, kv_len, pages, out_embeds, reserve=0):
+        new, pid = _call(
+            host.prefill, q, list(tokens), kv_len, list(pages), list(out_embeds), reserve
+        )
+        return list(new), self.loop.track(pid)
+
     # input text, tokenize
     def embed_txt(self, q, tokens, positions, embeds):
         return self._queued(host.embed_txt, q, list(tokens), list(positions), list(embeds))

@@ -1,0 +1,368 @@
+"""Provenance of KV pages: which slots hold canonical K/V, and of which tokens.
+
+The prefix cache (:mod:`pastry.control.prefix_cache`) may share a page only if its content
+is exactly what a plain causal prefill of its tokens at positions ``0..`` writes with the
+base model. The control layer never reads the engine's memory, so :class:`KvProvenance`
+follows every call that writes it, in the order the engine runs them (the batch scheduler
+calls :meth:`KvProvenance.observe` when it dispatches a batch), and keeps:
+
+- per embedding slot, the ``(token, position)`` that ``embed_txt`` last wrote to it, or
+  nothing once anything else wrote it (a forward's output, say);
+- per KV page, a :class:`PageRecord`: the page's index ``i`` in its sequence (slot ``s``
+  holds position ``i * page_size + s``), the tokens of its certified slots ``0..len-1``,
+  a key naming every token before the page, and the record of page ``i - 1`` the K/V were
+  computed on (so the whole token sequence can be read back).
+
+A forward certifies the slots it writes only if all of this holds: no custom mask, no
+adapter, no explicit positions; every input is an ``embed_txt`` of a token at position
+``L + j`` (``L`` = context length); the context pages are page ``0, 1, ...`` of one
+certified sequence (every page but the last full, the last certified up to
+``in_kv_last_len``; keys chained); and the new K/V go to slot ``L % page_size`` of the page
+after the context, or of the context's own last page. Anything else that writes a slot
+(such a forward, ``mask_kvpage`` hiding it, a misaligned ``copy_kvpage``, a swap-in) ends
+its page's certification at that slot. ``copy_kvpage`` of certified slots to the same
+offsets of a page of the same sequence position carries their certification.
+
+Within one batch the engine runs calls of different queues together (one handler per call
+type; every forward of a batch writes its K/V before any reads its context), so a call that
+reads or writes memory that *another queue* writes in the same batch is never certified.
+
+Pure Python bookkeeping on the control loop. Nothing here trusts what an inferlet says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pastry.engine.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn
+
+ROOT_KEY = b""  # the key of the first page of a sequence: no token before it
+
+
+class PageRecord:
+    """What a page certifiably holds (immutable; a write makes a new record)."""
+
+    __slots__ = ("_next", "index", "key", "page", "prev", "tokens")
+
+    def __init__(
+        self,
+        page: int,
+        index: int,
+        tokens: tuple[int, ...],
+        key: bytes,
+        prev: PageRecord | None,
+    ) -> None:
+        self.page = page  # the physical page this record was made for
+        self.index = index  # page index in its sequence
+        self.tokens = tokens  # tokens of slots 0..len-1
+        self.key = key  # names the tokens before this page (ROOT_KEY for index 0)
+        self.prev = prev  # the record of page index - 1 that the K/V were computed on
+        self._next: bytes | None = None
+
+    def next_key(self) -> bytes:
+        """The key of the page after this one (only meaningful when this one is full)."""
+        if self._next is None:
+            h = hashlib.blake2b(self.key, digest_size=16)
+            h.update(array("q", self.tokens).tobytes())
+            self._next = h.digest()
+        return self._next
+
+    def holds(self, other: PageRecord) -> bool:
+        """Whether this record certifies at least ``other``'s content."""
+        return self is other or (
+            self.index == other.index
+            and self.key == other.key
+            and self.tokens[: len(other.tokens)] == other.tokens
+        )
+
+    def __repr__(self) -> str:
+        return f"PageRecord(page={self.page}, index={self.index}, tokens={len(self.tokens)})"
+
+
+_MANY = object()  # written by more than one queue in the batch
+
+
+class KvProvenance:
+    """Certified content of every KV page and embedding slot of one engine."""
+
+    def __init__(
+        self,
+        page_size: int,
+        num_pages: int,
+        num_embeds: int,
+        vocab_size: int,
+        max_position: int,
+        max_batch_tokens: int,
+    ) -> None:
+        self.page_size = page_size
+        # What the engine accepts (a call it rejects writes nothing, so it certifies nothing)
+        self.vocab_size = vocab_size
+        self.max_position = max_position
+        self.max_batch_tokens = max_batch_tokens
+        self.records: list[PageRecord | None] = [None] * num_pages
+        # per embedding slot: the token embed_txt wrote there and its position (-1: none)
+        self.embed_token = np.full(num_embeds, -1, dtype=np.int64)
+        self.embed_position = np.full(num_embeds, -1, dtype=np.int64)
+
+    # ------------------------------------------------------------------ queries
+
+    def record(self, page: int) -> PageRecord | None:
+        return self.records[page]
+
+    def chain(self, page: int) -> list[PageRecord]:
+        """The records of page indices ``0..i`` of the sequence ``page`` certifiably
+        continues (``[]`` if it holds nothing certified); the last is ``page``'s own."""
+        rec = self.records[page]
+        out: list[PageRecord] = []
+        while rec is not None:
+            out.append(rec)
+            rec = rec.prev
+        out.reverse()
+        return out
+
+    def forget(self, pages: Iterable[int]) -> None:
+        """Certify nothing in ``pages`` any more (a write to them failed)."""
+        for p in pages:
+            self.records[p] = None
+
+    # ------------------------------------------------------------------ observing a batch
+
+    def observe(self, calls: Sequence[tuple[Any, Any]]) -> None:
+        """Update the records for one dispatched batch: ``(queue, call)`` pairs in the order
+        the engine runs them. A queue's ``instance`` attribute (if any) names its owner:
+        embedding slots are never shared between instances, so they can only race between
+        queues of one instance."""
+        pages: dict[int, object] = {}  # page -> the queue writing it (or _MANY)
+        slots: dict[int, object] = {}  # embed slot -> the queue writing it (or _MANY)
+        owners: dict[object, object] = {}  # instance -> its queue in this batch (or _MANY)
+        for q, _ in calls:
+            _mark(owners, getattr(q, "instance", q), q)
+        shared_slots = _MANY in owners.values()
+        for q, call in calls:
+            for p in _written_pages(call):
+                _mark(pages, p, q)
+            if shared_slots:
+                for e in _written_embeds(call):
+                    _mark(slots, e, q)
+        for q, call in calls:
+            t = type(call)
+            if t is EmbedTxt:
+                self._embed_txt(call, _raced(slots, call.out_embeds.tolist(), q, True))
+            elif t is Forward:
+                self._forward(call, self._forward_raced(call, q, pages, slots))
+            elif t is CopyKv:
+                raced = (
+                    _raced(pages, (call.src_page,), q, False) or pages.get(call.dst_page) is _MANY
+                )
+                self._copy(call, raced)
+            elif t is MaskKv:
+                self._mask(call, pages.get(call.page) is _MANY)
+            elif t is SwapIn:
+                for p in call.pages.tolist():
+                    self.records[p] = None
+
+    @staticmethod
+    def _forward_raced(call: Forward, q, pages: dict, slots: dict) -> bool:
+        if pages:
+            if _raced(pages, call.ctx_pages.tolist(), q, False):
+                return True
+            if _raced(pages, call.out_pages.tolist(), q, True):
+                return True
+        if slots:
+            if _raced(slots, call.in_embeds.tolist(), q, False):
+                return True
+            if _raced(slots, call.out_embeds.tolist(), q, True):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ per call
+
+    def _embed_txt(self, call: EmbedTxt, raced: bool) -> None:
+        outs, tokens, positions = call.out_embeds, call.tokens, call.positions
+        if (
+            raced
+            or not len(outs) == len(tokens) == len(positions)
+            or (len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size))
+            or (len(positions) and (positions.min() < 0 or positions.max() >= self.max_position))
+        ):
+            self.embed_token[outs] = -1
+            return
+        self.embed_token[outs] = tokens
+        self.embed_position[outs] = positions
+
+    def _forward(self, call: Forward, raced: bool) -> None:
+        outs = call.out_pages.tolist()
+        if outs:
+            done = False
+            if not raced and call.mask is None and call.adapter == -1 and call.positions is None:
+                done = self._certify(call, outs)
+            if not done:
+                self._damage(outs, int(call.out_offset), len(call.in_embeds))
+        if len(call.out_embeds):
+            self.embed_token[call.out_embeds] = -1
+
+    def _certify(self, call: Forward, outs: list[int]) -> bool:
+        """Give the out pages records if the forward is a canonical causal prefill step."""
+        ps = self.page_size
+        recs = self.records
+        ctx = call.ctx_pages.tolist()
+        last_len = int(call.ctx_last_len)
+        n = len(call.in_embeds)
+        if (ctx and not 1 <= last_len <= ps) or (not ctx and last_len != 0):
+            return False
+        length = (len(ctx) - 1) * ps + last_len if ctx else 0
+        head = length % ps
+        # What the engine would reject (then nothing is written, nothing certified).
+        if int(call.out_offset) != head or not 0 < n <= self.max_batch_tokens:
+            return False
+        if len(outs) * ps - head < n or len(set(outs)) != len(outs):
+            return False
+        if any(p in ctx for p in outs[1:]) or (
+            outs[0] in ctx and (head == 0 or outs[0] != ctx[-1])
+        ):
+            return False
+        ins = call.in_embeds
+        toks = self.embed_token[ins]
+        if toks.min() < 0 or not np.array_equal(
+            self.embed_position[ins], np.arange(length, length + n)
+        ):
+            return False
+        tokens = toks.tolist()
+        # The context: pages 0, 1, ... of one certified sequence, keys chained.
+        prev: PageRecord | None = None
+        last = len(ctx) - 1
+        for i, p in enumerate(ctx):
+            r = recs[p]
+            if r is None or r.index != i or len(r.tokens) < (ps if i < last else last_len):
+                return False
+            if i == 0:
+                if r.key != ROOT_KEY:
+                    return False
+            elif r.prev is not prev and r.key != prev.next_key():
+                return False
+            prev = r
+        index = length // ps
+        if head:
+            # The first new token goes into the context's last page (or a copy of it).
+            first = recs[outs[0]]
+            if first is None or not first.holds(_prefix(prev, head)):
+                return False
+            held = prev.tokens[:head]
+            key, before = prev.key, prev.prev
+        else:
+            held = ()
+            key = ROOT_KEY if prev is None else prev.next_key()
+            before = prev
+        pos = 0
+        k = 0
+        while pos < n:
+            take = ps - len(held)
+            rec = PageRecord(
+                outs[k], index + k, held + tuple(tokens[pos : pos + take]), key, before
+            )
+            recs[outs[k]] = rec
+            pos += take
+            k += 1
+            held = ()
+            if pos < n:
+                key, before = rec.next_key(), rec
+        return True
+
+    def _damage(self, outs: list[int], offset: int, n: int) -> None:
+        """Slots ``offset .. offset + n`` of the concatenated ``outs`` were written with
+        uncertified content: each page's certification ends where the write starts."""
+        recs = self.records
+        for k, p in enumerate(outs[: -(-(offset + n) // self.page_size)]):
+            _truncate(recs, p, offset if k == 0 else 0)
+
+    def _copy(self, call: CopyKv, raced: bool) -> None:
+        recs = self.records
+        src, dst = int(call.src_page), int(call.dst_page)
+        so, do, n = int(call.src_offset), int(call.dst_offset), int(call.length)
+        if n == 0:
+            return
+        ps = self.page_size
+        if not (0 <= so < ps and 0 <= do < ps and 0 <= n <= ps and so + n <= ps >= do + n):
+            return  # the engine rejects it: nothing is written
+        rs = recs[src]
+        if raced or rs is None or so != do or so + n > len(rs.tokens):
+            _truncate(recs, dst, do)
+            return
+        if do == 0:
+            recs[dst] = PageRecord(dst, rs.index, rs.tokens[:n], rs.key, rs.prev)
+            return
+        rd = recs[dst]
+        if rd is not None and len(rd.tokens) >= do and rd.holds(_prefix(rs, do)):
+            recs[dst] = PageRecord(dst, rs.index, rs.tokens[: do + n], rs.key, rs.prev)
+        else:
+            _truncate(recs, dst, do)
+
+    def _mask(self, call: MaskKv, raced: bool) -> None:
+        hidden = np.flatnonzero(call.masked)
+        first = int(hidden[0]) if len(hidden) else self.page_size
+        _truncate(self.records, int(call.page), 0 if raced else first)
+
+    # ------------------------------------------------------------------ checks
+
+    def certified(self, pages: Iterable[int]) -> list[int]:
+        """How many slots of each page are certified (for tests and logs)."""
+        return [0 if self.records[p] is None else len(self.records[p].tokens) for p in pages]
+
+
+def _prefix(rec: PageRecord, n: int) -> PageRecord:
+    """A view of ``rec`` certifying only its first ``n`` slots."""
+    return PageRecord(rec.page, rec.index, rec.tokens[:n], rec.key, rec.prev)
+
+
+def _truncate(recs: list, page: int, n: int) -> None:
+    """Keep the certification of slots ``0..n-1`` of ``page`` only."""
+    r = recs[page]
+    if r is None or len(r.tokens) <= n:
+        return
+    recs[page] = PageRecord(page, r.index, r.tokens[:n], r.key, r.prev) if n > 0 else None
+
+
+def _mark(table: dict, key: int, q) -> None:
+    prev = table.get(key)
+    if prev is None:
+        table[key] = q
+    elif prev is not q:
+        table[key] = _MANY
+
+
+def _raced(table: dict, keys: Iterable[int], q, writes: bool) -> bool:
+    """Whether memory this call touches is written in the batch by another queue (or, for
+    what it writes, by several)."""
+    for k in keys:
+        w = table.get(k)
+        if w is not None and (w is _MANY or (not writes and w is not q)):
+            return True
+    return False
+
+
+def _written_pages(call) -> Iterable[int]:
+    t = type(call)
+    if t is Forward:
+        return call.out_pages.tolist()
+    if t is CopyKv:
+        return (int(call.dst_page),)
+    if t is MaskKv:
+        return (int(call.page),)
+    if t is SwapIn:
+        return call.pages.tolist()
+    return ()
+
+
+def _written_embeds(call) -> Iterable[int]:
+    t = type(call)
+    if t is EmbedTxt or t is Forward:
+        return call.out_embeds.tolist()
+    return ()
+
+
+__all__ = ["ROOT_KEY", "KvProvenance", "PageRecord"]

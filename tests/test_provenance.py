@@ -1,0 +1,420 @@
+"""Provenance of KV pages: exactly which slots are certified canonical after each call, and
+the page ownership table with the prefix cache under random workloads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from pastry.control.prefix_cache import PrefixCache
+from pastry.control.provenance import ROOT_KEY, KvProvenance
+from pastry.control.resources import ResourceError, ResourceManager
+from pastry.engine.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn, ids
+
+PS = 4
+
+
+class Q:
+    """A queue of an instance (the provenance reads only ``instance``)."""
+
+    def __init__(self, instance: int) -> None:
+        self.instance = instance
+
+
+Q1, Q2 = Q(1), Q(1)  # two queues of one inferlet
+
+
+def prov() -> KvProvenance:
+    return KvProvenance(PS, 16, 64, vocab_size=100, max_position=1000, max_batch_tokens=64)
+
+
+def embed(tokens, start, slots):
+    return EmbedTxt(ids(tokens), ids(range(start, start + len(tokens))), ids(slots))
+
+
+def fwd(ins, ctx=(), last=0, out=(), off=0, outs=(), **kw):
+    n = len(ins)
+    return Forward(
+        in_embeds=ids(ins),
+        ctx_pages=ids(ctx),
+        ctx_last_len=last,
+        out_pages=ids(out),
+        out_offset=off,
+        out_embeds=ids(outs),
+        out_indices=ids(range(n - len(outs), n)),
+        **kw,
+    )
+
+
+def tokens_of(p: KvProvenance, page: int):
+    r = p.record(page)
+    return None if r is None else (r.index, r.tokens)
+
+
+def prefilled(p: KvProvenance, tokens=(1, 2, 3, 4, 5, 6), pages=(3, 7)) -> None:
+    """A canonical prefill of ``tokens`` into ``pages`` (queue Q1)."""
+    n = len(tokens)
+    p.observe([(Q1, embed(tokens, 0, range(n))), (Q1, fwd(range(n), out=pages))])
+
+
+def test_a_canonical_prefill_and_decode_certify_their_slots():
+    p = prov()
+    prefilled(p)
+    assert tokens_of(p, 3) == (0, (1, 2, 3, 4)) and tokens_of(p, 7) == (1, (5, 6))
+    assert p.record(3).key == ROOT_KEY and p.record(7).key == p.record(3).next_key()
+    assert [r.page for r in p.chain(7)] == [3, 7]
+    # a decode step appends to the partial page: same page, one more token
+    p.observe([(Q1, embed([9], 6, [10])), (Q1, fwd([10], ctx=[3, 7], last=2, out=[7], off=2))])
+    assert tokens_of(p, 7) == (1, (5, 6, 9))
+    # the next page starts a new record keyed by the full one before it
+    p.observe(
+        [
+            (Q1, embed([8, 7], 7, [11, 12])),
+            (Q1, fwd([11, 12], ctx=[3, 7], last=3, out=[7, 2], off=3)),
+        ]
+    )
+    assert tokens_of(p, 7) == (1, (5, 6, 9, 8)) and tokens_of(p, 2) == (2, (7,))
+    assert p.record(2).key == p.record(7).next_key() and p.record(2).prev is p.record(7)
+    # a chunked prefill in one batch of one queue: the second chunk extends the first
+    q = prov()
+    q.observe(
+        [
+            (Q1, embed([1, 2, 3, 4, 5, 6], 0, range(6))),
+            (Q1, fwd([0, 1, 2], out=[3])),
+            (Q1, fwd([3, 4, 5], ctx=[3], last=3, out=[3, 7], off=3)),
+        ]
+    )
+    assert tokens_of(q, 3) == (0, (1, 2, 3, 4)) and tokens_of(q, 7) == (1, (5, 6))
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["mask", "adapter", "positions", "shifted", "non-text", "wrong offset", "unknown token"],
+)
+def test_what_is_not_a_plain_causal_prefill_certifies_nothing(why):
+    p = prov()
+    n = 6
+    toks = (1, 2, 3, 4, 5, 6)
+    calls = [(Q1, embed(toks, 3 if why == "shifted" else 0, range(n)))]
+    kw = {}
+    if why == "mask":  # even a mask that equals the causal one
+        kw["mask"] = np.tril(np.ones((n, n), dtype=np.bool_))
+    elif why == "adapter":
+        kw["adapter"] = 0
+    elif why == "positions":
+        kw["positions"] = ids(range(n))
+    elif why == "non-text":  # inputs that a forward wrote, not embed_txt
+        calls.append((Q1, fwd(range(n), outs=range(20, 26))))
+    elif why == "unknown token":
+        calls = [(Q1, embed((1, 2, 3, 400, 5, 6), 0, range(n)))]
+    ins = range(20, 26) if why == "non-text" else range(n)
+    calls.append((Q1, fwd(ins, out=[3, 7], off=1 if why == "wrong offset" else 0, **kw)))
+    p.observe(calls)
+    assert tokens_of(p, 3) is None and tokens_of(p, 7) is None
+
+
+def test_masking_copying_and_swapping_keep_only_what_still_holds():
+    p = prov()
+    prefilled(p)
+    # a mask hides slot 2: the page is certified up to it
+    p.observe([(Q1, MaskKv(3, np.arange(PS) == 2))])
+    assert tokens_of(p, 3) == (0, (1, 2))
+    # so a forward over it is not canonical any more
+    p.observe([(Q1, embed([9], 6, [10])), (Q1, fwd([10], ctx=[3, 7], last=2, out=[7], off=2))])
+    assert tokens_of(p, 7) == (1, (5,)) or tokens_of(p, 7) == (1, (5, 6))
+    assert tokens_of(p, 7) == (1, (5, 6))  # the slots before the write keep their tokens
+    q = prov()
+    prefilled(q)
+    q.observe([(Q1, CopyKv(7, 9, 0, 0, 2))])  # to the same offsets: carried
+    assert tokens_of(q, 9) == (1, (5, 6))
+    q.observe([(Q1, CopyKv(3, 10, 0, 1, 2))])  # shifted by a slot: not
+    assert tokens_of(q, 10) is None
+    q.observe([(Q1, CopyKv(3, 9, 2, 2, 2))])  # slots 2-3 of page 0 into page 1: not
+    assert tokens_of(q, 9) == (1, (5, 6))
+    q.observe([(Q1, SwapIn(ids([9]), ids([9])))])
+    assert tokens_of(q, 9) is None
+    # a forward writing over certified slots with uncertified content ends them there
+    q.observe([(Q1, fwd([30], ctx=[3], last=4, out=[7], off=1, mask=np.ones((1, 5), bool)))])
+    assert tokens_of(q, 7) == (1, (5,))
+
+
+def test_calls_of_other_queues_in_the_same_batch_certify_nothing_they_share():
+    p = prov()
+    prefilled(p)
+    # Q2 writes the embedding slot Q1 reads: the engine embeds both before Q1's forward
+    p.observe(
+        [
+            (Q1, embed([9], 6, [10])),
+            (Q2, embed([8], 6, [10])),
+            (Q1, fwd([10], ctx=[3, 7], last=2, out=[7], off=2)),
+        ]
+    )
+    assert tokens_of(p, 7) == (1, (5, 6))
+    # Q2 writes a page Q1's forward reads in the same batch
+    p.observe(
+        [
+            (Q1, embed([9], 6, [11])),
+            (Q2, embed([4], 0, [12])),
+            (Q1, fwd([11], ctx=[3, 7], last=2, out=[7], off=2)),
+            (Q2, fwd([12], out=[3])),
+        ]
+    )
+    assert tokens_of(p, 7) == (1, (5, 6)) and tokens_of(p, 3) == (0, (4,))
+
+
+def test_what_the_engine_would_reject_certifies_nothing():
+    p = prov()
+    prefilled(p)
+    p.observe(
+        [(Q1, embed([9, 8], 6, [10, 11])), (Q1, fwd([10, 11], ctx=[3, 7], last=2, out=[7], off=2))]
+    )
+    assert tokens_of(p, 7) == (1, (5, 6, 9, 8))
+    for bad in [
+        fwd([10], ctx=[3, 7], last=2, out=[3], off=2),  # overwrites its own context
+        fwd([10], ctx=[3, 7], last=5, out=[7], off=2),  # ctx_last_len > page size
+        fwd([], ctx=[3, 7], last=2, out=[7], off=2),  # no input
+        fwd([10, 11, 12], ctx=[3], last=4, out=[7], off=0),  # not room for three
+    ]:
+        q = prov()
+        prefilled(q)
+        q.observe([(Q1, embed([9, 8, 7], 6, [10, 11, 12])), (Q1, bad)])
+        assert tokens_of(q, 9) is None
+        assert tokens_of(q, 7) in ((1, (5, 6)), None)
+
+
+# ------------------------------------------------------------------------------ ownership
+
+
+class Workload:
+    """A ResourceManager with a prefix cache, driven like the control layer drives it:
+    prefills that match, borrow and fill pages; canonical and other writes seen by the
+    provenance; releases, exports, imports, evictions and write claims."""
+
+    def __init__(self, seed: int, num_pages: int = 48) -> None:
+        self.rng = random.Random(seed)
+        self.cache = PrefixCache(PS)
+        self.prov = KvProvenance(PS, num_pages, 256, 50, 1000, 64)
+        self.res = ResourceManager(
+            num_pages, 256, on_terminate=self.end, cache=self.cache, provenance=self.prov
+        )
+        self.live: dict[int, list[tuple[list[int], list[int]]]] = {}  # inst -> (tokens, handles)
+        self.ids = iter(range(10**9))
+        self.ended: list[int] = []
+        self.exports: list[str] = []
+
+    def end(self, inst: int, reason: str) -> None:
+        self.ended.append(inst)
+        self.res.remove_instance(inst)
+        self.live.pop(inst, None)
+
+    def start(self) -> int:
+        inst = next(self.ids)
+        self.res.add_instance(inst, self.rng.choice(USERS))
+        self.live[inst] = []
+        return inst
+
+    def prefill(self, inst: int, tokens: list[int]) -> None:
+        res, n = self.res, len(tokens)
+        user = res.user_of(inst)
+        m = self.cache.match(tokens, n - 1, namespace=user)
+        root = m.node
+        while root.parent is not None:
+            root = root.parent
+        assert root is self.cache.root_of(user), "a match from another user's tree"
+        full = m.length // PS
+        handles = res.reserve(inst, "kv", -(-n // PS))
+        res.bind_cached(inst, handles[:full], m.pages[:full])
+        try:
+            res.bind_fresh(inst, "kv", handles[full:])
+        except ResourceError:
+            res.free(inst, "kv", handles[:full])
+            res.unreserve(inst, "kv", handles[full:])
+            return
+        phys = res.translate(inst, "kv", handles)
+        start = full * PS
+        slots = list(range(n - start))
+        calls = []
+        if m.length % PS and full < len(phys):
+            calls.append((inst, CopyKv(m.pages[full], phys[full], 0, 0, m.length % PS)))
+            start = m.length
+            slots = list(range(n - start))
+        calls.append((inst, embed(tokens[start:], start, slots)))
+        calls.append(
+            (
+                inst,
+                fwd(
+                    slots,
+                    ctx=phys[: -(-start // PS)],
+                    last=start - (-(-start // PS) - 1) * PS if start else 0,
+                    out=phys[start // PS :],
+                    off=start % PS,
+                ),
+            )
+        )
+        self.prov.observe(calls)
+        self.live[inst].append((tokens, handles))
+        if self.rng.random() < 0.5:
+            res.offer(inst, [phys[-1]])
+
+    def scribble(self, inst: int) -> None:
+        """A write that is not canonical, to a page the instance holds."""
+        if not self.live.get(inst):
+            return
+        _, handles = self.rng.choice(self.live[inst])
+        h = self.rng.choice(handles)
+        pid = self.res.translate(inst, "kv", [h])[0]
+        try:
+            self.res.claim_writes(inst, [pid])
+        except ResourceError:
+            return
+        self.prov.observe([(inst, MaskKv(pid, np.arange(PS) == self.rng.randrange(PS)))])
+
+    def release(self, inst: int) -> None:
+        if self.live.get(inst):
+            _, handles = self.live[inst].pop(self.rng.randrange(len(self.live[inst])))
+            self.res.free(inst, "kv", handles)
+
+    def check(self) -> None:
+        self.res.check_integrity()
+        # every cached page holds what the tree says: its record certifies the path's tokens
+        for node in self.cache.nodes():
+            path = []
+            x = node
+            while x.parent is not None:
+                path = list(x.key) + path
+                x = x.parent
+            first = node.start // PS
+            for k, page in enumerate(node.pages):
+                idx = first + k
+                want = tuple(path[idx * PS : min(len(path), (idx + 1) * PS)])
+                rec = self.prov.record(page)
+                got = rec.tokens[: len(want)]
+                assert rec.index == idx and got == want, (page, rec, want)
+
+
+USERS = (None, "alice", "bob")  # each user's prefills match only its own tree
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workloads_keep_the_page_table_consistent(seed):
+    w = Workload(seed)
+    rng = w.rng
+    stems = [[rng.randrange(1, 50) for _ in range(rng.randrange(2, 14))] for _ in range(6)]
+    for _ in range(3000):
+        r = rng.random()
+        insts = list(w.live)
+        if r < 0.1 or not insts:
+            w.start()
+        elif r < 0.45:
+            seq = rng.choice(stems) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 10))]
+            w.prefill(rng.choice(insts), seq)
+        elif r < 0.65:
+            w.release(rng.choice(insts))
+        elif r < 0.72:
+            w.scribble(rng.choice(insts))
+        elif r < 0.8:
+            inst = rng.choice(insts)
+            if w.live[inst]:
+                _, handles = rng.choice(w.live[inst])
+                name = f"e{next(w.ids)}"
+                w.res.export(inst, "kv", handles, name, persistent=rng.random() < 0.5)
+                w.exports.append((name, w.res.user_of(inst)))
+        elif r < 0.86 and w.exports:
+            name, owner = rng.choice(w.exports)
+            if name in dict((n, k) for n, k, _ in w.res.list_exports(owner)):
+                if rng.random() < 0.5:
+                    w.res.unexport(None, name, owner)
+                else:  # maybe another user's (the server checks grants, not this layer)
+                    inst = rng.choice(insts)
+                    w.live[inst].append(([], w.res.import_(inst, "kv", name, owner)))
+        elif r < 0.93:
+            inst = rng.choice(insts)
+            with contextlib.suppress(ResourceError):
+                w.live[inst].append(([], w.res.alloc(inst, "kv", rng.randrange(1, 12))))
+        else:
+            w.end(rng.choice(insts), "done")
+    w.check()
+    for inst in list(w.live):
+        w.end(inst, "done")
+    for name, owner in w.exports:
+        if name in dict((n, k) for n, k, _ in w.res.list_exports(owner)):
+            w.res.unexport(None, name, owner)
+    w.check()
+    assert w.res.referenced("kv") == 0
+    assert w.res.usage("kv")[0] + w.cache.cached_pages == 48
+    assert w.cache.evictable_pages == w.cache.cached_pages
+    assert Counter(w.res.cache_events)["adopted"] > 0
+
+
+def test_reserved_handles_are_bound_later_and_freed_like_any_other():
+    from pastry.control.resources import InvalidHandle, QuotaExceeded
+
+    res = ResourceManager(8, 8, cache=PrefixCache(PS), provenance=prov())
+    res.add_instance(1)
+    res.set_limit(1, "kv", 4)
+    h = res.reserve(1, "kv", 3)
+    assert h == [0, 1, 2] and res.usage("kv") == (8, 0, 8)
+    with pytest.raises(InvalidHandle, match="not filled yet"):
+        res.translate(1, "kv", h)
+    with pytest.raises(QuotaExceeded):  # reserved handles count against the limit
+        res.alloc(1, "kv", 2)
+    assert res.bind_fresh(1, "kv", h[:2]) == [0, 1]
+    res.free(1, "kv", [h[2]])  # never bound: it just stops being reserved
+    with pytest.raises(InvalidHandle):
+        res.free(1, "kv", [h[2]])
+    res.unbind(1, "kv", [h[1]])  # back to reserved, its page freed
+    assert res.usage("kv") == (7, 1, 8)
+    res.check(1, "kv", [h[0], h[1]])
+    res.check_integrity()
+    res.remove_instance(1)
+    assert res.usage("kv") == (8, 0, 8)
+
+
+def test_a_cached_page_is_written_only_by_its_only_user():
+    cache, p = PrefixCache(PS), prov()
+    res = ResourceManager(16, 64, cache=cache, provenance=p)
+    for inst in (1, 2):
+        res.add_instance(inst)
+    pages = res.alloc(1, "kv", 2)
+    p.observe([(Q1, embed([1, 2, 3, 4, 5, 6], 0, range(6))), (Q1, fwd(range(6), out=pages))])
+    res.offer(1, [pages[1]])  # the prompt goes to the cache while instance 1 holds it
+    assert cache.match([1, 2, 3, 4, 5, 6], touch=False).length == 6
+    other = res.reserve(2, "kv", 1)
+    res.bind_cached(2, other, [pages[0]])  # instance 2 shares page 0
+    with pytest.raises(ResourceError, match="shared through the prefix cache"):
+        res.claim_writes(1, [pages[0]])
+    res.claim_writes(1, [pages[1]])  # page 1 is instance 1's alone: it leaves the cache
+    assert cache.match([1, 2, 3, 4, 5, 6], touch=False).length == 4
+    res.free(2, "kv", other)
+    res.claim_writes(1, [pages[0]])  # now page 0 too
+    assert cache.cached_pages == 0 and res.referenced("kv") == 2
+    res.check_integrity()
+
+
+def test_a_forward_the_engine_refused_is_forgotten_and_leaves_the_cache():
+    from pastry.control.prefill import Prefiller
+
+    cache, p = PrefixCache(PS), prov()
+    res = ResourceManager(16, 64, cache=cache, provenance=p)
+    res.add_instance(1)
+    pages = res.alloc(1, "kv", 2)
+    call = fwd(range(6), out=pages)
+    p.observe([(Q1, embed([1, 2, 3, 4, 5, 6], 0, range(6))), (Q1, call)])
+    res.offer(1, [pages[1]])
+    assert cache.cached_pages == 2
+
+    async def refused():
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_exception(RuntimeError("the engine refused the call"))
+        return fut
+
+    pf = Prefiller(res, scheduler=None, page_size=PS, cache=cache, provenance=p)
+    pf._check_written(call, asyncio.run(refused()))
+    assert p.record(pages[0]) is None and p.record(pages[1]) is None
+    assert cache.cached_pages == 0 and res.referenced("kv") == 2
+    res.check_integrity()
