@@ -452,6 +452,27 @@ def test_openai_and_microserving_http_go_through_the_router(
         gen = {"engine": 1, "prompt": prompt, "begin": 5, "max_tokens": 2}
         status, text = _http(url, "/microserving/start_generate", gen)
         assert status == 500 and "is not on engine 1" in text
+        # The prefix cache: a prompt computed on engine 1 is matched there by prep_recv (its
+        # full pages, never the last token), and only the rest is sent (begin below it is
+        # raised to it: the shared pages are never written).
+        gen = {"engine": 1, "prompt": prompt, "begin": 0, "max_tokens": 12, "temperature": 0}
+        status, text = _http(url, "/microserving/start_generate", gen)
+        assert json.loads(text)["choices"][0]["text"] == single_engine_texts[3]
+        ps = server.controller.all_engines()[1].info.page_size
+        n = len(server.controller.all_engines()[1].tokenizer.encode(prompt))
+        status, text = _http(
+            url, "/microserving/prep_recv", {"engine": 1, "prompt": prompt, "end": -1}
+        )
+        kv = json.loads(text)
+        assert 0 < kv["matched_len"] <= n - 1 and kv["matched_len"] % ps == 0, (kv, n)
+        send = {"engine": 0, "prompt": prompt, "kv_addr_info": kv["kv_addr_info"],
+                "recv_rank": 1, "begin": 0, "end": -1}  # fmt: skip
+        assert _http(url, "/microserving/remote_send", send)[0] == 200
+        gen = {"engine": 1, "prompt": prompt, "begin": -1, "max_tokens": 12, "temperature": 0}
+        status, text = _http(url, "/microserving/start_generate", gen)
+        assert json.loads(text)["choices"][0]["text"] == single_engine_texts[3]
+        for m in server.controller.all_engines():
+            m.resources.check_integrity()
         assert _http(url, "/microserving/router", {"router": "round-robin"})[0] == 200
         assert json.loads(_http(url, "/microserving/engines")[1])["router"] == "round-robin"
 

@@ -7,13 +7,15 @@ on its engine) and move KV between engines with LLM microserving's three calls, 
 paper's semantics (Python slice indices, ``end=-1``):
 
 - ``prep_recv(q, prompt, end)`` on the receiver (``q``'s engine): match ``prompt[:end]`` in
-  its context cache (``matched_len``; 0 until the engines have a prefix cache), allocate
-  pages for the rest and return ``(kv_addr_info, matched_len)``. No compute. The pages are
-  the caller's, recorded in a :class:`RecvBuffer` that ``kv_addr_info`` names.
+  its prefix cache (``matched_len``: the full pages of the longest cached prefix, in the
+  caller's user's tree, shared read-only; never the last prompt token), allocate pages for
+  the rest and return ``(kv_addr_info, matched_len)``. No compute. The pages are the
+  caller's, recorded in a :class:`RecvBuffer` that ``kv_addr_info`` names.
 - ``remote_send(q, prompt, kv_addr_info, recv_rank, begin, end)`` on the sender: compute
   the K/V of ``prompt[:end]`` there and write ``prompt[begin:end]`` straight into the
   receiver's pages, layer by layer as the forward computes them (``SendKv``,
-  :mod:`pastry.engine.transfer`); resolves when every write has landed.
+  :mod:`pastry.engine.transfer`); resolves when every write has landed. What ``prep_recv``
+  matched is never sent again (``begin`` below ``matched_len`` starts there).
 - ``start_generate(q, prompt, begin, request)``: hand a *routed request* to ``q``'s engine,
   where the K/V of ``prompt[:begin]`` now is: the requesting program's context continues
   there, prefilling ``prompt[begin:]`` and generating.
@@ -410,8 +412,13 @@ class Routing:
         tokens = _tokens(prompt)
         _, end = slice_bounds(len(tokens), None, end)
         ps = ref.model.info.page_size
-        matched = 0  # the engines keep no context cache yet: nothing is ever matched
-        pages = session.alloc_kvpages(q, -(-end // ps))  # masked until written
+        shared = self._match(session, ref.model, tokens, end)
+        matched = len(shared) * ps
+        try:
+            pages = shared + session.alloc_kvpages(q, -(-end // ps) - len(shared))  # masked
+        except ApiError:
+            ref.model.resources.free(session.instance, "kv", shared)
+            raise
         buffers = self._buffers[session.instance]
         handle = max(buffers, default=0) + 1
         buffers[handle] = RecvBuffer(ref.model.rank, tokens[:end], matched, pages, [(0, matched)])
@@ -420,6 +427,24 @@ class Routing:
         # would otherwise be hidden again.
         _chain(session.synchronize(q), out, (handle, matched))
         return out
+
+    def _match(self, session: Session, model: Model, tokens: tuple, end: int) -> list[int]:
+        """New handles of ``session`` for the full pages of the longest prefix of
+        ``tokens[:end]`` in ``model``'s prefix cache (the caller's user's tree; shared
+        read-only, so ``remote_send`` never writes them). At least the last prompt token is
+        left to send (``start_generate`` computes it)."""
+        res, cache = model.resources, model.resources.cache
+        if cache is None or not end:
+            return []
+        ps = model.info.page_size
+        limit = min(end, len(tokens) - 1)
+        m = cache.match(tokens, limit, namespace=res.user_of(session.instance))
+        full = m.length // ps
+        if not full:
+            return []
+        handles = session._resource_call(lambda: res.reserve(session.instance, "kv", full))
+        res.bind_cached(session.instance, handles, m.pages[:full])
+        return handles
 
     def remote_send(
         self,
@@ -446,6 +471,9 @@ class Routing:
             raise ApiError(
                 f"prompt[:{end}] is not the prompt prep_recv prepared (its prompt[:{len(buf.tokens)}])"
             )
+        # What prep_recv matched in the receiver's cache is there already (and shared: it
+        # must not be written), so it is never sent again.
+        begin = min(max(begin, buf.matched), end)
         receiver = self.engine(sender.name, recv_rank)
         if receiver is sender:
             raise ApiError(
