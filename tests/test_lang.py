@@ -56,7 +56,7 @@ def run(eng, source: str, args=(), sandboxed: bool = False, count_forwards: bool
         stats = model.scheduler.stats
         await controller.close()
         model.resources.check_integrity()
-        assert model.resources.usage("kv")[1] == 0, "pages left after the instance ended"
+        assert model.resources.referenced("kv") == 0, "pages left after the instance ended"
         handle.close()
         return events[-1], stats
 

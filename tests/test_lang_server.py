@@ -181,6 +181,9 @@ def test_native_single_batch_n_and_input_ids(server):
     assert batch[0]["text"] == batch[1]["text"] == one["text"]  # greedy: both samples agree
     ids = post(url, {"input_ids": one["output_ids"], "sampling_params": sp}).json()
     assert ids["meta_info"]["prompt_tokens"] == 5
+    long = {"input_ids": list(range(3, 60)), "sampling_params": sp}  # the prefix cache
+    first, again = post(url, long).json(), post(url, long).json()
+    assert 0 < again["meta_info"]["cached_tokens"] < 57 and again["text"] == first["text"]
     stop_id = post(
         url, {"text": "Hello,", "sampling_params": {**sp, "stop_token_ids": one["output_ids"][2:3]}}
     ).json()

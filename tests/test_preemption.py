@@ -98,7 +98,7 @@ def test_preempted_mid_generation_resumes_with_the_same_tokens(make_tiny):
     assert json.loads(end.result) == want
     assert seen_on_host >= 2  # A really was (partly) in host memory while B ran
     assert stats.pages_out >= 2 and stats.pages_in == stats.pages_out and stats.forced == 0
-    assert res.usage("kv")[1] == 0 and res.host_usage()[1] == 0
+    assert res.referenced("kv") == 0 and res.host_usage()[1] == 0
 
 
 CHAT = """

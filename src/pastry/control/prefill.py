@@ -21,9 +21,11 @@ order the waiting prefills (:mod:`pastry.control.policies.admission`). At admiss
 3. **Admit** against free + evictable pages: the fresh pages are allocated (evicting
    least-recently-used cached pages first), and embedding slots for the tokens to compute
    (the prefill's own: taken here, given back when its forward has run). When they cannot
-   be had and other work is running, the prefill is *not admitted* and waits at the head of
-   its queue; when nothing else runs, the allocation goes ahead and the eviction policy may
-   end inferlets (or the prefill fails with the reason).
+   be had, programs that rank after this one are swapped to host memory first (when the
+   engine has swap space, :mod:`pastry.control.swap`); if that is not enough and other work
+   is running, the prefill is *not admitted* and waits at the head of its queue; when
+   nothing else runs, the allocation goes ahead and the eviction policy may end inferlets
+   (or the prefill fails with the reason).
 4. **Compute** the rest: the stale tail of the last fresh page is masked, the remaining
    tokens are embedded and forwarded on top of the shared prefix, in one batch.
 5. **Insert** early: the full pages of a fresh context's prompt enter the tree as soon as
@@ -253,9 +255,8 @@ class _Plan:
     out_embeds: list[int]
     embeds: list[int] = field(default_factory=list)  # input slots, ours while admitted
     commands: list[Command] = field(default_factory=list)
-    calls: list[Call | None] | None = None  # the KV calls, one per KV command, once admitted
+    calls: list[tuple | None] | None = None  # the KV calls decided at admission (_kv_call)
     start: int = 0  # the first position computed (the rest came from the cache)
-    phys: list[int] = field(default_factory=list)  # physical page of every index
     pinned: RadixNode | None = None  # the match node, pinned until the copy is dispatched
     fresh_prompt: bool = False
     computing: tuple | None = None  # our key in Prefiller._computing while we compute it
@@ -272,9 +273,7 @@ class _Plan:
         # page reserved after it (their stale slots must never be readable)
         extra = max(0, len(self.pages) + len(self.new) - max(len(self.pages), -(-n // ps)))
         kv = [Command(Stage.KV, prepare=self._admit)]
-        kv += [
-            Command(Stage.KV, prepare=lambda i=i: self._admitted()[i]) for i in range(1, 2 + extra)
-        ]
+        kv += [Command(Stage.KV, prepare=lambda i=i: self._kv_call(i)) for i in range(1, 2 + extra)]
         kv[0].admission = self.admission
         embed = Command(Stage.EMBED, prepare=self._embed)
         fwd = Command(
@@ -294,14 +293,32 @@ class _Plan:
 
     # ------------------------------------------------------------------ admission
 
-    def _admitted(self) -> list[Call | None]:
+    def _admitted(self) -> list[tuple | None]:
         if self.calls is None:
             raise CommandError(f"the prefill was not admitted: {self.error or 'cancelled'}")
         return self.calls
 
+    def _phys(self) -> list[int]:
+        """The physical page of every page index now (translated when each call is
+        prepared: the pages may have moved, swapped out and back, since admission)."""
+        return self.prefiller.resources.translate(self.instance, "kv", self.pages + self.new)
+
+    def _kv_call(self, i: int) -> Call | None:
+        """The ``i``-th KV call decided at admission: ``("copy", index, (src, n))`` copies
+        ``n`` slots of cached page ``src`` into page index ``index``; ``("mask", index,
+        masked)`` masks it."""
+        spec = self._admitted()[i]
+        if spec is None:
+            return None
+        what, index, arg = spec
+        page = self._phys()[index]
+        if what == "copy":
+            return CopyKv(arg[0], page, 0, 0, arg[1])
+        return MaskKv(page, arg)
+
     def _admit(self) -> Call | None:
         if self.calls is not None:  # prepared again after a conflict: same decision
-            return self.calls[0]
+            return self._kv_call(0)
         try:
             return self._decide()
         except NotAdmitted:
@@ -340,6 +357,10 @@ class _Plan:
             pf.stats.waited_for_prefix += 1
             raise NotAdmitted
         need = len(self.new) - shared
+        swapper = pf.scheduler.swapper
+        if swapper is not None and need > res.available("kv"):
+            # programs ranked after this one move to host memory first (control/swap.py)
+            swapper.make_room(self.instance, need - res.available("kv"))
         pf.admit(adm, need, n - m, queue)  # cheap first (pinning the prefix lowers supply)
         # Pin the prefix (the shared pages, and the node of a page to copy from): it is not
         # evictable any more, so check memory again with the exact supply.
@@ -376,15 +397,15 @@ class _Plan:
         if match is not None:
             cache.match(adm.tokens, adm.limit, namespace=adm.namespace)  # used now (LRU)
         self.start = m
-        self.phys = res.translate(self.instance, "kv", self.pages + self.new)
         copy = mask = None
-        if partial:
-            copy = CopyKv(match.pages[full], self.phys[full], 0, 0, partial)
+        if partial:  # (the cached source page is pinned: it never moves)
+            copy = ("copy", full, (match.pages[full], partial))
             self.pinned = pin  # the source page must outlive the copy: unlocked at dispatch
         if n % ps and last >= first_new:
-            mask = MaskKv(self.phys[last], np.arange(ps) >= n % ps)
+            mask = ("mask", last, np.arange(ps) >= n % ps)
         hidden = np.ones(ps, dtype=np.bool_)
-        extra = [MaskKv(p, hidden) for p in self.phys[max(last + 1, first_new) :]]
+        total = len(self.pages) + len(self.new)
+        extra = [("mask", i, hidden) for i in range(max(last + 1, first_new), total)]
         self.calls = [copy, mask, *extra] if copy is not None else [mask, None, *extra]
         self.fresh_prompt = fresh_prompt
         fwd = self.commands[-1]
@@ -397,7 +418,7 @@ class _Plan:
         pf.stats.prefills += 1
         pf.stats.tokens += n - kv_len
         pf.stats.cached_tokens += m - kv_len
-        return self.calls[0]
+        return self._kv_call(0)
 
     def _admit_done(self, fut: asyncio.Future) -> None:
         pf = self.prefiller
@@ -427,8 +448,9 @@ class _Plan:
         k = n - m
         ins = res.translate(self.instance, "embed", self.embeds)
         outs = res.translate(self.instance, "embed", self.out_embeds)
-        ctx = self.phys[: -(-m // ps)]
-        out_pages = self.phys[m // ps : -(-n // ps)]
+        phys = self._phys()
+        ctx = phys[: -(-m // ps)]
+        out_pages = phys[m // ps : -(-n // ps)]
         return Forward(
             in_embeds=ids(ins),
             ctx_pages=ids(ctx),
@@ -459,8 +481,11 @@ class _Plan:
         if self.fresh_prompt:
             ps = self.prefiller.page_size
             full = len(self.admission.tokens) // ps
-            if full:
-                self.prefiller.resources.offer(self.instance, [self.phys[full - 1]])
+            res = self.prefiller.resources
+            handle = (self.pages + self.new)[full - 1] if full else None
+            if handle is not None and self.instance in res.instances():
+                page = res.translate(self.instance, "kv", [handle])[0]
+                res.offer(self.instance, [page])
         self._computed()
 
     def _computed(self) -> None:

@@ -86,10 +86,10 @@ class KvSwapper:
         if not res.handles_on_host(instance):
             return True
         need = res.pages_on_host(instance)
-        short = need - res.usage("kv")[0]
+        short = need - res.available("kv")  # (unused prefix-cache pages are evicted first)
         if short > 0:
             self._make_room(instance, short, force)
-        if res.usage("kv")[0] < need:
+        if res.available("kv") < need:
             if not force:
                 return False
             res.reclaim(instance, "kv", need)  # terminate others (or raise)
@@ -99,6 +99,14 @@ class KvSwapper:
             self.stats.forced += force
         self._back_at[instance] = self.scheduler.stats.batches
         return True
+
+    def make_room(self, requester: int, pages: int) -> None:
+        """Swap out up to about ``pages`` device pages of programs that rank after
+        ``requester`` (and are not in a batch), as the rules allow: what an allocation
+        that cannot wait for its pages does (the cache-aware prefill,
+        :mod:`pastry.control.prefill`, admitted short of pages)."""
+        if pages > 0:
+            self._make_room(requester, pages, False)
 
     def take_calls(self) -> list[Call]:
         """The engine calls for the moves recorded since the last batch (out, then in)."""

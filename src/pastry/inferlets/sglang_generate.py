@@ -75,6 +75,7 @@ async def main(args: list[str]) -> str:
     out = []
     for g in gens:
         m = {**meta, "completion_tokens": len(g.tokens), "finish_reason": g.finish_reason}
+        m["cached_tokens"] = ctx.cached_tokens  # prompt tokens the prefix cache supplied
         if p.return_logprob:
             m["output_token_logprobs"] = [(lp, t, text_of(t)) for lp, t in g.logprobs or []]
             if p.top_logprobs_num:
