@@ -621,3 +621,32 @@ def test_serve_flags_reach_the_server_config(monkeypatch):
     (off, on) = seen
     assert (off.prefix_cache, off.admission) == (False, "fcfs")
     assert (on.prefix_cache, on.admission) == (True, "lpm")
+
+
+def test_users_never_match_each_others_cached_text(eng):
+    """One tree per user (docs/security.md): what alice computed is not matched for bob
+    (cached_tokens 0, the cache's pages are never his), but is for alice's next program;
+    bob's own second run hits his own tree."""
+    tokens = prompt(11, 40)
+    reader = Program.from_source("r", READER)
+
+    async def cached(rt, user: str) -> int:
+        events = [ev async for ev in rt.launch(reader, [json.dumps(tokens)], user=user).events()]
+        return json.loads(result(events))["cached"]
+
+    async def go():
+        async with serving(eng) as (_, rt, model):
+            got = [
+                await cached(rt, "alice"),
+                await cached(rt, "bob"),
+                await cached(rt, "alice"),
+                await cached(rt, "bob"),
+            ]
+            cache = model.resources.cache
+            trees = [cache.match(tokens, touch=False, namespace=u).length for u in ("alice", "bob")]
+            return got, trees
+
+    (a1, b1, a2, b2), trees = asyncio.run(go())
+    assert a1 == 0 and b1 == 0  # bob's first run computes everything again
+    assert a2 > 0 and b2 == a2
+    assert trees[0] == trees[1] > 0  # two copies, one per user
