@@ -326,6 +326,9 @@ def test_every_builtin_gives_the_same_greedy_output_with_the_cache_on_and_off(ck
             out = json.loads(text) if text and text[0] in "{[" else text
             if isinstance(out, dict) and isinstance(out.get("usage"), dict):
                 out["usage"].pop("prompt_tokens_details", None)
+            for item in out if isinstance(out, list) else ():  # sglang-generate's meta_info
+                if isinstance(item, dict) and isinstance(item.get("meta_info"), dict):
+                    item["meta_info"].pop("cached_tokens", None)
             return out
 
         def approx(x):
@@ -565,7 +568,7 @@ def test_openai_reports_cached_prompt_tokens(ckpt, tmp_path):
         off, texts_off = turns(url)
     assert texts_on == texts_off
     cached = [u.prompt_tokens_details.cached_tokens for u in on]
-    assert cached[0] == 0 and cached[2] == 0
+    assert cached[0] == 0 and cached[2] <= 1  # (at most the BOS the chat also began with)
     assert cached[1] >= 16  # the second turn reuses the first one's pages (16 tokens each)
     assert cached[3] >= on[3].prompt_tokens - 16  # the same prompt again
     assert [u.prompt_tokens_details.cached_tokens for u in off] == [0, 0, 0, 0]
