@@ -179,4 +179,4 @@ def test_the_replay_inferlet_runs_a_spec_with_root_and_fork_stages(make_tiny):
     assert json.loads(result(events[0])) == {"tokens": spec.decode_tokens} == {"tokens": 11}
     m = next(iter(controller.models.values()))
     m.resources.check_integrity()
-    assert m.resources.usage("kv")[1] == 0
+    assert m.resources.referenced("kv") == 0  # (the prefix cache may keep some)
