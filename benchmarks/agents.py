@@ -62,7 +62,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -78,6 +77,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import torch
 
+from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.control.http import HttpClient
@@ -572,7 +572,7 @@ def main() -> None:
     engine = bench.counter.engine
     print(f"# agents: {info.model_name} ({engine.cfg.num_params / 1e6:.0f}M params, bf16)")
     print(
-        f"# machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
+        f"# machine: {cpu_name()}, {os.cpu_count()} cpus, "
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}"
     )
     print(

@@ -38,8 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +56,7 @@ from pastry.runtime.trusted import Program, TrustedRuntime
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_decode import prompts, small_checkpoint
+from machine import cpu_name
 
 SCHEMA = {
     "type": "object",
@@ -179,7 +178,7 @@ def main() -> None:
     engine = Engine.load(model, EngineConfig(device=a.device, dtype=a.dtype, page_size=16))
     batch = prompts(a.concurrent, a.prompt_len, min(engine.info.vocab_size, 7000), seed=0)
 
-    cpu = _cpu()
+    cpu = cpu_name()
     print(f"# constrained generation: {engine.info.model_name} ({engine.info.dtype}, {a.device})")
     print(f"# {cpu}; {a.concurrent} concurrent, prompt {a.prompt_len}, {a.tokens} tokens each")
     asyncio.run(run_variant(engine, "device", batch[:2], 4))  # warm-up (tokenizer caches, JIT)
@@ -223,17 +222,6 @@ def main() -> None:
         "model": engine.info.model_name,
     }
     print(json.dumps(result))
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

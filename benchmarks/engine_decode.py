@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
 from pastry.engine.calls import EmbedTxt, Forward, ids
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
@@ -260,7 +260,7 @@ def main() -> None:
         f"{'compiled decode step' if engine.compiled else 'eager'})"
     )
     print(
-        f"# machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
+        f"# machine: {cpu_name()}, {os.cpu_count()} cpus, "
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {device}"
     )
     print(

@@ -34,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
+
 OURS = """
 import sys, time
 import torch  # imported before timing, as in a serving process
@@ -66,17 +68,6 @@ def start(code: str, model: Path, dtype: str, home: Path) -> float:
     if proc.returncode != 0:
         raise SystemExit(f"a start failed:\n{proc.stderr[-3000:]}")
     return float(proc.stdout.strip().splitlines()[-1])
-
-
-def cpu_name() -> str:
-    """The CPU's model name (as ``lscpu`` shows it), or the machine type."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main() -> None:

@@ -45,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import pastry.lang as sgl
+from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
 from pastry.lang import function, gen, select
 
 SHOT = (
@@ -370,9 +371,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((name, lang, base, loc(lang_fns), loc([client_fn])))
         ep.close()
 
-    import platform
 
-    print(f"machine: {platform.processor() or platform.machine()}; model: {model}; "
+    print(f"machine: {cpu_name()}; model: {model}; "
           f"{n} programs, {a.concurrency} at a time; latency: mean of {reps}; "
           f"uploads {'trusted' if a.trusted else 'sandboxed'}; choices scored by "
           f"{api.scoring}")  # fmt: skip

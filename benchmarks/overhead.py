@@ -85,7 +85,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -94,6 +93,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
 from pastry.control import gc_tuning
 from pastry.control.controller import Controller
 from pastry.control.events import Event, Finished, Message
@@ -668,7 +668,7 @@ def main() -> None:
     vocab = engine.info.vocab_size
     print(f"# overhead: {engine.info.model_name} ({engine.cfg.num_params / 1e6:.0f}M params, bf16)")
     print(
-        f"# machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
+        f"# machine: {cpu_name()}, {os.cpu_count()} cpus, "
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, device {args.device}"
     )
     print(f"# prompts {PROMPT} tokens (seeded), greedy, page size {PAGE_SIZE}, quick={args.quick}")

@@ -50,7 +50,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
@@ -62,6 +61,7 @@ import numpy as np
 import torch
 
 from engine_decode import small_checkpoint  # benchmarks/ is on the path when run
+from machine import cpu_name
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.control.policies import admission_policy
@@ -501,7 +501,7 @@ def main() -> None:
     t_start = time.perf_counter()
     torch.manual_seed(0)
     reps = 1 if args.quick else 3
-    cpu = _cpu_name()
+    cpu = cpu_name()
     commit = _commit()
     print(
         f"# prefix cache: {cpu}, {os.cpu_count()} cpus, torch {torch.__version__}, "
@@ -533,16 +533,6 @@ def main() -> None:
         seconds=round(time.perf_counter() - t_start),
     )
     print(json.dumps(out))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _commit() -> str:

@@ -43,7 +43,6 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -61,6 +60,7 @@ from pastry.runtime.trusted import Program, TrustedRuntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_decode import prompts, small_checkpoint
+from machine import cpu_name
 from overhead import TEXT_COMPLETION, check, csv
 
 PROMPT = 32
@@ -411,18 +411,6 @@ def section_memory(handle: InProcessEngine, n: int) -> dict:
 # --------------------------------------------------------------------------- main
 
 
-def cpu_model() -> str:
-    """The CPU's model name (as ``lscpu`` shows it), else the architecture."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -459,7 +447,7 @@ def main() -> None:
     vocab = engine.info.vocab_size
     print(f"# sandbox: {engine.info.model_name} ({engine.cfg.num_params / 1e6:.0f}M params, bf16)")
     print(
-        f"# machine: {cpu_model()}, {os.cpu_count()} cpus, "
+        f"# machine: {cpu_name()}, {os.cpu_count()} cpus, "
         f"torch {torch.__version__}, device {args.device}, quick={args.quick}"
     )
     out: dict[str, object] = {}
@@ -478,7 +466,7 @@ def main() -> None:
         {
             "quick": args.quick,
             "device": args.device,
-            "machine": cpu_model(),
+            "machine": cpu_name(),
             "seconds": round(time.perf_counter() - t_start),
         }
     )

