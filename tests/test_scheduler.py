@@ -201,3 +201,31 @@ def test_batch_prepared_while_the_engine_runs():
         return sizes
 
     assert run(go) == [1, 3]
+
+
+def test_a_failing_dispatch_hook_fails_only_its_batch():
+    """A bug in ``on_dispatch`` (the prefix cache's bookkeeping) must not end the
+    scheduler task: that batch's callers get the error, later batches run."""
+
+    async def go():
+        s = BatchScheduler(Recorder().execute, max_batch_tokens=100, page_size=4, batching=Eager())
+        calls = []
+
+        def hook(cmds):
+            calls.append(len(cmds))
+            if len(calls) == 1:
+                raise RuntimeError("provenance bug")
+
+        s.on_dispatch = hook
+        s.start()
+        q = s.create_queue(1)
+        first = await asyncio.gather(
+            s.submit(q, cmd(Stage.OUTPUT, Sample(0))), return_exceptions=True
+        )
+        second = await asyncio.wait_for(s.submit(q, cmd(Stage.OUTPUT, Sample(0))), 5)
+        await s.stop()
+        return first[0], second
+
+    first, second = run(go)
+    assert isinstance(first, Exception) and "provenance bug" in str(first)
+    assert second == 7

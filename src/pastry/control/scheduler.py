@@ -288,7 +288,13 @@ class BatchScheduler:
                 continue
             await policy.wait(self)
             while self._inflight < policy.max_inflight and (batch := self.take_batch()):
-                self._dispatch(batch)
+                try:
+                    self._dispatch(batch)
+                except Exception as e:  # a bug in a hook: fail this batch, keep serving
+                    log.error("dispatching a batch failed", exc_info=e)
+                    for c in batch:
+                        if not c.future.done():
+                            c.future.set_exception(CommandError(f"internal error: {e}"))
 
     # ---------------------------------------------------------------- what policies read
 

@@ -66,7 +66,9 @@ def _token_ids(values, what: str, lo: int = 0, hi: int | None = None) -> np.ndar
     top = hi if hi is not None else np.iinfo(np.int64).max
     bad = arr[(arr < lo) | (arr >= top)]
     if bad.size:
-        raise ApiError(f"{what} has token id {int(bad[0])}, outside the vocabulary (0 to {top - 1})")
+        raise ApiError(
+            f"{what} has token id {int(bad[0])}, outside the vocabulary (0 to {top - 1})"
+        )
     return arr
 
 

@@ -172,7 +172,11 @@ async def generate(
     )
     bias = [(int(t), float(b)) for t, b in dict(opts["logit_bias"]).items()]
     banned = [(t, -math.inf) for t in sorted(stop_ids)]  # before min_tokens
-    rep, freq, pres = opts["repetition_penalty"], opts["frequency_penalty"], opts["presence_penalty"]
+    rep, freq, pres = (
+        opts["repetition_penalty"],
+        opts["frequency_penalty"],
+        opts["presence_penalty"],
+    )
     penalize = rep != 1.0 or freq != 0.0 or pres != 0.0
     top = opts["logprobs"]
     want = top if top is not None else (0 if rank else None)
@@ -290,4 +294,3 @@ class Deltas(StopCondition):
         if len(text) > self.sent:
             self.send(text[self.sent :])
             self.sent = len(text)
-
