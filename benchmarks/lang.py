@@ -371,7 +371,6 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((name, lang, base, loc(lang_fns), loc([client_fn])))
         ep.close()
 
-
     print(f"machine: {cpu_name()}; model: {model}; "
           f"{n} programs, {a.concurrency} at a time; latency: mean of {reps}; "
           f"uploads {'trusted' if a.trusted else 'sandboxed'}; choices scored by "

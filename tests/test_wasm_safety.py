@@ -186,7 +186,12 @@ def test_compile_runs_off_the_event_loop_under_a_cpu_budget(eng, box):
         with Ticker() as ticker:
             with pytest.raises(ProgramError, match="CPU"):
                 await loop.run_in_executor(
-                    None, sandboxed_program, "slow", slow, SandboxLimits(compile_cpu_seconds=0.3), box
+                    None,
+                    sandboxed_program,
+                    "slow",
+                    slow,
+                    SandboxLimits(compile_cpu_seconds=0.3),
+                    box,
                 )
             prog = await wasm.sandboxed_program_async("fine", fine, box=box)
         return prog, ticker.worst
@@ -384,7 +389,11 @@ def test_stored_uploads_compile_off_the_event_loop(eng, box, tmp_path, monkeypat
     compile_ = box.compile
     monkeypatch.setattr(box, "compile", lambda *a: compiles.append(a[0]) or compile_(*a))
     # ~0.3-0.7 s of compiling in the guest on the 2-core EPYC
-    slow = "x = f'" + "{1}" * 10000 + "'\nasync def main(args):\n    return str(len(x) + int(args[0]))\n"
+    slow = (
+        "x = f'"
+        + "{1}" * 10000
+        + "'\nasync def main(args):\n    return str(len(x) + int(args[0]))\n"
+    )
     ProgramRegistry(tmp_path).upload(slow, "slow")  # compiled (here) and stored
     assert compiles == ["slow"]
     reg = ProgramRegistry(tmp_path)  # the server restarts
