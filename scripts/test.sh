@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
 ruff check src tests benchmarks
+ruff format --check src tests benchmarks
 python -m pytest -q "$@"
