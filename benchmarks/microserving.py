@@ -195,10 +195,11 @@ async def migration(server, contexts: list[int], unique: int, reps: int, vocab: 
     rng = np.random.default_rng(1)
     rows = []
     for c in contexts:
-        tokens = ",".join(map(str, rng.integers(100, vocab - 100, c + unique)))
         times: dict[str, list[float]] = {"migrate": [], "recompute": []}
         for _ in range(reps):  # interleaved A/B
             for mode in times:
+                # fresh tokens every launch: the engines' prefix caches must not serve them
+                tokens = ",".join(map(str, rng.integers(100, vocab - 100, c + unique)))
                 end = await server.runtime.launch(prog, [str(c), str(unique), mode, tokens]).wait()
                 times[mode].append(float(end.result))
         m, r = min(times["migrate"]), min(times["recompute"])
@@ -210,8 +211,8 @@ async def migration(server, contexts: list[int], unique: int, reps: int, vocab: 
 # ----------------------------------------------------------------------------- 4: patterns
 
 
-def workload(kind: str, n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output tokens) per request."""
+def workload(kind: str, n: int, vocab: int, seed: int) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) per request."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
@@ -219,8 +220,16 @@ def workload(kind: str, n: int, vocab: int, seed: int) -> list[tuple[list[int], 
             i, o = int(rng.integers(100, 300)), int(rng.integers(32, 96))
         else:  # long input: normal(3000, 5) / normal(100, 5) scaled by 0.32
             i, o = int(rng.normal(960, 5)), max(2, int(rng.normal(32, 5)))
-        out.append((rng.integers(100, vocab - 100, i).tolist(), o))
+        out.append((i, o))
     return out
+
+
+def with_tokens(
+    lengths: list[tuple[int, int]], vocab: int, rng: np.random.Generator
+) -> list[tuple[list[int], int]]:
+    """The same request lengths with fresh prompt tokens: every pattern and rate runs the
+    same shapes, and none finds an earlier run's prompts in the engines' prefix caches."""
+    return [(rng.integers(100, vocab - 100, i).tolist(), o) for i, o in lengths]
 
 
 async def run_requests(server, reqs, rate_total: float, seed: int) -> dict:
@@ -298,6 +307,8 @@ async def run_programs(server, programs: list[str], rate: float, seed: int) -> f
 
 
 def multiturn(n: int, vocab: int, seed: int) -> list[str]:
+    """``n`` programs of fixed shapes (a shared system prompt, 5 turns); ``seed`` picks
+    their tokens."""
     rng = np.random.default_rng(seed)
     system = rng.integers(100, vocab - 100, 96).tolist()  # shared by every program
     return [
@@ -327,21 +338,26 @@ async def serving_parts(args, model: str, vocab: int, out: dict) -> None:
         patterns = {"dp": "round-robin", "1p1d": "pd", **{f"1p1d-balance-{r}": f"pd-balance:{r}"
                                                           for r in (0.1, 0.2, 0.3)}}  # fmt: skip
         out["patterns"] = {}
+        tokens_rng = np.random.default_rng(6)
         for kind, rates in (("sharegpt", args.rates_sharegpt), ("longinput", args.rates_long)):
-            reqs = workload(kind, n_req, vocab, seed=2)
+            lengths = workload(kind, n_req, vocab, seed=2)
             for rate in rates:  # per engine
                 for name, router in patterns.items():
                     await server.set_router(router)
+                    reqs = with_tokens(lengths, vocab, tokens_rng)
                     r = await run_requests(server, reqs, 2 * rate, seed=3)
                     out["patterns"][f"{kind}/{rate}/{name}"] = r
                     print(f"  {kind:9} {rate:5.2f} req/s/engine {name:16} TTFT {r['ttft_mean']:6.2f}"
                           f" / {r['ttft_p99']:6.2f}  TPOT {r['tpot_mean'] * 1e3:6.1f} / "
                           f"{r['tpot_p99'] * 1e3:6.1f} ms  JCT {r['jct_mean']:6.2f} / "
                           f"{r['jct_p99']:6.2f} s", flush=True)  # fmt: skip
-        programs = multiturn(6 if args.quick else 16, vocab, seed=4)
         out["locality"] = {}
-        for name, router in (("round-robin", "round-robin"), ("least-loaded", "least-loaded"),
-                             ("locality", "locality:256")):  # fmt: skip
+        for i, (name, router) in enumerate((("round-robin", "round-robin"),
+                                            ("least-loaded", "least-loaded"),
+                                            ("locality", "locality:256"))):  # fmt: skip
+            # the same shapes with fresh tokens per router (an earlier router's programs
+            # would otherwise be in the prefix caches)
+            programs = multiturn(6 if args.quick else 16, vocab, seed=10 + i)
             await server.set_router(router)
             out["locality"][name] = await run_programs(server, programs, args.program_rate, seed=5)
             print(f"  locality {name:13} {out['locality'][name]:.3f} programs/s", flush=True)
