@@ -20,6 +20,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.requests import Request
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from pastry.control.events import Event, Failed, Finished, Message, Terminated
+from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.runtime.trusted import Instance
 from pastry.server import metrics
@@ -41,6 +42,7 @@ from pastry.server.openai_params import (
     parse_completion,
 )
 from pastry.server.openai_tools import ToolCall, new_call_id, parse_required
+from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 
 __all__ = ["MAX_N", "Job", "OpenAIError", "routes"]
@@ -307,33 +309,26 @@ class Run:
         self.clock = metrics.RequestClock(job.endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        tasks: list[asyncio.Task] = []
-        answer = None
+        user = user_of(scope)
+
+        def launch(arg: str) -> Instance:
+            program = self.job.program
+            instance = self.server.launch(program, [arg], owner=self, user=user, builtin=True)
+            self.server.controller.programs.join(instance.id, self.program)
+            self.clock.watch(instance.id)
+            return instance
+
+        def answer(events: Events) -> Awaitable[None]:
+            return self._stream(events, send) if self.job.stream else self._reply(events, send)
+
         try:
-            for k, arg in enumerate(self.job.args):
-                instance = self.server.launch(
-                    self.job.program, [arg], owner=self, user=user_of(scope), builtin=True
-                )
-                self.server.controller.programs.join(instance.id, self.program)
-                self.clock.watch(instance.id)
-                tasks.append(asyncio.create_task(_pump(k, instance, events)))
-            reply = self._stream(events, send) if self.job.stream else self._reply(events, send)
-            answer = asyncio.create_task(reply)
-            gone = asyncio.create_task(_disconnected(receive))
-            tasks += [answer, gone]
-            await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
+            await relay(self.server, self, self.job.args, launch, answer, receive)
         finally:
-            for task in tasks:
-                task.cancel()
-            self.server.disown(self)  # ends the instances still running
             self.clock.close()
-        if answer is not None and answer.done() and not answer.cancelled():
-            answer.result()  # raises what the answer raised
 
     # ------------------------------------------------------------------ plain answers
 
-    async def _reply(self, events: asyncio.Queue, send: Send) -> None:
+    async def _reply(self, events: Events, send: Send) -> None:
         results: dict[int, dict] = {}
         while len(results) < len(self.job.args):
             k, ev = await events.get()
@@ -343,7 +338,7 @@ class Run:
                 case Failed() | Terminated():
                     error = _instance_error(ev)
                     metrics.request_done(self.job.endpoint, error.status)
-                    await _send_json(send, error.status, error.body())
+                    await send_json(send, error.status, error.body())
                     return
         n = self.job.n
         choices = [
@@ -362,7 +357,7 @@ class Run:
             "usage": usage,
         }
         metrics.request_done(self.job.endpoint, 200, usage)
-        await _send_json(send, 200, body)
+        await send_json(send, 200, body)
 
     def _choice(self, index: int, c: dict, prompt: dict) -> dict:
         w, finish = self.writer, c["finish_reason"]
@@ -404,7 +399,7 @@ class Run:
 
     # ------------------------------------------------------------------ streams
 
-    async def _stream(self, events: asyncio.Queue, send: Send) -> None:
+    async def _stream(self, events: Events, send: Send) -> None:
         headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -567,24 +562,6 @@ class _ChoiceStream:
         empty: Any = {} if self.job.chat else ""
         out.append((empty, lps, finish))
         return out
-
-
-async def _pump(k: int, instance: Instance, events: asyncio.Queue) -> None:
-    async for ev in instance.events():
-        events.put_nowait((k, ev))
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns when the client has gone (or, after the response, when the request is over)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _send_json(send: Send, status: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
 
 
 def _instance_error(ev: Failed | Terminated) -> OpenAIError:

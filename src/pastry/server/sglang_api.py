@@ -18,6 +18,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +32,10 @@ from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import MAX_LOGPROBS, check
+from pastry.runtime.trusted import Instance
 from pastry.server.auth import tenant_session, user_of
 from pastry.server.limits import token_counts
+from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 
 PROGRAM = "sglang-generate"
@@ -361,25 +364,17 @@ class Generate:
         self.program = session or f"request:{uuid.uuid4().hex}"  # its process-table entry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        events: asyncio.Queue = asyncio.Queue()
-        tasks: list[asyncio.Task] = []
-        try:
-            user = user_of(scope)
-            for k, arg in enumerate(self.job.args):
-                inst = self.server.launch(PROGRAM, [arg], owner=self, user=user, builtin=True)
-                self.server.controller.programs.join(inst.id, self.program)
-                tasks.append(asyncio.create_task(_pump(k, inst, events)))
-            reply = self._stream(events, send) if self.job.stream else self._reply(events, send)
-            answer = asyncio.create_task(reply)
-            gone = asyncio.create_task(_disconnected(receive))
-            tasks += [answer, gone]
-            await asyncio.wait([answer, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-            self.server.disown(self)
-        if answer.done() and not answer.cancelled():
-            answer.result()
+        user = user_of(scope)
+
+        def launch(arg: str) -> Instance:
+            inst = self.server.launch(PROGRAM, [arg], owner=self, user=user, builtin=True)
+            self.server.controller.programs.join(inst.id, self.program)
+            return inst
+
+        def answer(events: Events) -> Awaitable[None]:
+            return self._stream(events, send) if self.job.stream else self._reply(events, send)
+
+        await relay(self.server, self, self.job.args, launch, answer, receive)
 
     def _items(self, k: int, result: str) -> list[dict]:
         items = json.loads(result)
@@ -388,7 +383,7 @@ class Generate:
             item["meta_info"]["e2e_latency"] = time.time() - self.start
         return items
 
-    async def _reply(self, events: asyncio.Queue, send: Send) -> None:
+    async def _reply(self, events: Events, send: Send) -> None:
         results: dict[int, list[dict]] = {}
         while len(results) < len(self.job.args):
             k, ev = await events.get()
@@ -396,13 +391,13 @@ class Generate:
                 results[k] = self._items(k, ev.result)
             elif isinstance(ev, Failed | Terminated):
                 status, message = _failure(ev)
-                await _send_json(send, status, {"error": {"message": message}})
+                await send_json(send, status, {"error": {"message": message}})
                 return
         flat = [item for k in sorted(results) for item in results[k]]
         body = flat if self.job.batch or len(flat) > 1 else flat[0]
-        await _send_json(send, 200, body)
+        await send_json(send, 200, body)
 
-    async def _stream(self, events: asyncio.Queue, send: Send) -> None:
+    async def _stream(self, events: Events, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
 
@@ -445,20 +440,3 @@ def _failure(ev: Failed | Terminated) -> tuple[int, str]:
         return 503, f"the request was ended: {ev.reason}"
     last = (ev.error.strip().splitlines() or ["unknown error"])[-1]
     return 500, f"generation failed: {last}"
-
-
-async def _pump(k: int, instance, events: asyncio.Queue) -> None:
-    async for ev in instance.events():
-        events.put_nowait((k, ev))
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _send_json(send: Send, status: int, body: Any) -> None:
-    data = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
