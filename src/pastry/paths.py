@@ -8,6 +8,9 @@ it are created by whoever writes there first, not here.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -63,3 +66,22 @@ def npm_dir() -> Path:
 def bench_dir() -> Path:
     """Checkpoints written by the benchmarks."""
     return pastry_home() / "bench"
+
+
+def publish_dir(target: Path, fill: Callable[[Path], None], marker: str) -> None:
+    """Create the directory ``target`` so that nobody sees it half written: ``fill`` writes
+    into a private sibling directory, which is then renamed to ``target``. If a concurrent
+    writer published ``target`` first (it holds ``marker``), theirs is kept and ours
+    discarded; any other failure is raised, leaving nothing behind."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        fill(tmp)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / marker).is_file():  # not a concurrent writer's result
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -35,7 +35,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from pastry.engine.checkpoint import Checkpoint, expected_shapes, load_checkpoint, read_weights
 from pastry.engine.config import SUPPORTED_ARCHS, CheckpointError, ModelConfig
 from pastry.engine.tokenizer import set_special_post_processor
-from pastry.paths import models_dir
+from pastry.paths import models_dir, publish_dir
 
 if TYPE_CHECKING:  # torch and gguf load only when a file is converted (not from the cache)
     import gguf
@@ -648,20 +647,13 @@ def _write_metadata(path: Path, target: Path) -> None:
             "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
         },
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         for name, data in files.items():
             (tmp / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         tok.save(str(tmp / "tokenizer.json"))
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "gguf.json").is_file():  # not a concurrent converter's result
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    publish_dir(target, fill, marker="gguf.json")
     log.info("read the metadata of %s in %.1fs", path, time.perf_counter() - t0)
 
 

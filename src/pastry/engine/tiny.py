@@ -10,8 +10,6 @@ arguments and the corpus bytes; transformers is not needed.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -32,7 +30,7 @@ from tokenizers import (
 
 from pastry.engine.checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes
 from pastry.engine.config import ModelConfig
-from pastry.paths import models_dir
+from pastry.paths import models_dir, publish_dir
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SIZES = ("tiny", "small")
@@ -358,18 +356,7 @@ def ensure_default_model(arch: str = "llama", size: str = "tiny") -> Path:
     target = default_model_dir(arch, size)
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        create_tiny(tmp, arch=arch, size=size)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent creator's result
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    publish_dir(target, lambda tmp: create_tiny(tmp, arch=arch, size=size), marker="config.json")
     return target
 
 
