@@ -130,6 +130,27 @@ async def main(args):
     return ",".join(map(str, ctx.tokens[-n:]))
 """
 
+# The same program with the decode step as three API calls (embed_txt, forward, sample,
+# issued together and awaited once): how Context.generate stepped before the fused ``step``.
+TEXT_COMPLETION_CALLS = """
+import pastry.sdk as px
+from pastry.sdk import Context, MaxTokens, Sampler
+from pastry.sdk.context import _step
+
+async def main(args):
+    n = int(args[1])
+    ctx = Context()
+    ctx.fill_tokens([int(t) for t in args[0].split(",")])
+    await ctx.generate(Sampler(), MaxTokens(1))
+    px.send("first")
+    for _ in range(n - 1):
+        futs, (emb,) = ctx._forward(ctx.pending, 1)
+        tok = await _step(futs, px.sample(ctx.queue, emb))
+        ctx.tokens.append(tok)
+        ctx.pending = [tok]
+    return ",".join(map(str, ctx.tokens[-n:]))
+"""
+
 CONTROL_CALLS = """
 import json
 import time
@@ -559,14 +580,12 @@ class GcClock:
 
 
 async def stub_step_us(
-    handle: InProcessEngine, conc: int, steps: int, clock: GcClock
+    handle: InProcessEngine, conc: int, steps: int, clock: GcClock, source: str = TEXT_COMPLETION
 ) -> tuple[float, float]:
     """(µs per inferlet-step, share of the decode window the collector took)."""
     async with Server(handle) as server:
         ps = [[5 + i % 100] * PROMPT for i in range(conc)]
-        events = await launch_and_collect(
-            server, TEXT_COMPLETION, [[csv(p), str(steps + 1)] for p in ps]
-        )
+        events = await launch_and_collect(server, source, [[csv(p), str(steps + 1)] for p in ps])
     t0 = max(t for evs in events for t, ev in evs if isinstance(ev, Message))
     t1 = max(evs[-1][0] for evs in events)
     for evs in events:
@@ -577,7 +596,8 @@ async def stub_step_us(
 def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcSettings) -> dict:
     """Per-inferlet-step cost over a stub engine under the server's collector settings,
     freezing alone and CPython's defaults (``serving``: what ``tune_for_serving`` replaced
-    at the start of the run), interleaved; leaves the server's settings on."""
+    at the start of the run), and with the decode step as three API calls instead of the
+    fused ``step`` (server's settings), interleaved; leaves the server's settings on."""
     most = max(CONCURRENCY)
     stub_info = dataclasses.replace(
         info,
@@ -592,38 +612,44 @@ def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcS
         f"inferlet-step (embed -> forward -> sample), {steps} decode steps, fastest of {reps}; "
         "the server's collector settings (freeze + young threshold "
         f"{gc_tuning.YOUNG_THRESHOLD}) vs freezing alone (what the server did before) and "
-        "CPython's defaults, interleaved; share of the window the collector ran"
+        "CPython's defaults, and the fused step vs the step as three API calls (what the SDK "
+        "did before), interleaved; share of the window the collector ran"
     )
     print(
-        "| inferlets | **µs/step, serving gc** (gc share) | freeze only (gc share) "
-        "| CPython defaults (gc share) | freeze only / serving | defaults / serving |"
+        "| inferlets | **µs/step, serving gc** (gc share) | three calls (gc share) "
+        "| freeze only (gc share) | CPython defaults (gc share) | three calls / fused "
+        "| freeze only / serving | defaults / serving |"
     )
-    print("|---|---|---|---|---|---|")
-    modes = {  # applied in this order, every repetition
-        "default": lambda: gc_tuning.restore(serving),
-        "freeze only": lambda: gc_tuning.tune_for_serving(serving.thresholds[0]),
-        "serving": gc_tuning.tune_for_serving,
+    print("|---|---|---|---|---|---|---|---|")
+    modes = {  # (collector settings, program), applied in this order every repetition
+        "default": (lambda: gc_tuning.restore(serving), TEXT_COMPLETION),
+        "freeze only": (lambda: gc_tuning.tune_for_serving(serving.thresholds[0]), TEXT_COMPLETION),
+        "three calls": (gc_tuning.tune_for_serving, TEXT_COMPLETION_CALLS),
+        "serving": (gc_tuning.tune_for_serving, TEXT_COMPLETION),
     }
     out: dict[str, float] = {}
     try:
         asyncio.run(stub_step_us(handle, 8, 4, clock))  # warm up
+        asyncio.run(stub_step_us(handle, 8, 4, clock, TEXT_COMPLETION_CALLS))
         for c in CONCURRENCY:
             runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
             for _ in range(reps):
-                for mode, apply in modes.items():
+                for mode, (apply, source) in modes.items():
                     apply()
-                    runs[mode].append(asyncio.run(stub_step_us(handle, c, steps, clock)))
+                    runs[mode].append(asyncio.run(stub_step_us(handle, c, steps, clock, source)))
             best = {m: min(r) for m, r in runs.items()}
             tuned = best["serving"][0]
             out[f"stub_step_us_{c}"] = round(tuned, 1)
+            out[f"stub_step_us_three_calls_{c}"] = round(best["three calls"][0], 1)
             out[f"stub_step_us_freeze_only_{c}"] = round(best["freeze only"][0], 1)
             out[f"stub_step_us_default_gc_{c}"] = round(best["default"][0], 1)
             cells = " | ".join(
                 f"{best[m][0]:.1f} ({best[m][1]:.0%})"
-                for m in ("serving", "freeze only", "default")
+                for m in ("serving", "three calls", "freeze only", "default")
             )
             print(
-                f"| {c} | {cells} | {best['freeze only'][0] / tuned:.2f}x "
+                f"| {c} | {cells} | {best['three calls'][0] / tuned:.2f}x "
+                f"| {best['freeze only'][0] / tuned:.2f}x "
                 f"| {best['default'][0] / tuned:.2f}x |"
             )
     finally:

@@ -49,7 +49,7 @@ TRAITS: dict[str, tuple[str, ...]] = {
         "get_vocab_size",
         "apply_chat_template",
     ),
-    "output_text": ("get_next_dist", "sample"),
+    "output_text": ("get_next_dist", "sample", "step"),
     "multi_engine": (
         "available_engines",
         "get_queue_engine",
@@ -292,6 +292,42 @@ class InferletApi(Protocol):
         with ``mask``), and the grammar advances with the sampled token when the call
         completes. One sample at a time per constraint: a second one while the first is in
         flight is an error."""
+
+    def step(
+        self,
+        q: int,
+        tokens: list[int],
+        positions: list[int],
+        in_embeds: list[int],
+        in_kv: list[int],
+        in_kv_last_len: int,
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embed: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        mask: bytes | None = None,
+        logit_bias: list[tuple[int, float]] | None = None,
+        penalty_tokens: list[int] | None = None,
+        penalty_prompt: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        logprobs: int | None = None,
+        constraint: int | None = None,
+    ) -> Awaitable[int | tuple[int, float, list[int], list[float]]]:
+        """Queued: one decode step as one command, the same as the three calls
+        ``embed_txt(q, tokens, positions, in_embeds)``, ``forward(q, in_kv, in_kv_last_len,
+        in_embeds, out_kv, out_kv_offset, [out_embed])`` and ``sample(q, out_embed, ...)``
+        (its parameters from ``temperature`` on) issued together: they run in one engine
+        batch and the step resolves once, to ``sample``'s value. The first error among
+        the three fails the step (as with the three calls, those before it took effect).
+        Cheaper than the three calls (one submission, one translation, one wake-up);
+        programs that want the parts (a custom mask, an adapter, several outputs, the
+        distribution) use them."""
 
     # ------------------------------------------------------------------ grammar constraints
     def create_constraint(self, q: int, grammar: str) -> int:

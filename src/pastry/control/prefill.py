@@ -197,18 +197,20 @@ class Prefiller:
 
     # ------------------------------------------------------------------ dispatch
 
-    def on_dispatch(self, commands: list[Command]) -> None:
-        """The scheduler dispatches a batch: update page provenance, then do what plans
-        wait for (insert a prompt's pages, release the pin on a copied page)."""
+    def on_dispatch(self, calls: list[tuple[Command, Call]]) -> None:
+        """The scheduler dispatches a batch, ``(command, engine call)`` pairs in the order
+        the engine runs them (a fused command has several): update page provenance, then
+        do what plans wait for (insert a prompt's pages, release the pin on a copied
+        page)."""
         t0 = time.perf_counter()
         if self.provenance is not None:
-            self.provenance.observe([(c.queue, c.call) for c in commands])
-            for c in commands:  # the provenance assumed they run: check that they did
-                if type(c.call) is Forward and len(c.call.out_pages):
-                    c.future.add_done_callback(partial(self._check_written, c.call))
+            self.provenance.observe([(c.queue, call) for c, call in calls])
+            for c, call in calls:  # the provenance assumed they run: check that they did
+                if type(call) is Forward and len(call.out_pages):
+                    c.future.add_done_callback(partial(self._check_written, call))
         after = self._after
         if after:
-            for c in commands:
+            for c, _ in calls:
                 plan = after.pop(c, None)
                 if plan is not None:
                     plan.dispatched(c)

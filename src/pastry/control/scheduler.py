@@ -118,19 +118,42 @@ class Command:
     handles and returns the engine call (``None`` for control commands, which act inside
     ``prepare``). Raising fails only this command. ``finish`` turns the engine's result
     into the value the caller awaits.
+
+    A *fused* command (``last_stage`` set) prepares a tuple of calls whose stages rise
+    from ``stage`` to ``last_stage`` (the SDK's decode step: embed, forward, sample): they
+    go into one batch, the engine runs each with the calls of its type, and the command
+    resolves once, with ``finish`` of its last call's result (or the first call's error).
     """
 
     stage: Stage
-    prepare: Callable[[], Call | None]
+    prepare: Callable[[], Call | tuple[Call, ...] | None]
     finish: Callable[[Result], Any] = lambda r: r
     tokens: int = 0  # forward tokens, for the batch limit
     future: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     created: float = field(default_factory=time.perf_counter)
-    call: Call | None = None
+    call: Call | tuple[Call, ...] | None = None
     queue: Queue | None = None  # set by submit
     admission: Any = None  # what a waiting prefill asks for (control/policies/admission.py)
+    last_stage: Stage | None = None  # a fused command's last stage (None: one call)
+
+    @property
+    def end_stage(self) -> Stage:
+        """The stage of the command's last call."""
+        return self.stage if self.last_stage is None else self.last_stage
+
+    @property
+    def forwards(self) -> bool:
+        """Whether the command runs a forward (counts against the forward caps)."""
+        return self.stage <= Stage.FORWARD <= self.end_stage
+
+    def parts(self) -> tuple[Call, ...]:
+        """The prepared engine calls (none before ``prepare``, or for control commands)."""
+        call = self.call
+        if call is None:
+            return ()
+        return call if type(call) is tuple else (call,)
 
 
 @dataclass(eq=False)
@@ -162,7 +185,7 @@ class _Forming:
             gone = set(map(id, mine))
             self.commands = [c for c in self.commands if id(c) not in gone]
             self.tokens -= sum(c.tokens for c in mine)
-            self.forwards -= sum(c.stage == Stage.FORWARD for c in mine)
+            self.forwards -= sum(c.forwards for c in mine)
         return mine
 
 
@@ -347,7 +370,7 @@ class BatchScheduler:
         cap = min(caps) if caps else float("inf")
         swapper, swapped_out = self.swapper, []
         for q in order:
-            if f.forwards >= cap and q.pending[0].stage == Stage.FORWARD:
+            if f.forwards >= cap and q.pending[0].forwards:
                 f.blocked.add(q)  # the batch is full: it waits, its KV is not brought back
                 continue
             if swapper is not None and not swapper.ensure_resident(q.instance):
@@ -367,7 +390,7 @@ class BatchScheduler:
         stage = f.stage.get(q, Stage.KV)
         while q.pending:
             cmd = q.pending[0]
-            if cmd.stage == Stage.FORWARD and f.forwards >= cap:
+            if cmd.forwards and f.forwards >= cap:
                 f.blocked.add(q)
                 break
             if cmd.stage != Stage.CONTROL:
@@ -387,9 +410,9 @@ class BatchScheduler:
                     cmd.call = None  # prepared again when it is taken later
                     f.blocked.add(q)
                     break
-                stage = cmd.stage
+                stage = cmd.end_stage
                 f.tokens += cmd.tokens
-                f.forwards += cmd.stage == Stage.FORWARD
+                f.forwards += cmd.forwards
             mine.append(cmd)
             f.commands.append(cmd)
             q.pending.popleft()
@@ -440,32 +463,34 @@ class BatchScheduler:
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, batch: list[Command]) -> None:
-        engine_cmds = [c for c in batch if c.call is not None and c.stage != Stage.CONTROL]
-        engine_cmds.sort(key=lambda c: (_STAGE[type(c.call)], _TYPE_ORDER[type(c.call)]))
+        # (command, engine call) pairs in execution order: by stage, then by call type so
+        # that the engine runs each type once; a fused command contributes each of its calls.
+        calls = [(c, call) for c in batch if c.stage != Stage.CONTROL for call in c.parts()]
+        calls.sort(key=_call_order)
         if self.on_dispatch is not None:
-            self.on_dispatch(engine_cmds)
+            self.on_dispatch(calls)
         for c in batch:  # control commands act now, in queue order (see form_batch)
             if c.stage == Stage.CONTROL:
                 self._prepare(c)
         if self.swapper is not None:  # pages to move first (they free or fill pages used here)
-            engine_cmds[:0] = [_internal(call) for call in self.swapper.take_calls()]
+            calls[:0] = [(_internal(call), call) for call in self.swapper.take_calls()]
         self.stats.batches += 1
-        self.stats.calls += len(engine_cmds)
-        n_fwd = sum(1 for c in engine_cmds if type(c.call) is Forward)
+        self.stats.calls += len(calls)
+        n_fwd = sum(1 for _, call in calls if type(call) is Forward)
         if n_fwd:
             self.stats.forward_items += n_fwd
             self.stats.forward_batches += 1
         self._inflight += 1
         started = time.perf_counter()
         self.programs.dispatched(_per_thread(batch).items(), self.programs.clock())
-        task = asyncio.get_running_loop().create_task(self._complete(batch, engine_cmds, started))
+        task = asyncio.get_running_loop().create_task(self._complete(batch, calls, started))
         task.add_done_callback(_log_failure)
 
     async def _complete(
-        self, batch: list[Command], engine_cmds: list[Command], started: float
+        self, batch: list[Command], calls: list[tuple[Command, Call]], started: float
     ) -> None:
         try:
-            results = await self.execute([c.call for c in engine_cmds]) if engine_cmds else []
+            results = await self.execute([call for _, call in calls]) if calls else []
         except Exception as e:  # the engine is gone or broke: every caller gets the error
             for c in batch:
                 if not c.future.done():
@@ -476,16 +501,18 @@ class BatchScheduler:
             self._inflight -= 1
             self._wake.set()
         elapsed = time.perf_counter() - started
-        for c, r in zip(engine_cmds, results, strict=True):
+        for (c, call), r in zip(calls, results, strict=True):
             if c.queue is None:  # the swapper's: nobody waits for it
                 if isinstance(r, CallError):
                     log.error("KV swap failed (a bookkeeping bug): %s", r.message)
                 continue
             if c.future.done():
                 continue
-            if isinstance(r, CallError):
+            if isinstance(r, CallError):  # a fused command fails with its first error
                 c.future.set_exception(CommandError(r.message))
                 continue
+            if c.last_stage is not None and call is not c.call[-1]:
+                continue  # a fused command resolves with its last call
             try:
                 c.future.set_result(c.finish(r))
             except Exception as e:
@@ -501,7 +528,7 @@ class BatchScheduler:
     def _account(self, batch: list[Command], elapsed: float) -> None:
         """Charge the batch to the process table, then tell the schedule policy."""
         counts = _per_thread(batch)
-        forwards = {c.queue.thread for c in batch if c.stage == Stage.FORWARD}
+        forwards = {c.queue.thread for c in batch if c.forwards}
         done = [(t, n, t in forwards) for t, n in counts.items()]
         self.programs.completed(done, elapsed, self.programs.clock())
         self.schedule.on_batch_done(batch, elapsed)
@@ -515,6 +542,11 @@ def _per_thread(batch: Sequence[Command]) -> dict[Thread, int]:
         t = c.queue.thread
         counts[t] = counts.get(t, 0) + 1
     return counts
+
+
+def _call_order(pair: tuple[Command, Call]) -> tuple[int, int]:
+    t = type(pair[1])
+    return _STAGE[t], _TYPE_ORDER[t]
 
 
 def _internal(call: Call) -> Command:
@@ -533,33 +565,39 @@ def _conflicts(earlier: list[Command], cmd: Command, ps: int) -> bool:
     Same-stage commands of one queue run together. A forward may read KV written by an
     earlier forward of the batch (each layer writes before it reads) but must not write
     slots an earlier one reads or writes, nor read embeddings an earlier one produces.
-    Embedding writes must not overlap either.
+    Embedding writes must not overlap either. A fused command conflicts if any of its
+    calls does (its own calls rise in stage, so they never conflict with each other).
     """
-    call = cmd.call
+    if cmd.last_stage is not None:
+        return any(_call_conflicts(earlier, call, ps) for call in cmd.parts())
+    return _call_conflicts(earlier, cmd.call, ps)
+
+
+def _call_conflicts(earlier: list[Command], call: Call, ps: int) -> bool:
+    """:func:`_conflicts` for one engine call against the calls of ``earlier``."""
     if isinstance(call, Forward):
         writes = _forward_writes(call, ps)
         ins = set(call.in_embeds.tolist())
-        for e in earlier:
-            if not isinstance(e.call, Forward):
-                continue
-            if writes & (_forward_reads(e.call, ps) | _forward_writes(e.call, ps)):
+        for e in _calls_of(earlier, Forward):
+            if writes & (_forward_reads(e, ps) | _forward_writes(e, ps)):
                 return True
-            if ins & set(e.call.out_embeds.tolist()):
+            if ins & set(e.out_embeds.tolist()):
                 return True
         return False
     if isinstance(call, EmbedTxt):
         outs = set(call.out_embeds.tolist())
-        return any(
-            isinstance(e.call, EmbedTxt) and outs & set(e.call.out_embeds.tolist()) for e in earlier
-        )
+        return any(outs & set(e.out_embeds.tolist()) for e in _calls_of(earlier, EmbedTxt))
     if isinstance(call, (CopyKv, MaskKv, SwapIn, SwapOut)):
         # The engine runs all copies of a batch, then all masks, then swaps: calls of one
         # queue that touch different pages may share a batch, in any order.
         mine = _kv_pages(call)
-        return any(
-            e.stage == Stage.KV and e.call is not None and mine & _kv_pages(e.call) for e in earlier
-        )
+        return any(mine & _kv_pages(e) for e in _calls_of(earlier, CopyKv, MaskKv, SwapIn, SwapOut))
     return False
+
+
+def _calls_of(commands: list[Command], *types: type) -> list[Call]:
+    """The engine calls of ``types`` among ``commands`` (fused ones' parts included)."""
+    return [call for c in commands for call in c.parts() if isinstance(call, types)]
 
 
 def _kv_pages(call: Call) -> set[int]:

@@ -525,10 +525,93 @@ class Session:
         processing; with ``logprobs``, also log-probabilities; with ``constraint``, among
         the tokens its grammar allows, advancing it with the token (see the API)."""
         ref = self._queue(q)
-        proc = self._processing(
+        proc, grammar = self._sampling(
             ref, mask, logit_bias, penalty_tokens, penalty_prompt,
-            repetition_penalty, frequency_penalty, presence_penalty,
+            repetition_penalty, frequency_penalty, presence_penalty, logprobs, constraint,
         )  # fmt: skip
+
+        def prepare():
+            return Sample(
+                self._phys(ref, "embed", [embed])[0], temperature, top_k, top_p, min_p, seed,
+                **proc,
+            )  # fmt: skip
+
+        return self._submit_sample(q, Command(Stage.OUTPUT, prepare=prepare), logprobs, grammar)
+
+    def step(
+        self,
+        q: int,
+        tokens: list[int],
+        positions: list[int],
+        in_embeds: list[int],
+        in_kv: list[int],
+        in_kv_last_len: int,
+        out_kv: list[int],
+        out_kv_offset: int,
+        out_embed: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        mask: bytes | None = None,
+        logit_bias: list[tuple[int, float]] | None = None,
+        penalty_tokens: list[int] | None = None,
+        penalty_prompt: list[int] | None = None,
+        repetition_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        logprobs: int | None = None,
+        constraint: int | None = None,
+    ) -> asyncio.Future:
+        """``embed_txt``, ``forward`` (its last input's output to ``out_embed``) and
+        ``sample`` from it as one fused command (see :meth:`pastry.api.InferletApi.step`):
+        one submission, one translation of its handles, one future."""
+        ref = self._queue(q)
+        n = len(tokens)
+        if n == 0:
+            raise ApiError("step needs at least one token")
+        if not n == len(positions) == len(in_embeds):
+            raise ApiError(
+                f"step needs as many positions and input embeddings as tokens ({n} tokens, "
+                f"{len(positions)} positions, {len(in_embeds)} embeds)"
+            )
+        tok, pos = ids(tokens), ids(positions)
+        embeds = [*in_embeds, out_embed]  # snapshots, translated when the step is batched
+        kv, n_ctx = [*in_kv, *out_kv], len(in_kv)
+        last_len, offset = int(in_kv_last_len) if n_ctx else 0, int(out_kv_offset)
+        proc, grammar = self._sampling(
+            ref, mask, logit_bias, penalty_tokens, penalty_prompt,
+            repetition_penalty, frequency_penalty, presence_penalty, logprobs, constraint,
+        )  # fmt: skip
+
+        def prepare():
+            phys_e = self._phys(ref, "embed", embeds)
+            phys_kv = self._phys(ref, "kv", kv)
+            out_pages = phys_kv[n_ctx:]
+            self._claim(ref, out_pages)
+            ins, out = ids(phys_e[:-1]), phys_e[-1]
+            return (
+                EmbedTxt(tok, pos, ins),
+                Forward(
+                    in_embeds=ins, ctx_pages=ids(phys_kv[:n_ctx]), ctx_last_len=last_len,
+                    out_pages=ids(out_pages), out_offset=offset, out_embeds=ids([out]),
+                    out_indices=ids([n - 1]),
+                ),
+                Sample(out, temperature, top_k, top_p, min_p, seed, **proc),
+            )  # fmt: skip
+
+        cmd = Command(Stage.EMBED, prepare=prepare, tokens=n, last_stage=Stage.OUTPUT)
+        return self._submit_sample(q, cmd, logprobs, grammar)
+
+    def _sampling(
+        self, ref: _QueueRef, mask, logit_bias, penalty_tokens, penalty_prompt, rep, freq, pres,
+        logprobs, constraint,
+    ) -> tuple[dict, HostConstraint | None]:  # fmt: skip
+        """A sample's logit processing fields, checked, and its grammar (if constrained)."""
+        proc = self._processing(
+            ref, mask, logit_bias, penalty_tokens, penalty_prompt, rep, freq, pres
+        )
         if logprobs is not None:
             _check_top(logprobs, "logprobs")
             proc["logprobs"] = int(logprobs)
@@ -544,14 +627,13 @@ class Session:
                 )
             words = grammar.mask()
             proc["mask"] = words & proc["mask"] if "mask" in proc else words
+        return proc, grammar
 
-        def prepare():
-            return Sample(
-                self._phys(ref, "embed", [embed])[0], temperature, top_k, top_p, min_p, seed,
-                **proc,
-            )  # fmt: skip
-
-        cmd = Command(Stage.OUTPUT, prepare=prepare)
+    def _submit_sample(
+        self, q: int, cmd: Command, logprobs: int | None, grammar: HostConstraint | None
+    ) -> asyncio.Future:
+        """Submit a command that ends in a sample: its value is the token (or, with
+        ``logprobs``, the tuple), and a ``grammar`` advances with it."""
         if logprobs is not None:
             cmd.finish = _sampled
         if grammar is not None:

@@ -218,6 +218,15 @@ def _sample_constrained(g: Guest, q, embed, t, top_k, top_p, min_p, seed, mask, 
     )
 
 
+def _step_with(g: Guest, q, tokens, positions, ins, in_kv, last, out_kv, off, out, *rest):
+    t, top_k, top_p, min_p, seed, mask, bias, *rest = rest
+    s = g.session
+    return s.step(
+        q, tokens, positions, ins, in_kv, last, out_kv, off, out, t, top_k, top_p, min_p, seed,
+        _words(mask), bias, *rest,
+    )  # fmt: skip
+
+
 def _constraint_mask(g: Guest, c: int) -> list[int]:
     return np.frombuffer(g.session.constraint_mask(c), dtype="<u4").tolist()
 
@@ -292,6 +301,8 @@ HOST: dict[str, Callable] = {
     "constraint-consume": lambda g, c, tokens: _s(g).constraint_consume(c, tokens),
     "constraint-mask": _constraint_mask,
     "free-constraint": lambda g, c: _s(g).free_constraint(c),
+    "step": _queued(lambda g, *a: _s(g).step(*a)),
+    "step-with": _queued(_step_with),
 }
 
 BLOCKING = ("wait", "wait-take")

@@ -12,8 +12,10 @@ instead of computed again, and the context's own tokens — prompt and generated
 kept for others when its pages are released. ``cached_tokens`` counts the tokens that came
 from the cache.
 
-Within one step, embed, forward and sample are issued together and awaited once (the
-inferlet wakes once per step), so the scheduler can run them in one engine batch.
+A decode step (one pending token, a sampler on the device) is one fused ``step`` command
+(embed, forward and sample in one submission); other steps issue their calls together and
+await them once. Either way the inferlet wakes once per step, and the scheduler runs the
+step's calls in one engine batch.
 """
 
 from __future__ import annotations
@@ -153,12 +155,16 @@ class Context:
         # Room for the tokens to come, reserved with the prompt (the last is not stored).
         reserve = max(0, (stop.max_tokens or 1) - 1)
         while True:
-            futs, (emb,) = self._forward(self.pending, 1, reserve)
-            reserve = 0
-            if sampler.on_device:
-                tok = await _step(futs, a.sample(q, emb, **sampler.params(len(out))))
+            params = sampler.params(len(out)) if sampler.on_device else None
+            if params is not None and len(self.pending) == 1:  # the common decode step
+                tok = await self._step(self.pending[0], params)
             else:
-                tok = sampler.choose(*await _step(futs, a.get_next_dist(q, emb)))
+                futs, (emb,) = self._forward(self.pending, 1, reserve)
+                if params is not None:
+                    tok = await _step(futs, a.sample(q, emb, **params))
+                else:
+                    tok = sampler.choose(*await _step(futs, a.get_next_dist(q, emb)))
+            reserve = 0
             out.append(tok)
             self.tokens.append(tok)
             self.pending = [tok]
@@ -335,17 +341,35 @@ class Context:
             return [fut], outs
         embeds = self._embed_slots(n + n_out)
         ins, outs = embeds[:n], embeds[n : n + n_out]
-        need = -(-(start + n) // ps) - len(self.pages)
-        if need > 0:
-            self._alloc_pages(need)
-        ctx_pages = self.pages[: -(-start // ps)]
-        last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
-        out_pages = self.pages[start // ps : -(-(start + n) // ps)]
+        ctx_pages, last, out_pages = self._grow(start, n)
         futs = [
             a.embed_txt(q, list(tokens), list(range(start, start + n)), ins),
             a.forward(q, ctx_pages, last, ins, out_pages, start % ps, outs),
         ]
         return futs, outs
+
+    def _step(self, token: int, params: dict) -> asyncio.Future:
+        """Forward the one pending ``token`` and sample the next with ``params``: one fused
+        ``step`` command (embed, forward and sample)."""
+        start = self.kv_len
+        self.kv_len += 1
+        e_in, e_out = self._embed_slots(2)
+        ctx_pages, last, out_pages = self._grow(start, 1)
+        return self.api.step(
+            self.queue, [token], [start], [e_in], ctx_pages, last, out_pages,
+            start % self.page_size, e_out, **params,
+        )  # fmt: skip
+
+    def _grow(self, start: int, n: int) -> tuple[list[int], int, list[int]]:
+        """Pages for ``n`` tokens from ``start`` (allocated as needed): (context pages, the
+        last one's length, the pages the new tokens' K/V go to)."""
+        ps = self.page_size
+        need = -(-(start + n) // ps) - len(self.pages)
+        if need > 0:
+            self._alloc_pages(need)
+        ctx_pages = self.pages[: -(-start // ps)]
+        last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
+        return ctx_pages, last, self.pages[start // ps : -(-(start + n) // ps)]
 
     def _count_cached(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:

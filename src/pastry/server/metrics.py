@@ -114,7 +114,7 @@ def _observer(model: str):
         if not _clocks:
             return
         for c in batch:
-            if c.stage == Stage.OUTPUT and c.queue is not None:
+            if c.end_stage == Stage.OUTPUT and c.queue is not None:
                 clock = _clocks.get(c.queue.instance)
                 if clock is not None:
                     clock.token(c.queue.qid, now)

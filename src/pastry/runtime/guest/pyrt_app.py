@@ -459,6 +459,27 @@ class GuestApi:
             return self._queued(host.sample_constrained, *args, *proc, top, int(constraint))
         return self._queued(host.sample_with, *args, *proc, top)
 
+    def step(self, q, tokens, positions, in_embeds, in_kv, in_kv_last_len, out_kv,
+             out_kv_offset, out_embed, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+             seed=None, mask=None, logit_bias=None, penalty_tokens=None, penalty_prompt=None,
+             repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+             logprobs=None, constraint=None):  # fmt: skip
+        args = (
+            q, list(tokens), list(positions), list(in_embeds), list(in_kv), in_kv_last_len,
+            list(out_kv), out_kv_offset, out_embed, float(temperature), int(top_k),
+            float(top_p), float(min_p), None if seed is None else int(seed),
+        )  # fmt: skip
+        proc = _processing(
+            mask, logit_bias, penalty_tokens, penalty_prompt, repetition_penalty,
+            frequency_penalty, presence_penalty,
+        )  # fmt: skip
+        if proc is None and logprobs is None and constraint is None:
+            return self._queued(host.step, *args)
+        proc = proc or (None, [], [], [], 1.0, 0.0, 0.0)
+        top = None if logprobs is None else int(logprobs)
+        c = None if constraint is None else int(constraint)
+        return self._queued(host.step_with, *args, *proc, top, c)
+
     # grammar constraints
     def create_constraint(self, q, grammar):
         return _call(host.create_constraint, q, grammar)
@@ -658,6 +679,7 @@ async def _warm_up() -> None:
         lambda: px.embed_txt(0, [1], [0], [0]),
         lambda: px.forward(0, [0], 1, [0], [0], 0, [0]),
         lambda: px.sample(0, 0),
+        lambda: px.step(0, [1], [0], [0], [0], 1, [0], 0, 0),
         lambda: px.synchronize(0),
     ):
         with contextlib.suppress(ApiError):
