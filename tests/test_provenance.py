@@ -3,7 +3,6 @@ the page ownership table with the prefix cache under random workloads."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 from collections import Counter
@@ -14,7 +13,7 @@ import pytest
 from pastry.control.prefix_cache import PrefixCache
 from pastry.control.provenance import ROOT_KEY, KvProvenance
 from pastry.control.resources import ResourceError, ResourceManager
-from pastry.engine.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn, ids
+from pastry.engine.calls import CallError, CopyKv, EmbedTxt, Forward, MaskKv, SwapIn, ids
 
 PS = 4
 
@@ -408,13 +407,8 @@ def test_a_forward_the_engine_refused_is_forgotten_and_leaves_the_cache():
     res.offer(1, [pages[1]])
     assert cache.cached_pages == 2
 
-    async def refused():
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_exception(RuntimeError("the engine refused the call"))
-        return fut
-
     pf = Prefiller(res, scheduler=None, page_size=PS, cache=cache, provenance=p)
-    pf._check_written(call, asyncio.run(refused()))
+    pf.on_complete([(None, call)], [CallError("the engine refused the call")])
     assert p.record(pages[0]) is None and p.record(pages[1]) is None
     assert cache.cached_pages == 0 and res.referenced("kv") == 2
     res.check_integrity()

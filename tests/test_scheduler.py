@@ -229,3 +229,34 @@ def test_a_failing_dispatch_hook_fails_only_its_batch():
     first, second = run(go)
     assert isinstance(first, Exception) and "provenance bug" in str(first)
     assert second == 7
+
+
+def test_the_completion_hook_sees_every_call_with_its_result_before_they_resolve():
+    """``on_complete`` gets each (command, engine call) pair with its result while the
+    futures are still pending; a failing hook is logged and the callers still get theirs."""
+
+    async def go(fail: bool):
+        s = BatchScheduler(Recorder().execute, max_batch_tokens=100, page_size=4)
+        q = s.create_queue(1)
+        seen = []
+
+        def hook(calls, results):
+            pairs = zip(calls, results, strict=True)
+            seen.append([(type(call).__name__, r, c.future.done()) for (c, call), r in pairs])
+            if fail:
+                raise RuntimeError("a bug in the hook")
+
+        s.on_complete = hook
+        futs = [
+            s.submit(q, cmd(Stage.EMBED, EmbedTxt(ids([1]), ids([0]), ids([0])))),
+            s.submit(q, cmd(Stage.OUTPUT, Sample(0))),
+        ]
+        s.start()
+        values = await asyncio.gather(*futs)
+        await s.stop()
+        return seen, values
+
+    for fail in (False, True):
+        seen, values = run(lambda fail=fail: go(fail))
+        assert seen == [[("EmbedTxt", None, False), ("Sample", 7, False)]]
+        assert values == [None, 7]

@@ -149,6 +149,7 @@ class Controller:
             prefiller = Prefiller(res, sched, info.page_size, cache, provenance)
             if prefix_cache:
                 sched.on_dispatch = prefiller.on_dispatch
+                sched.on_complete = prefiller.on_complete
             tok = (
                 replicas[0].tokenizer
                 if replicas

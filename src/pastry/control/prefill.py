@@ -44,7 +44,6 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,7 +59,7 @@ from pastry.control.scheduler import (
     Queue,
     Stage,
 )
-from pastry.engine.calls import CopyKv, EmbedTxt, Forward, MaskKv, ids
+from pastry.engine.calls import CallError, CopyKv, EmbedTxt, Forward, MaskKv, ids
 
 if TYPE_CHECKING:
     from pastry.engine.calls import Call
@@ -126,8 +125,8 @@ class Prefiller:
     """Runs the cache-aware prefills of one model (see the module docstring).
 
     ``cache`` and ``provenance`` are ``None`` when the prefix cache is off; prefills then
-    compute everything. :meth:`on_dispatch` must be the scheduler's ``on_dispatch`` when
-    the cache is on.
+    compute everything. :meth:`on_dispatch` and :meth:`on_complete` must be the
+    scheduler's hooks of those names when the cache is on.
     """
 
     def __init__(
@@ -204,10 +203,8 @@ class Prefiller:
         page)."""
         t0 = time.perf_counter()
         if self.provenance is not None:
+            # it assumes they run: on_complete checks that they did
             self.provenance.observe([(c.queue, call) for c, call in calls])
-            for c, call in calls:  # the provenance assumed they run: check that they did
-                if type(call) is Forward and len(call.out_pages):
-                    c.future.add_done_callback(partial(self._check_written, call))
         after = self._after
         if after:
             for c, _ in calls:
@@ -216,14 +213,20 @@ class Prefiller:
                     plan.dispatched(c)
         self.stats.seconds += time.perf_counter() - t0
 
-    def _check_written(self, call: Forward, fut: asyncio.Future) -> None:
-        """A forward the engine refused wrote nothing: forget what its pages were
+    def on_complete(self, calls: list[tuple[Command, Call]], results: list | None) -> None:
+        """A batch's results are back (``None``: the engine failed, nothing is known to
+        have run). A forward the engine refused wrote nothing: forget what its pages were
         certified to hold, and take any that the cache holds out of it."""
-        if fut.cancelled() or fut.exception() is None:
+        if self.provenance is None:
             return
-        pages = call.out_pages.tolist()
-        self.provenance.forget(pages)
-        self.resources.uncache(pages)
+        t0 = time.perf_counter()
+        for i, (_, call) in enumerate(calls):
+            refused = results is None or type(results[i]) is CallError
+            if refused and type(call) is Forward and len(call.out_pages):
+                pages = call.out_pages.tolist()
+                self.provenance.forget(pages)
+                self.resources.uncache(pages)
+        self.stats.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ admission
 

@@ -184,13 +184,23 @@ class KvProvenance:
 
     def _embed_txt(self, call: EmbedTxt, raced: bool) -> None:
         outs, tokens, positions = call.out_embeds, call.tokens, call.positions
+        if raced or not len(outs) == len(tokens) == len(positions) or not len(outs):
+            self.embed_token[outs] = -1
+            return
+        # Range checks on Python ints: a decode step embeds one token, where numpy's
+        # reductions cost more than the rest of this method.
+        toks, poss = tokens.tolist(), positions.tolist()
         if (
-            raced
-            or not len(outs) == len(tokens) == len(positions)
-            or (len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size))
-            or (len(positions) and (positions.min() < 0 or positions.max() >= self.max_position))
+            min(toks) < 0
+            or max(toks) >= self.vocab_size
+            or min(poss) < 0
+            or max(poss) >= self.max_position
         ):
             self.embed_token[outs] = -1
+            return
+        if len(toks) == 1:
+            e = int(outs[0])
+            self.embed_token[e], self.embed_position[e] = toks[0], poss[0]
             return
         self.embed_token[outs] = tokens
         self.embed_position[outs] = positions
@@ -227,12 +237,18 @@ class KvProvenance:
         ):
             return False
         ins = call.in_embeds
-        toks = self.embed_token[ins]
-        if toks.min() < 0 or not np.array_equal(
-            self.embed_position[ins], np.arange(length, length + n)
-        ):
-            return False
-        tokens = toks.tolist()
+        if n == 1:  # a decode step: scalars, not arrays
+            e = int(ins[0])
+            tokens = [int(self.embed_token[e])]
+            if tokens[0] < 0 or self.embed_position[e] != length:
+                return False
+        else:
+            toks = self.embed_token[ins]
+            if toks.min() < 0 or not np.array_equal(
+                self.embed_position[ins], np.arange(length, length + n)
+            ):
+                return False
+            tokens = toks.tolist()
         # The context: pages 0, 1, ... of one certified sequence, keys chained.
         prev: PageRecord | None = None
         last = len(ctx) - 1

@@ -248,9 +248,12 @@ class BatchScheduler:
         # Called with (batch, seconds from dispatch to results) after each batch completes
         # (metrics); they must be quick and must not raise.
         self.observers: list[Callable[[list[Command], float], None]] = []
-        # Called with a batch's engine commands in execution order when it is dispatched,
-        # before its control commands act (the prefix cache's provenance of KV pages).
-        self.on_dispatch: Callable[[list[Command]], None] | None = None
+        # Called with a batch's (command, engine call) pairs in execution order when it is
+        # dispatched, before its control commands act (the prefix cache's provenance of KV
+        # pages); then with the same pairs and their results (None: the engine failed)
+        # when they are back, before any command resolves. Failures are logged.
+        self.on_dispatch: Callable[[list[tuple[Command, Call]]], None] | None = None
+        self.on_complete: Callable[[list[tuple[Command, Call]], list | None], None] | None = None
 
     # ---------------------------------------------------------------- queues and commands
 
@@ -492,6 +495,7 @@ class BatchScheduler:
         try:
             results = await self.execute([call for _, call in calls]) if calls else []
         except Exception as e:  # the engine is gone or broke: every caller gets the error
+            self._completed(calls, None)
             for c in batch:
                 if not c.future.done():
                     c.future.set_exception(CommandError(f"engine failure: {e}"))
@@ -501,6 +505,7 @@ class BatchScheduler:
             self._inflight -= 1
             self._wake.set()
         elapsed = time.perf_counter() - started
+        self._completed(calls, results)
         for (c, call), r in zip(calls, results, strict=True):
             if c.queue is None:  # the swapper's: nobody waits for it
                 if isinstance(r, CallError):
@@ -524,6 +529,13 @@ class BatchScheduler:
                 except Exception as e:
                     c.future.set_exception(e)
         self._account(batch, elapsed)
+
+    def _completed(self, calls: list[tuple[Command, Call]], results: list | None) -> None:
+        if self.on_complete is not None and calls:
+            try:
+                self.on_complete(calls, results)
+            except Exception as e:  # a bug in a hook: the callers still get their results
+                log.error("the batch completion hook failed", exc_info=e)
 
     def _account(self, batch: list[Command], elapsed: float) -> None:
         """Charge the batch to the process table, then tell the schedule policy."""

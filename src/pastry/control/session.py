@@ -580,13 +580,14 @@ class Session:
         embeds = [*in_embeds, out_embed]  # snapshots, translated when the step is batched
         kv, n_ctx = [*in_kv, *out_kv], len(in_kv)
         last_len, offset = int(in_kv_last_len) if n_ctx else 0, int(out_kv_offset)
+        last_index = ids([n - 1])
         proc, grammar = self._sampling(
             ref, mask, logit_bias, penalty_tokens, penalty_prompt,
             repetition_penalty, frequency_penalty, presence_penalty, logprobs, constraint,
         )  # fmt: skip
 
         def prepare():
-            phys_e = self._phys(ref, "embed", embeds)
+            phys_e = self._phys(ref, "embed", embeds)  # one translation per handle kind
             phys_kv = self._phys(ref, "kv", kv)
             out_pages = phys_kv[n_ctx:]
             self._claim(ref, out_pages)
@@ -596,7 +597,7 @@ class Session:
                 Forward(
                     in_embeds=ins, ctx_pages=ids(phys_kv[:n_ctx]), ctx_last_len=last_len,
                     out_pages=ids(out_pages), out_offset=offset, out_embeds=ids([out]),
-                    out_indices=ids([n - 1]),
+                    out_indices=last_index,
                 ),
                 Sample(out, temperature, top_k, top_p, min_p, seed, **proc),
             )  # fmt: skip
@@ -952,8 +953,13 @@ class Session:
     def _claim(self, ref: _QueueRef, pages: list[int]) -> None:
         """This instance is about to write physical ``pages`` (see ``claim_writes``)."""
         res = ref.model.resources
-        if res.cache is not None:
-            self._resource_call(lambda: res.claim_writes(self.instance, pages))
+        if res.cache is not None:  # no closure: every forward passes here
+            try:
+                res.claim_writes(self.instance, pages)
+            except QuotaExceeded as e:
+                raise QuotaError(str(e)) from None
+            except ResourceError as e:
+                raise ApiError(str(e)) from None
 
     def _phys(self, ref: _QueueRef, kind: str, handles) -> list[int]:
         # The hot path (every handle of every command): no closure, no copy.
