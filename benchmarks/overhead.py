@@ -54,8 +54,9 @@ is fixed and nothing depends on the tokenizer.
     ``Sample`` calls in the batches that completed in the window, from the first such
     batch's end to the last's. Then the inferlets are terminated. Mean batch
     (``stats.mean_batch``: forward items per batch that had any) and the number of
-    batches are over the same window, as are the engine's busy share and its idle time per
-    batch (the control layer and the inferlets run while the engine waits). The fused loop
+    batches are over the same window, as are the engine's busy share, its execute time per
+    batch and its idle time per batch (the control layer and the inferlets run while the
+    engine waits). The fused loop
     with 128 running sequences over the same window is the reference row. Policies run
     interleaved in rounds; each reports its best round.
 
@@ -67,6 +68,16 @@ is fixed and nothing depends on the tokenizer.
     under the server's collector settings (``pastry.control.gc_tuning.tune_for_serving``)
     and, as references in the same run (interleaved), freezing alone (the server's
     setting before) and CPython's defaults; with the time the collector took in the window.
+    The SDK decodes with the fused ``step`` command (embed, forward and sample as one
+    command); the "three calls" column runs the same program with the step as the three
+    API calls issued together (what ``Context.generate`` did before), same collector
+    settings.
+
+(e) Pipelining over a remote engine: the engine in its own process (``spawn_engine``,
+    ZeroMQ), 128 text completions as in (c) under the adaptive policy with
+    ``max_inflight`` 1 and 2 (form and send the next batch while one runs), interleaved;
+    tokens/s = forward items dispatched in the window / its length. ``--no-remote`` skips
+    it.
 
 The whole run uses the server's collector settings (``tune_for_serving`` after the
 engine is loaded), as ``pastry serve`` does.
@@ -103,7 +114,9 @@ from pastry.engine.calls import Call, EngineInfo, Result, Sample
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
-from pastry.engine.handle import InProcessEngine
+from pastry.engine.handle import EngineHandle, InProcessEngine
+from pastry.engine.remote import RemoteEngine
+from pastry.engine.spawn import spawn_engine
 from pastry.runtime.trusted import Program, TrustedRuntime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -434,18 +447,23 @@ def window_stats(log: list[tuple[float, float, int]], t0: float, t1: float) -> d
         "tok_s": sum(n for _, n in done[1:]) / (b - a),
         "busy": compute / (b - a),
         "idle_ms": (b - a - compute) / (len(done) - 1) * 1e3,
+        "exec_ms": compute / (len(done) - 1) * 1e3,
         "window_s": t1 - t0,
     }
 
 
 async def policy_throughput(
-    handle: InProcessEngine,
+    handle: EngineHandle,
     policy: BatchPolicy,
     ps: list[list[int]],
     max_tokens: int,
     window: float,
+    timed: bool = True,
 ) -> dict:
-    log = handle.engine.log
+    """Throughput over ``handle``; ``timed``: it wraps a :class:`TimedEngine` (the engine's
+    batch log gives the window's numbers), else (a remote engine) tokens are the forward
+    items the scheduler dispatched in the window."""
+    log = handle.engine.log if timed else []
     log.clear()
     async with Server(handle, policy) as server:
         prog = Program.from_source("text-completion", TEXT_COMPLETION)
@@ -487,7 +505,10 @@ async def policy_throughput(
         forward_items=s1.forward_items - s0.forward_items,
         forward_batches=s1.forward_batches - s0.forward_batches,
     )
-    return {**window_stats(log, t0, t1), "batches": delta.batches, "mean_batch": delta.mean_batch}
+    stats = {"batches": delta.batches, "mean_batch": delta.mean_batch}
+    if not timed:
+        return {"tok_s": delta.forward_items / (t1 - t0), "window_s": t1 - t0, **stats}
+    return {**window_stats(log, t0, t1), **stats}
 
 
 def fused_throughput(handle: InProcessEngine, ps: list[list[int]], window: float) -> dict:
@@ -511,13 +532,13 @@ def section_policies(
     print(
         f"(c) {n} concurrent text-completion inferlets: output tokens/s over a {window:g} s "
         f"window after prefill (Pie Table 5), best of {rounds} rounds (policies interleaved); "
-        "engine busy, idle per batch, batches and mean batch over that window"
+        "engine busy, execute and idle time per batch, batches and mean batch over that window"
     )
     print(
-        "| policy | **tok/s** | vs adaptive | engine busy | idle ms/batch | batches "
-        "| mean batch | window s |"
+        "| policy | **tok/s** | vs adaptive | engine busy | execute ms/batch | idle ms/batch "
+        "| batches | mean batch | window s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     fused_throughput(handle, ps[:8], 0.5)  # warm up
     ref = "fused loop (reference, no inferlets)"
     runs: dict[str, list[dict]] = {ref: [], **{k: [] for k in POLICIES}}
@@ -540,7 +561,7 @@ def section_policies(
         label = batch_policy(name).describe() if name in POLICIES else name
         print(
             f"| {label} | {r['tok_s']:.0f} | {r['tok_s'] / adaptive:.2f}x | {r['busy']:.0%} "
-            f"| {r['idle_ms']:.2f} | {r['batches']} | {r['mean_batch']:.1f} "
+            f"| {r['exec_ms']:.1f} | {r['idle_ms']:.2f} | {r['batches']} | {r['mean_batch']:.1f} "
             f"| {r['window_s']:.1f} |"
         )
     out["throughput_fused"] = round(rows[ref]["tok_s"], 1)
@@ -659,6 +680,48 @@ def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcS
     return out
 
 
+# --------------------------------------------------------------------------- (e) remote
+
+
+def section_remote(
+    path: Path, cfg: EngineConfig, n: int, max_tokens: int, window: float, rounds: int, vocab: int
+) -> dict:
+    """The adaptive policy with 1 and 2 batches in flight over an engine in another process
+    (``spawn_engine``, ZeroMQ): does forming and sending the next batch while one runs
+    help?"""
+    ps = prompts(n, PROMPT, vocab, seed=20)
+    print(
+        f"(e) {n} concurrent text-completion inferlets over an engine process (ZeroMQ): "
+        f"output tokens/s over a {window:g} s window after prefill, adaptive policy with "
+        f"max_inflight 1 and 2, best of {rounds} rounds (interleaved); tokens = forward items "
+        "dispatched in the window"
+    )
+    print("| batches in flight | **tok/s** | vs 1 | batches | mean batch |")
+    print("|---|---|---|---|---|")
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+
+    async def one(endpoint: str, inflight: int) -> dict:
+        async with await RemoteEngine.connect(endpoint) as handle:
+            policy = batch_policy("adaptive", max_inflight=inflight)
+            return await policy_throughput(handle, policy, ps, max_tokens, window, timed=False)
+
+    with spawn_engine(path, cfg, startup_timeout=600) as proc:
+        asyncio.run(one(proc.endpoint, 1))  # warm up
+        for _ in range(rounds):
+            for k in runs:
+                runs[k].append(asyncio.run(one(proc.endpoint, k)))
+    best = {k: max(rs, key=lambda r: r["tok_s"]) for k, rs in runs.items()}
+    out: dict[str, float] = {}
+    for k, r in best.items():
+        out[f"throughput_remote_inflight_{k}"] = round(r["tok_s"], 1)
+        out[f"mean_batch_remote_inflight_{k}"] = round(r["mean_batch"], 1)
+        print(
+            f"| {k} | {r['tok_s']:.0f} | {r['tok_s'] / best[1]['tok_s']:.2f}x | {r['batches']} "
+            f"| {r['mean_batch']:.1f} |"
+        )
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -669,6 +732,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="reduced run (same JSON keys)")
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: the small one)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-remote", action="store_true", help="skip (e), the engine process")
     args = ap.parse_args()
     t_start = time.perf_counter()
     torch.manual_seed(0)
@@ -708,6 +772,9 @@ def main() -> None:
     handle.close()
     print()
     out.update(section_stub(engine.info, stub_steps, stub_reps, serving))
+    if not args.no_remote:
+        print()
+        out.update(section_remote(path, cfg, n_conc, max_tokens, window, rounds, vocab))
     seconds = round(time.perf_counter() - t_start)
     out.update({"quick": args.quick, "device": args.device, "seconds": seconds})
     print(json.dumps(out))
