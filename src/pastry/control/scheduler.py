@@ -393,7 +393,8 @@ class BatchScheduler:
         stage = f.stage.get(q, Stage.KV)
         while q.pending:
             cmd = q.pending[0]
-            if cmd.forwards and f.forwards >= cap:
+            forwards = cmd.forwards
+            if forwards and f.forwards >= cap:
                 f.blocked.add(q)
                 break
             if cmd.stage != Stage.CONTROL:
@@ -415,7 +416,7 @@ class BatchScheduler:
                     break
                 stage = cmd.end_stage
                 f.tokens += cmd.tokens
-                f.forwards += cmd.forwards
+                f.forwards += forwards
             mine.append(cmd)
             f.commands.append(cmd)
             q.pending.popleft()

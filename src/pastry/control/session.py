@@ -85,6 +85,9 @@ def _prompt_logprobs(r: Logprobs) -> tuple[list[float], list[list[int]], list[li
     return r.logprobs.tolist(), r.top_ids.tolist(), r.top_logprobs.tolist()
 
 
+_NEUTRAL = (1.0, 0.0, 0.0)  # repetition, frequency and presence penalties that do nothing
+
+
 def _consume(fut: asyncio.Future) -> None:
     """Retrieve a fire-and-forget command's outcome (failures surface on later calls)."""
     if not fut.cancelled():
@@ -610,6 +613,10 @@ class Session:
         logprobs, constraint,
     ) -> tuple[dict, HostConstraint | None]:  # fmt: skip
         """A sample's logit processing fields, checked, and its grammar (if constrained)."""
+        plain = mask is None and not logit_bias and not penalty_tokens and not penalty_prompt
+        plain = plain and logprobs is None and constraint is None and (rep, freq, pres) == _NEUTRAL
+        if plain and type(rep) is float and type(freq) is float and type(pres) is float:
+            return {}, None  # the common case, without the checks' cost
         proc = self._processing(
             ref, mask, logit_bias, penalty_tokens, penalty_prompt, rep, freq, pres
         )
