@@ -149,6 +149,10 @@ async def sample_next(ctx: Context, **kw):
     if not ctx.pending:
         raise ApiError("nothing to generate from: fill the context first")
     await ctx.place()  # on a model with several engines, the router places it first
+    if len(ctx.pending) == 1:  # a decode step: one fused command
+        (token,) = ctx.pending
+        ctx.pending = []
+        return await ctx._step(token, kw)
     futs, (emb,) = ctx._forward(ctx.pending, 1)
     ctx.pending = []
     *_, out = await asyncio.gather(*futs, ctx.api.sample(ctx.queue, emb, **kw))
