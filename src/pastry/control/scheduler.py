@@ -372,6 +372,8 @@ class BatchScheduler:
         caps = [c for c in (max_forwards, self.max_batch) if c is not None]
         cap = min(caps) if caps else float("inf")
         swapper, swapped_out = self.swapper, []
+        if swapper is not None:
+            swapper.new_pass()
         for q in order:
             if f.forwards >= cap and q.pending[0].forwards:
                 f.blocked.add(q)  # the batch is full: it waits, its KV is not brought back

@@ -75,8 +75,26 @@ class KvSwapper:
         self.min_resident = min_resident
         self.stats = SwapStats()
         self._back_at: dict[int, int] = {}  # instance -> batch number when it came back
+        # This pass's candidates to give way, (rank, instance) worst last, and the
+        # instances made resident in it (see new_pass)
+        self._victims: list[tuple[tuple[float, ...], int]] | None = None
+        self._ranks: dict[int, tuple[float, ...]] = {}
+        self._taken: set[int] = set()
+        self._in_pass = False
         resources.defer_when_short = True
         scheduler.swapper = self
+
+    def new_pass(self) -> None:
+        """The scheduler starts a pass over the ready queues (one ``form_batch``): ranks,
+        and which programs are busy or too recently back to give way, are taken once per
+        pass (at its first shortage), so that a pass costs O(programs) however many
+        programs it swaps. Programs made resident during the pass count as busy. The pass
+        lasts until the batch's copies are taken (:meth:`take_calls`); outside a pass
+        every shortage takes them afresh."""
+        self._in_pass = True
+        self._victims = None
+        self._ranks.clear()
+        self._taken.clear()
 
     def ensure_resident(self, instance: int, force: bool = False) -> bool:
         """Whether ``instance``'s pages are all on the device now, after swapping it in
@@ -84,6 +102,7 @@ class KvSwapper:
         docstring); may raise :class:`~pastry.control.resources.OutOfResources`."""
         res = self.resources
         if not res.handles_on_host(instance):
+            self._taken.add(instance)
             return True
         need = res.pages_on_host(instance)
         short = need - res.available("kv")  # (unused prefix-cache pages are evicted first)
@@ -94,6 +113,7 @@ class KvSwapper:
                 return False
             res.reclaim(instance, "kv", need)  # terminate others (or raise)
         moved = res.swap_in(instance)
+        self._taken.add(instance)
         if moved:
             self.stats.swap_ins += 1
             self.stats.forced += force
@@ -110,6 +130,7 @@ class KvSwapper:
 
     def take_calls(self) -> list[Call]:
         """The engine calls for the moves recorded since the last batch (out, then in)."""
+        self._in_pass = False
         out, into = self.resources.take_moves()
         calls: list[Call] = []
         if out:
@@ -121,30 +142,60 @@ class KvSwapper:
         return calls
 
     def _make_room(self, requester: int, needed: int, force: bool) -> None:
-        res, sched = self.resources, self.scheduler
-        busy = sched.busy_instances()
-        now = sched.stats.batches
-        mine = self._rank(requester)
-        victims = []
-        for inst in res.instances():
-            if inst == requester or inst in busy:
-                continue
-            if not force and now - self._back_at.get(inst, -math.inf) < self.min_resident:
-                continue
-            rank = self._rank(inst)
-            if force or rank > mine:
-                victims.append((rank, inst))
-        victims.sort(reverse=True)  # the last-ranked first
-        for _, inst in victims:
-            if needed <= 0:
-                break
-            n = res.swap_out(inst, needed)
-            if n:
+        res = self.resources
+        if not self._in_pass:  # a call outside the scheduler's passes
+            self.new_pass()
+            self._in_pass = False
+        if force:  # the last resort: anyone not running, whatever its rank or residency
+            busy = self.scheduler.busy_instances() | self._taken
+            ranked = [
+                (self._rank(i), i) for i in res.instances() if i != requester and i not in busy
+            ]
+            for _, inst in sorted(ranked, reverse=True):  # the last-ranked first
+                if needed <= 0:
+                    break
+                if n := res.swap_out(inst, needed):
+                    needed -= n
+                    self.stats.swap_outs += 1
+            self._victims = None  # taken afresh
+            return
+        victims = self._candidates()
+        mine = self._ranks.get(requester) or self._rank(requester)
+        i = len(victims) - 1
+        while needed > 0 and i >= 0:  # the last-ranked first
+            rank, inst = victims[i]
+            if not rank > mine:
+                break  # (sorted: nobody before it ranks after the requester)
+            if inst in self._taken:  # made resident in this pass: it is in the batch
+                del victims[i]
+            elif inst != requester:
+                n = res.swap_out(inst, needed)
+                if n:
+                    self.stats.swap_outs += 1
+                if n < needed:  # nothing left to move: never a candidate again this pass
+                    del victims[i]
                 needed -= n
-                self.stats.swap_outs += 1
+            i -= 1
         if len(self._back_at) > 2 * len(res.instances()) + 64:  # forget ended instances
             alive = set(res.instances())
             self._back_at = {i: b for i, b in self._back_at.items() if i in alive}
+
+    def _candidates(self) -> list[tuple[tuple[float, ...], int]]:
+        """This pass's programs that may give way, by rank (the last-ranked last): not in
+        a batch or on the engine, back for at least ``min_resident`` batches."""
+        if self._victims is None:
+            busy = self.scheduler.busy_instances()
+            now, back = self.scheduler.stats.batches, self._back_at
+            victims = []
+            for inst in self.resources.instances():
+                if inst in busy or now - back.get(inst, -math.inf) < self.min_resident:
+                    continue
+                rank = self._rank(inst)
+                self._ranks[inst] = rank
+                victims.append((rank, inst))
+            victims.sort()
+            self._victims = victims
+        return self._victims
 
     def _rank(self, instance: int) -> tuple[float, ...]:
         p = self.scheduler.programs.program_of(instance)
