@@ -69,6 +69,36 @@ def test_parallel_stages_wait_for_all_their_threads():
     assert r.programs[0].finish == 3 + 5 + 1  # the slow thread, the interrupt, the last call
 
 
+def test_multi_step_passes_run_each_call_up_to_n_steps_and_cost_every_step():
+    # A: one call of 10 steps from t=0; B: one call of 3 steps arriving at t=1. With a pass
+    # of 4 steps, B waits for A's first pass to end (t=4), then runs in A's second pass.
+    a = ProgramSpec("a", 0.0, (Stage((CallSpec(0, 10),)),))
+    b = ProgramSpec("b", 1.0, (Stage((CallSpec(0, 3),)),))
+    unit = SimConfig(max_batch=8, cost=CostModel.unit())
+    every = simulate(Fcfs(), [a, b], unit)
+    assert [p.finish for p in every.programs] == [10.0, 4.0] and every.steps == 10
+    multi = simulate(Fcfs(), [a, b], SimConfig(max_batch=8, cost=CostModel.unit(),
+                                               steps_per_schedule=4))  # fmt: skip
+    assert [p.finish for p in multi.programs] == [10.0, 8.0]  # B's result at its pass's end
+    assert multi.steps == 3  # passes
+    # each step of a pass is costed with the calls still in it (per sequence here)
+    per_seq = CostModel(0.0, 1.0, 0.0, 0.0)
+    r = simulate(Fcfs(), [a, b], SimConfig(max_batch=8, cost=per_seq, steps_per_schedule=4))
+    assert [p.finish for p in r.programs] == [4 + 3 * 2 + 1 + 2, 4 + 3 * 2 + 1]
+    with pytest.raises(ValueError, match="steps_per_schedule"):
+        SimConfig(steps_per_schedule=0)
+
+
+def test_a_measured_window_stops_the_run_when_its_programs_are_done():
+    progs = [ProgramSpec(str(i), float(i), (Stage((CallSpec(0, 5),)),)) for i in range(10)]
+    cfg = SimConfig(max_batch=1, cost=CostModel.unit(), measure=(2.0, 4.0))
+    r = simulate(Fcfs(), progs, cfg)
+    assert [p.arrival for p in r.measured] == [2.0, 3.0] and r.completed
+    assert r.end_time == 20.0  # FCFS one at a time: program 3 ends at 20, the rest never run
+    assert [p.finish is None for p in r.programs] == [False] * 4 + [True] * 6
+    assert r.summary()["programs"] == 2
+
+
 def test_synthetic_workloads_have_the_paper_s_shapes():
     for name, calls, out in (("sharegpt", 6.66, 277), ("bfcl", 10.75, 34), ("lats", 160, 73)):
         progs = make(name, 300, rate=2.0, seed=0)

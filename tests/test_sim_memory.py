@@ -130,8 +130,9 @@ def test_memory_pressure_keeps_every_program_and_the_books_exact():
     scale = Scale(tokens=8, max_calls=12, max_context=150)
     progs = make("mixed", 16, rate=0.5, seed=5, scale=scale)
     mem = KvMemory(pages=128, page_size=4, host_pages=4096)
-    for policy in (Fcfs(), Plas()):
-        sim = Simulator(policy, SimConfig(max_batch=8, cost=UNIT, memory=mem))
+    for policy, steps in ((Fcfs(), 1), (Plas(), 1), (Plas(), 8)):
+        cfg = SimConfig(max_batch=8, cost=UNIT, memory=mem, steps_per_schedule=steps)
+        sim = Simulator(policy, cfg)
         r = sim.run(progs)
         assert r.completed, [p.failed for p in r.programs if p.failed]
         assert r.stats["pages_out"] == r.stats["pages_in"] > 0 and r.stats["forced"] > 0

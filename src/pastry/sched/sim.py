@@ -24,6 +24,17 @@ step join at the next one. Two engines serve them:
   with no prefix caching and preemption by recomputation (:mod:`pastry.sched.vllm`).
 
 Without a memory model the simulator models scheduling only, like the paper's Fig. 18.
+
+**Multi-step scheduling** (``SimConfig.steps_per_schedule`` = N, Autellix §4.2.3): Pastry's
+engine forms a batch once per N steps and runs it N steps (each call in it at most N
+forwards of its own: the first carries its new input, the next ones one token each; a
+call that ends early leaves the batch, and calls that arrive meanwhile wait for the next
+pass). Each step is still costed on its own; the process table is charged, and the
+policy re-ranks, once per pass. N = 1 (the default) schedules every step.
+
+**Steady state** (``SimConfig.measure``): only programs arriving in the window are
+measured, the others are load before and after them, and the run stops as soon as every
+measured program has finished.
 """
 
 from __future__ import annotations
@@ -69,6 +80,18 @@ class SimConfig:
     memory: KvMemory | None = None  # None: no KV limit (scheduling only)
     share_prefix: bool = True  # Pastry: a workload's system prompt computed once, shared
     min_resident: int = MIN_RESIDENT_BATCHES  # the swapper's residency bound (batches)
+    steps_per_schedule: int = 1  # N: engine steps per scheduling pass (multi-step)
+    measure: tuple[float, float] | None = None  # arrivals measured (None: every program)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps_per_schedule, int) or self.steps_per_schedule < 1:
+            raise ValueError(
+                f"steps_per_schedule must be an integer >= 1, got {self.steps_per_schedule!r}"
+            )
+        if self.measure is not None and not self.measure[0] < self.measure[1]:
+            raise ValueError(
+                f"the measured window must be (start, end), start < end: {self.measure}"
+            )
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,7 @@ class ProgramResult:
     calls: int
     wait_s: float  # summed queueing time of its threads
     failed: str | None = None  # why it was ended, if it was
+    measured: bool = True  # arrived in SimConfig.measure (else load around the window)
 
     @property
     def latency(self) -> float:
@@ -98,22 +122,27 @@ class SimResult:
     stats: dict = field(default_factory=dict)  # the engine's counters (swaps, preemptions)
 
     @property
+    def measured(self) -> list[ProgramResult]:
+        return [p for p in self.programs if p.measured]
+
+    @property
     def completed(self) -> bool:
-        return all(p.finish is not None for p in self.programs)
+        """Whether every measured program finished."""
+        return all(p.finish is not None for p in self.measured)
 
     @property
     def total_wait(self) -> float:
-        return sum(p.wait_s for p in self.programs)
+        return sum(p.wait_s for p in self.measured)
 
     def latencies(self) -> np.ndarray:
-        return np.array([p.latency for p in self.programs if p.finish is not None])
+        return np.array([p.latency for p in self.measured if p.finish is not None])
 
     def summary(self) -> dict:
         lat = self.latencies()
         done = len(lat)
         return {
             "policy": self.policy,
-            "programs": len(self.programs),
+            "programs": len(self.measured),
             "completed": done,
             "avg_latency": float(lat.mean()) if done else math.nan,
             "p95_latency": float(np.percentile(lat, 95)) if done else math.nan,
@@ -154,6 +183,8 @@ class SimProgram:
     failed: str | None = None
     wait_s: float = 0.0  # of threads already closed
     prefix_left: int = 0  # shared-prefix tokens the root's first call still computes
+    measured: bool = True
+    later: tuple[int, ...] = ()  # decode steps of the stages from i on (SRPT's oracle)
 
 
 class SimEngine(Protocol):
@@ -200,6 +231,7 @@ class Simulator:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._programs: list[SimProgram] = []
+        self._measuring = 0  # measured programs not finished or failed yet
         self.engine: SimEngine
         if isinstance(system, SchedulePolicy):
             self.engine = PastryEngine(self, system)
@@ -217,10 +249,17 @@ class Simulator:
     def remaining_steps(self, instance: int) -> int:
         """Steps the program still has to run (the clairvoyant oracle for SRPT)."""
         p = self._programs[instance]
-        left = sum(t.left for t in p.threads)
-        return left + sum(c.decode for s in p.spec.stages[p.stage + 1 :] for c in s.calls)
+        if not p.later:
+            p.later = tuple(
+                itertools.accumulate(
+                    (sum(c.decode for c in s.calls) for s in reversed(p.spec.stages)),
+                    initial=0,
+                )
+            )[::-1]
+        return sum(t.left for t in p.threads) + p.later[p.stage + 1]
 
     def run(self, programs: Sequence[ProgramSpec]) -> SimResult:
+        window = self.config.measure
         for i, spec in enumerate(sorted(programs, key=lambda s: s.arrival)):
             if spec.shared_prefix and spec.stages[0].fork:
                 raise ValueError(
@@ -228,10 +267,12 @@ class Simulator:
                     "(the prefix is its first call's input)"
                 )
             p = SimProgram(spec, i)
+            p.measured = window is None or window[0] <= spec.arrival < window[1]
+            self._measuring += p.measured
             self._programs.append(p)
             self._at(spec.arrival, lambda p=p: self._start(p))
         cfg, engine, steps, idle = self.config, self.engine, 0, 0
-        while self._events or engine.has_work():
+        while (self._events or engine.has_work()) and self._measuring:
             if not engine.has_work():
                 self.now = max(self.now, self._events[0][0])
             while self._events and self._events[0][0] <= self.now:
@@ -260,8 +301,9 @@ class Simulator:
         wait = p.wait_s + sum(t.waited for t in p.threads)
         s = p.spec
         return ProgramResult(
-            s.workload, s.arrival, p.finish, s.decode_tokens, s.num_calls, wait, p.failed
-        )
+            s.workload, s.arrival, p.finish, s.decode_tokens, s.num_calls, wait, p.failed,
+            p.measured,
+        )  # fmt: skip
 
     def _at(self, t: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), action))
@@ -314,6 +356,7 @@ class Simulator:
             self._at(self.now + interrupt, lambda: self._next_stage(p))
             return
         p.finish = self.now
+        self._measuring -= p.measured
         self._close(p.root)
         p.threads = []
         self.engine.end_program(p)
@@ -329,6 +372,7 @@ class Simulator:
         if p.failed is not None or p.finish is not None:
             return
         p.failed = why
+        self._measuring -= p.measured
         for t in p.threads:
             if not t.root:
                 self._close(t)
@@ -357,6 +401,7 @@ class PastryEngine:
         self.sim = sim
         self.policy = policy
         self.cost = cfg.cost
+        self.steps = cfg.steps_per_schedule
         self.memory = cfg.memory
         self.page_size = cfg.memory.page_size if cfg.memory is not None else 16
         self.table = ProcessTable(clock=lambda: sim.now, session_ttl_s=0)
@@ -467,6 +512,8 @@ class PastryEngine:
     # ------------------------------------------------------------------ a step
 
     def step(self) -> tuple[float, list[SimThread], list[tuple[SimProgram, str]]]:
+        """One scheduling pass: a batch formed by the real scheduler, run for up to
+        ``steps_per_schedule`` steps (see the module docstring)."""
         sim, sched = self.sim, self.sched
         batch = sched.take_batch() or []
         moved = 0
@@ -484,24 +531,23 @@ class PastryEngine:
         sched.stats.forward_items += len(batch)
         sched.stats.forward_batches += 1
         self.table.dispatched([(c.queue.thread, 1) for c in batch], sim.now)
-        tokens = sum(c.tokens for c in batch)
-        context = sum(th.kv for th in threads) + tokens
+        spans = [min(th.left, self.steps) for th in threads]
         swap_s = self.memory.swap_s(moved) if self.memory is not None else 0.0
         self._swap_s += swap_s
-        dt = self.cost.step(len(batch), tokens, context) + swap_s
+        dt = self._run(batch, threads, spans) + swap_s
         end = sim.now + dt
         self.table.completed([(c.queue.thread, 1, True) for c in batch], dt, end)
         self.policy.on_batch_done(batch, dt)
         done = []
-        for cmd, th in zip(batch, threads, strict=True):
+        for cmd, th, k in zip(batch, threads, spans, strict=True):
             cmd.future.set_result(None)
             th.command = None
             if th.program.failed is not None or th in self._doomed:
                 continue
-            th.kv += cmd.tokens
+            th.kv += cmd.tokens + k - 1
             if th.root and th.program.prefix_left == 0 and th.program.stage == 0:
                 self._export_prefix(th)
-            th.left -= 1
+            th.left -= k
             if th.left > 0:
                 self._submit(th, 1, at=end)
                 continue
@@ -509,14 +555,36 @@ class PastryEngine:
             done.append(th)
         return dt, done, failed
 
+    def _run(self, batch: list[Command], threads: list[SimThread], spans: list[int]) -> float:
+        """Seconds of the pass's steps: step 0 runs every command (its input tokens over
+        its context), step s > 0 the calls with more than s steps in the pass, one token
+        each over a context grown by s."""
+        tokens = sum(c.tokens for c in batch)
+        dt = self.cost.step(len(batch), tokens, sum(th.kv for th in threads) + tokens)
+        last = max(spans)
+        if last == 1:
+            return dt
+        count = [0] * (last + 1)  # calls with exactly k steps in the pass
+        base = [0] * (last + 1)  # their contexts after step 0
+        for cmd, th, k in zip(batch, threads, spans, strict=True):
+            count[k] += 1
+            base[k] += th.kv + cmd.tokens
+        n = ctx = 0
+        for s in range(last - 1, 0, -1):  # step s runs the calls with k > s
+            n += count[s + 1]
+            ctx += base[s + 1]
+            dt += self.cost.step(n, n, ctx + n * s)
+        return dt
+
     def _submit(self, th: SimThread, tokens: int, at: float | None = None) -> None:
-        """Allocate the pages the forward writes (``Context`` does before a forward; short
-        of device pages they start on the host), then queue it."""
+        """Allocate the pages the forwards of the next pass write (``Context`` does before
+        a forward; short of device pages they start on the host), then queue it."""
         q = th.queue
         assert q is not None
         res = self.resources
         if res is not None:
-            need = -(-(th.kv + tokens) // self.page_size) - len(th.pages)
+            span = min(th.left, self.steps)
+            need = -(-(th.kv + tokens + span - 1) // self.page_size) - len(th.pages)
             if need > 0:
                 try:
                     th.pages = th.pages + res.alloc(th.program.instance, "kv", need)
