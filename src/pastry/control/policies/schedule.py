@@ -121,9 +121,11 @@ def _policies() -> dict[str, type[SchedulePolicy]]:
 
 SCHEDULES: tuple[str, ...] = ("fcfs", "mlfq", "plas", "atlas")
 # The best measured (benchmarks/RESULTS.md, "Scheduling"): on the simulator's mixed
-# workload PLAS had the lowest average latency (ATLAS favours wide programs, which costs
-# the others); the two are the same policy on single-threaded programs. ATLAS is the
-# choice for a server of mostly parallel programs (it minds their critical path).
+# workload in steady state, at saturation, PLAS had the lowest average and P99 latency
+# (ATLAS favours wide programs, which costs the others); the two are the same policy on
+# single-threaded programs. ATLAS is the choice for a server of mostly parallel programs
+# (it minds their critical path); FCFS for many short tool-using programs at KV-memory
+# saturation (PLAS swaps more there: RESULTS.md, simulator, bfcl).
 DEFAULT_SCHEDULE = "plas"
 
 
