@@ -21,9 +21,13 @@ controller and trusted runtime). Needs the Python runtime component (pyrt), buil
     of the rounds. All on one event loop, so the acknowledgements of a burst mostly
     arrive after all its launches ran: the average is about the burst's total work.
 (b) Per-call overhead, timed inside the inferlet with ``time.perf_counter``: a host call
-    (``get_kv_page_size``, answered by the Session) and a queued call (``await
+    (``get_kv_page_size``, answered by the Session) right after a scheduler round trip
+    (``host_call_us``: the host's code is cache-cold, as in an inferlet's step) and back
+    to back (``host_call_us_back_to_back``), and a queued call (``await
     synchronize(q)``, a scheduler round trip without the engine); mean µs of the timed
-    iterations after a warm-up, one instance.
+    iterations after a warm-up, one instance. Measured once the pool is full and idle:
+    a pool thread making guests meanwhile competes for the CPU and the GIL (it doubled
+    the host call and the queued call here).
 (c) Time per output token of text completion (``Context`` + greedy ``Sampler``, the
     inferlet of ``overhead.py``) at 1, 64 and 256 concurrent inferlets, prefill excluded:
     from the first instance's "first token" message to the last result, / (N-1).
@@ -32,6 +36,9 @@ controller and trusted runtime). Needs the Python runtime component (pyrt), buil
     RSS counts the runtime image's shared pages once per instance) and USS delta / N
     (private memory: what an instance really costs), the linear memory each reports
     (``Program.memory``), and the USS of one pre-started (pooled) guest.
+
+The whole run uses the server's collector settings (``tune_for_serving`` after the engine
+is loaded), as ``pastry serve`` and ``overhead.py`` do.
 
 Prints tables, then as the last line one JSON object with the headline numbers.
 """
@@ -51,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from pastry.control import gc_tuning
 from pastry.control.controller import Controller
 from pastry.control.events import Finished, Message
 from pastry.engine.config import EngineConfig
@@ -96,7 +104,13 @@ async def main(args):
         if i >= warm:
             plain += t1 - t0
             queued += t2 - t1
-    return json.dumps([plain / n * 1e6, queued / n * 1e6])
+    for _ in range(warm):
+        px.get_kv_page_size(q)
+    t0 = clock()
+    for _ in range(n):
+        px.get_kv_page_size(q)
+    tight = clock() - t0
+    return json.dumps([plain / n * 1e6, queued / n * 1e6, tight / n * 1e6])
 """
 
 PARKED = """
@@ -269,6 +283,9 @@ def section_calls(handle: InProcessEngine, box, iters: int, warm: int) -> dict:
     print("|---|---|---|---|")
     res = {}
 
+    box.pool.wait_full(600)  # the pool's thread idle: it would compete for the CPU and GIL
+    box.pool.idle(60)
+
     async def go():
         async with Server(handle) as server:
             for kind in ("sandboxed", "trusted"):
@@ -280,13 +297,18 @@ def section_calls(handle: InProcessEngine, box, iters: int, warm: int) -> dict:
     asyncio.run(go())
     out = {}
     for i, (label, key) in enumerate(
-        [("host call (get_kv_page_size)", "plain"), ("queued (await synchronize)", "queued")]
+        [
+            ("host call (get_kv_page_size), after a round trip", "plain"),
+            ("queued (await synchronize)", "queued"),
+            ("host call, back to back", "tight"),
+        ]
     ):
         s, t = res["sandboxed"][i], res["trusted"][i]
         print(f"| {label} | {s:.1f} | {t:.1f} | {s / t:.1f}x |")
         out[f"call_us_{key}_sandboxed"] = round(s, 1)
         out[f"call_us_{key}_trusted"] = round(t, 1)
     out["host_call_us"] = out["call_us_plain_sandboxed"]
+    out["host_call_us_back_to_back"] = out["call_us_tight_sandboxed"]
     out["queued_call_us"] = out["call_us_queued_sandboxed"]
     return out
 
@@ -444,6 +466,7 @@ def main() -> None:
     )
     engine = Engine.load(path, cfg)
     handle = InProcessEngine(engine)
+    gc_tuning.tune_for_serving()  # the collector settings `pastry serve` runs under
     vocab = engine.info.vocab_size
     print(f"# sandbox: {engine.info.model_name} ({engine.cfg.num_params / 1e6:.0f}M params, bf16)")
     print(
