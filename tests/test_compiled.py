@@ -287,7 +287,7 @@ def test_a_failed_compile_falls_back_to_eager(make_tiny, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise torch._dynamo.exc.TorchDynamoException("no C++ compiler")
 
-    monkeypatch.setattr(compiled, "_compiled", lambda: broken)
+    monkeypatch.setattr(compiled, "_compiled", lambda one: broken)
     path = make_tiny("llama")
     eng, eager = load(path, compile=True), load(path)
     assert not eng.compiled.enabled and "no C++ compiler" in eng.compiled.error

@@ -196,17 +196,34 @@ def decode_step(
     return _rms(x, norms[-1], spec.eps)
 
 
-_compiled_step = None
+def decode_step_one(*args) -> torch.Tensor:
+    """:func:`decode_step` for a batch of one: its own code object, so that dynamo keeps its
+    graphs apart from the batched ones (they are compiled with other options)."""
+    return decode_step(*args)
 
 
-def _compiled():
-    global _compiled_step
-    if _compiled_step is None:
+_compiled_steps: dict[bool, Callable[..., torch.Tensor]] = {}
+
+
+def _compiled(one: bool) -> Callable[..., torch.Tensor]:
+    """The compiled step for a batch of one (``one``) or of more.
+
+    A batch of one gets inductor's C++ wrapper: the graph's ~300 kernel launches, buffer
+    allocations and checks then run in C++ instead of a generated Python function (measured
+    ~1 ms of a ~10 ms SmolLM2-135M step on 2 cores; ``benchmarks/decode_profile.py``). Larger
+    batches keep the Python wrapper, whose overhead is small next to their products, and
+    which compiles faster."""
+    step = _compiled_steps.get(one)
+    if step is None:
         # One graph per (architecture, dtype, batch 1 or more): a process with
         # several engines (tests, benchmarks) needs more than dynamo's default of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        _compiled_step = torch.compile(decode_step, fullgraph=True)
-    return _compiled_step
+        if one:
+            step = torch.compile(decode_step_one, fullgraph=True, options={"cpp_wrapper": True})
+        else:
+            step = torch.compile(decode_step, fullgraph=True)
+        _compiled_steps[one] = step
+    return step
 
 
 class CompiledDecode:
@@ -302,7 +319,7 @@ class CompiledDecode:
         torch._dynamo.maybe_mark_dynamic(kv, 2)
         torch._dynamo.maybe_mark_dynamic(mask, 1)
         with _running(self.forwards):
-            return _compiled()(
+            return _compiled(x.shape[0] == 1)(
                 self.spec,
                 x,
                 positions,
