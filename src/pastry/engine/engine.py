@@ -178,7 +178,6 @@ class Engine:
         weights = ckpt.load_state_dict(dtype, device)
         weights.update(kept_codes(ckpt.path, ckpt.config, config.quantize, device))
         model = build_model(ckpt.config, dtype, device, weights, config.quantize)
-        model = build_model(ckpt.config, dtype, device, weights, config.quantize)
         del weights
         tok = ckpt.tokenizer
         engine = cls(
@@ -767,7 +766,7 @@ def build_model(
             for k, w in weights.items()
         }
     if device.type != "cpu" and (
-        quantize in ("int8", "int4") or (quantized and quantize == "auto")
+        quantize in ("int8", "int4", "int4-hybrid") or (quantized and quantize == "auto")
     ):
         raise ValueError(
             f"quantized weights run on the CPU only (device is {device}); use --quantize none "
@@ -781,7 +780,7 @@ def build_model(
     finally:
         torch.set_default_dtype(previous)
     model.load_hf_state_dict(weights)
-    if quantize in ("int8", "int4"):
+    if quantize in ("int8", "int4", "int4-hybrid"):
         model.quantize(quantize)
     model.eval()
     model.prepack()
