@@ -230,3 +230,53 @@ def test_the_engine_keeps_a_gguf_file_s_blocks_when_asked(make_tiny, tmp_path):
         rtol=0,
         atol=0,
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_with_a_dense_copy_switches_kernels_by_rows(dtype):
+    """keep_dense: below INT4_DENSE_FROM_M rows the int4 kernel (bit for bit), from it on
+    the dense copy of exactly the weight the kernel multiplies by."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    lean, hybrid = (Int4Weight(quant.quantize_int4(w), dtype) for _ in range(2))
+    hybrid.keep_dense()
+    assert lean.dense is None and lean.dense_nbytes == 0
+    assert hybrid.dense_nbytes == 96 * 128 * torch.finfo(dtype).bits // 8
+    assert hybrid.nbytes == lean.nbytes  # a batch-1 product still streams the int4 weight
+    exact = lean.dequantize().float()
+    below, at = quant.INT4_DENSE_FROM_M - 1, quant.INT4_DENSE_FROM_M
+    for m in (1, below, at, 3 * at):
+        x = torch.randn(m, 128).to(dtype)
+        y = hybrid.matmul(x)
+        if m < at:
+            assert torch.equal(y, lean.matmul(x))
+        tol = 1e-4 if dtype == torch.float32 else 0.08
+        torch.testing.assert_close(y.float(), x.float() @ exact.t(), atol=tol, rtol=tol)
+
+
+def test_int4_hybrid_engine(make_tiny, tmp_path):
+    """--quantize int4-hybrid: int4 projections (a GGUF's Q4 blocks kept) with dense copies;
+    batches of 16+ rows run the dense copies, smaller ones the int4 kernel, with the int4
+    engine's results up to float rounding."""
+    cfg, sd = _weights(make_tiny("llama"))
+    q4 = export_gguf(tmp_path / "q4.gguf", cfg, {k: v.numpy() for k, v in sd.items()}, "Q4_0")
+    engines = {
+        mode: Engine.load(q4, EngineConfig(dtype="float32", quantize=mode, **POOLS))
+        for mode in ("int4", "int4-hybrid")
+    }
+    hyb = engines["int4-hybrid"].model
+    int4 = [lin for lin in hyb.linears() if lin.kind == "int4"]
+    assert len(int4) == 4 * cfg.num_layers and all(lin.quantized.dense is not None for lin in int4)
+    assert hyb.lm_head.kind == "int8"
+    dense_rows = []
+    for lin in int4:
+        mm = lin.quantized._dense_mm
+        lin.quantized._dense_mm = lambda x, w, mm=mm: dense_rows.append(len(x)) or mm(x, w)
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, 20).tolist()
+    seqs = {mode: Seq(Pages(e)) for mode, e in engines.items()}
+    # a 20-token prefill (dense copies) agrees within float rounding; one-token steps exactly
+    np.testing.assert_allclose(seqs["int4-hybrid"].step(toks), seqs["int4"].step(toks), atol=1e-4)
+    assert dense_rows == [20] * len(int4)
+    for t in (3, 1, 4):
+        np.testing.assert_allclose(seqs["int4-hybrid"].step([t]), seqs["int4"].step([t]), atol=1e-4)
+    assert dense_rows == [20] * len(int4)  # one-token steps ran the int4 kernel

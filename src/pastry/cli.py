@@ -147,9 +147,10 @@ def add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def _engine_speed_options(p: argparse.ArgumentParser, compile_default: bool) -> None:
     p.add_argument(
-        "--quantize", choices=("auto", "none", "int8", "int4"), default="auto",
+        "--quantize", choices=("auto", "none", "int8", "int4", "int4-hybrid"), default="auto",
         help="weight-only quantized projections on CPU: int8 or int4 for any checkpoint (a "
-        "GGUF's Q4 blocks are kept as they are); auto (default) and none serve dense weights",
+        "GGUF's Q4 blocks are kept as they are); int4-hybrid: int4 plus a bf16 copy for "
+        "batches of 16+ (faster there, more memory); auto (default) and none: dense weights",
     )  # fmt: skip
     p.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=compile_default,

@@ -222,6 +222,7 @@ class EngineConfig:
     # Weight-only quantization (engine/quant.py), CPU only: "int8"/"int4" serve a GGUF's
     # quantized blocks as they are (Q4 blocks stay int4) and quantize the other projections;
     # "auto" and "none" serve dense weights (a GGUF's blocks expanded: faster from batch ~8).
+    # "int4-hybrid": int4, plus a bf16 copy of the int4 projections for batches of 16+ rows.
     quantize: str = "auto"
     # Run decode steps through the compiled graph (engine/compiled.py); compiles at start-up.
     compile: bool = False
@@ -233,9 +234,10 @@ class EngineConfig:
             raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
         if self.max_batch_tokens <= 0:
             raise ValueError(f"max_batch_tokens must be positive, got {self.max_batch_tokens}")
-        if self.quantize not in ("auto", "none", "int8", "int4"):
+        if self.quantize not in ("auto", "none", "int8", "int4", "int4-hybrid"):
             raise ValueError(
-                f"quantize must be one of auto, none, int8, int4, got {self.quantize!r}"
+                "quantize must be one of auto, none, int8, int4, int4-hybrid, got "
+                f"{self.quantize!r}"
             )
 
 

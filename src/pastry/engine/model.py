@@ -16,7 +16,15 @@ from pastry.engine.attention import layer_done, paged_attention
 from pastry.engine.config import CheckpointError, ModelConfig
 from pastry.engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from pastry.engine.lora import DOWN, GATE_UP, OUT, QKV, add_lora
-from pastry.engine.quant import Codes, Int4Codes, Int8Codes, cat_codes, pack, quantize
+from pastry.engine.quant import (
+    Codes,
+    Int4Codes,
+    Int4Weight,
+    Int8Codes,
+    cat_codes,
+    pack,
+    quantize,
+)
 
 
 class Attention(nn.Module):
@@ -195,17 +203,26 @@ class LlamaModel(nn.Module):
     def quantize(self, mode: str) -> int:
         """Quantize the dense projections for the CPU kernels (``mode`` "int4" or "int8");
         returns how many. The head is quantized to int8 in both modes (as llama.cpp keeps
-        its output matrix at higher precision); the embedding table stays dense."""
-        if mode not in ("int4", "int8"):
-            raise ValueError(f"quantize mode must be int4 or int8, got {mode!r}")
-        dtype = self.embed_tokens.dtype
+        its output matrix at higher precision); the embedding table stays dense.
+
+        "int4-hybrid" is int4, and every int4 projection (these and those already loaded from
+        a GGUF's blocks) also keeps a dense copy for batches of
+        :data:`~pastry.engine.quant.INT4_DENSE_FROM_M` rows and more
+        (:meth:`~pastry.engine.quant.Int4Weight.keep_dense`)."""
+        if mode not in ("int4", "int8", "int4-hybrid"):
+            raise ValueError(f"quantize mode must be int4, int4-hybrid or int8, got {mode!r}")
+        dtype, base = self.embed_tokens.dtype, "int4" if mode == "int4-hybrid" else mode
         n = 0
         for lin in self.linears():
             if lin.weight is None:
                 continue  # already quantized (or packed)
-            codes = quantize(lin.weight, "int8" if lin is self.lm_head else mode)
+            codes = quantize(lin.weight, "int8" if lin is self.lm_head else base)
             lin.set_quantized(pack(codes, dtype))
             n += 1
+        if mode == "int4-hybrid":
+            for lin in self.linears():
+                if isinstance(lin.quantized, Int4Weight):
+                    lin.quantized.keep_dense()
         return n
 
     def prepack(self) -> int:

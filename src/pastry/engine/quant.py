@@ -39,12 +39,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-QUANT_MODES = ("auto", "none", "int8", "int4")
+QUANT_MODES = ("auto", "none", "int8", "int4", "int4-hybrid")
+QUANTIZED_MODES = ("int8", "int4", "int4-hybrid")
 GROUP = 32  # int4 group size along in_features (GGUF's block size)
 _INT4_N_MULTIPLE = 16  # the int4 packing needs out_features divisible by 16
 # Batch sizes above which int8 weights are expanded to the activation dtype for one dense
 # product instead of running the int8 kernel (measured in benchmarks/quant_kernels.py).
 INT8_DENSE_FROM_M = 16
+# Batch sizes from which an int4 weight with a dense copy (``--quantize int4-hybrid``) multiplies
+# by the copy: the int4 kernel's cost grows by ~0.6 ms per row over SmolLM2-135M's
+# projections, oneDNN's bf16 by ~0.2 ms from a higher base; they cross between 12 and 16 rows
+# on the 2-core Zen 5 (benchmarks/quant_kernels.py).
+INT4_DENSE_FROM_M = 16
 
 
 def check_mode(mode: str) -> str:
@@ -193,19 +199,50 @@ class Int4Weight(QuantizedWeight):
         # [K / GROUP, N, 2]: the kernel's layout of scales and zeros
         self.scale_zeros = torch.stack((codes.scale.t(), codes.zero.t()), dim=-1).to(dtype)
         self.scale_zeros = self.scale_zeros.contiguous()
+        self.dense: torch.Tensor | None = None  # see keep_dense
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def keep_dense(self) -> None:
+        """Also hold the weight expanded (oneDNN-packed in bfloat16) and multiply by it from
+        :data:`INT4_DENSE_FROM_M` rows on, where the int4 kernel is slower than a dense
+        product: the expansion of exactly the weight the kernel multiplies by (its scales
+        rounded to the activation dtype), at the memory cost of a dense copy."""
+        w = self._kernel(torch.eye(self.in_features, dtype=self.scale_zeros.dtype)).t()
+        if w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            self.dense = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+            self._dense_mm = self._packed_mm
+        else:
+            self.dense = w.contiguous()
+            self._dense_mm = F.linear
+
+    @staticmethod
+    def _packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.contiguous(), self.packed, GROUP, self.scale_zeros
         )
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= INT4_DENSE_FROM_M:
+            return self._dense_mm(x, self.dense)
+        return self._kernel(x)
+
     def dequantize(self) -> torch.Tensor:
         eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
-        return self.matmul(eye).t().contiguous()
+        return self._kernel(eye).t().contiguous()
 
     @property
     def nbytes(self) -> int:
+        """Bytes a product below :data:`INT4_DENSE_FROM_M` rows reads (the int4 weight)."""
         return self.packed.nbytes + self.scale_zeros.nbytes
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of the dense copy (0 without one)."""
+        if self.dense is None:
+            return 0
+        return self.out_features * self.in_features * self.scale_zeros.element_size()
 
 
 class Int8Weight(QuantizedWeight):
@@ -373,14 +410,14 @@ def kept_codes(
     """The quantized projections of checkpoint ``path`` to serve as they are (codes by HF
     name, for :func:`~pastry.engine.engine.build_model` over the dense weights).
 
-    With ``mode`` "int4" or "int8" on the CPU, a GGUF file's blocks: Q4_0, Q4_1 and Q4_K
+    With ``mode`` "int4", "int4-hybrid" or "int8" on the CPU, a GGUF file's blocks: Q4_0, Q4_1 and Q4_K
     exactly as int4 (never requantized, whatever the mode), Q8_0, Q5_x and Q6_K requantized
     to int8 per channel; the mode then applies to the file's float projections. With
     "auto" and "none" nothing: the blocks are expanded to the model's dtype, which serves
     batches of ~8 and more faster on the CPU (``benchmarks/vs_llamacpp.py``), the common
     case of a server. Empty for other checkpoints and devices."""
     path = Path(path)
-    if check_mode(mode) not in ("int8", "int4") or device.type != "cpu" or not path.is_file():
+    if check_mode(mode) not in QUANTIZED_MODES or device.type != "cpu" or not path.is_file():
         return {}
     if path.suffix.lower() != ".gguf":
         return {}
