@@ -39,6 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
+from pastry.engine.quant import QUANT_MODES
 
 PROMPT = 32
 STEPS = 32
@@ -90,7 +91,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="same steps, fewer repetitions")
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: small)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--quantize", default="auto", choices=("auto", "none", "int8", "int4"))
+    ap.add_argument("--quantize", default="auto", choices=QUANT_MODES)
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     args = ap.parse_args()
     if args.model is None:
