@@ -210,7 +210,7 @@ def _compiled(one: bool) -> Callable[..., torch.Tensor]:
 
     A batch of one gets inductor's C++ wrapper: the graph's ~300 kernel launches, buffer
     allocations and checks then run in C++ instead of a generated Python function (measured
-    ~1 ms of a ~10 ms SmolLM2-135M step on 2 cores; ``benchmarks/decode_profile.py``). Larger
+    ~0.35 ms of a ~10 ms SmolLM2-135M step on 2 cores; benchmarks/RESULTS.md). Larger
     batches keep the Python wrapper, whose overhead is small next to their products, and
     which compiles faster."""
     step = _compiled_steps.get(one)
