@@ -37,7 +37,6 @@ import ctypes
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
 from pastry.engine.calls import EmbedTxt, Forward, ids
 from pastry.engine.config import EngineConfig, ModelConfig
 from pastry.engine.engine import Engine
@@ -429,7 +429,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     bw = read_bandwidth()
     print(
-        f"# vs_llamacpp: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"# vs_llamacpp: {cpu_name()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
         f"llama-cpp-python {llama_cpp.__version__}, {threads} threads each, "
         f"read bandwidth {bw / 1e9:.1f} GB/s"
     )
