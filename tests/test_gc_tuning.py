@@ -36,7 +36,9 @@ def test_tune_takes_a_custom_threshold_and_keeps_earlier_freezes(clean_gc):
     gc.freeze()
     frozen = gc.get_freeze_count()
     before = tune_for_serving(5000)
-    assert before.frozen == frozen
+    # frozen objects can still die by reference counting (other tests' threads run on):
+    # the count may only have dropped, never to zero
+    assert 0 < before.frozen <= frozen
     assert gc.get_threshold()[0] == 5000
     restore(before)  # the permanent generation cannot thaw in part: all stays frozen
     assert gc.get_threshold() == clean_gc
