@@ -288,12 +288,18 @@ class TerminateNewest:
                 break
         else:
             return victims  # the requester is not registered; the manager rejects the call
-        total = manager.reclaimable(kind, victims)
-        for inst in list(victims):
-            rest = [v for v in victims if v != inst]
-            if manager.reclaimable(kind, rest) == total:
-                victims = rest
-        return victims
+        return only_needed(manager, kind, victims)
+
+
+def only_needed(manager: ResourceManager, kind: Kind, victims: list[int]) -> list[int]:
+    """``victims`` less those whose end would free nothing the others' end does not (e.g.
+    an instance holding only pages shared with the others): they are left running."""
+    total = manager.reclaimable(kind, victims)
+    for inst in list(victims):
+        rest = [v for v in victims if v != inst]
+        if manager.reclaimable(kind, rest) == total:
+            victims = rest
+    return victims
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pastry.control.resources import only_needed
+
 if TYPE_CHECKING:
     from pastry.control.resources import Kind, ResourceManager
 
@@ -55,9 +57,4 @@ class FairShare:
             victims.append(inst)
             if free + manager.reclaimable(kind, victims) >= needed:
                 break
-        total = manager.reclaimable(kind, victims)
-        for inst in list(victims):
-            rest = [v for v in victims if v != inst]
-            if manager.reclaimable(kind, rest) == total:
-                victims = rest
-        return victims
+        return only_needed(manager, kind, victims)
