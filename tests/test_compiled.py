@@ -7,6 +7,8 @@ tests share one compiled float32 engine per checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -218,17 +220,7 @@ def test_adapters_run_eager_and_match(llama, tmp_path):
         before = eng.compiled.steps if eng.compiled else 0
         calls, out = s.forward_calls([2])
         fwd = calls[1]
-        calls[1] = Forward(
-            in_embeds=fwd.in_embeds,
-            ctx_pages=fwd.ctx_pages,
-            ctx_last_len=fwd.ctx_last_len,
-            out_pages=fwd.out_pages,
-            out_offset=fwd.out_offset,
-            out_embeds=fwd.out_embeds,
-            out_indices=fwd.out_indices,
-            positions=fwd.positions,
-            adapter=aid,
-        )
+        calls[1] = dataclasses.replace(fwd, adapter=aid)
         res = eng.execute([*calls, NextDist(out, k=vocab)])
         if eng.compiled:
             assert eng.compiled.steps == before
