@@ -447,17 +447,15 @@ class GuestApi:
             q, embed, float(temperature), int(top_k), float(top_p), float(min_p),
             None if seed is None else int(seed),
         )  # fmt: skip
-        proc = _processing(
+        extras = _sample_extras(
             mask, logit_bias, penalty_tokens, penalty_prompt, repetition_penalty,
-            frequency_penalty, presence_penalty,
+            frequency_penalty, presence_penalty, logprobs, constraint,
         )  # fmt: skip
-        if proc is None and logprobs is None and constraint is None:
+        if extras is None:
             return self._queued(host.sample, *args)
-        proc = proc or (None, [], [], [], 1.0, 0.0, 0.0)
-        top = None if logprobs is None else int(logprobs)
         if constraint is not None:
-            return self._queued(host.sample_constrained, *args, *proc, top, int(constraint))
-        return self._queued(host.sample_with, *args, *proc, top)
+            return self._queued(host.sample_constrained, *args, *extras, int(constraint))
+        return self._queued(host.sample_with, *args, *extras)
 
     def step(self, q, tokens, positions, in_embeds, in_kv, in_kv_last_len, out_kv,
              out_kv_offset, out_embed, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
@@ -469,16 +467,14 @@ class GuestApi:
             list(out_kv), out_kv_offset, out_embed, float(temperature), int(top_k),
             float(top_p), float(min_p), None if seed is None else int(seed),
         )  # fmt: skip
-        proc = _processing(
+        extras = _sample_extras(
             mask, logit_bias, penalty_tokens, penalty_prompt, repetition_penalty,
-            frequency_penalty, presence_penalty,
+            frequency_penalty, presence_penalty, logprobs, constraint,
         )  # fmt: skip
-        if proc is None and logprobs is None and constraint is None:
+        if extras is None:
             return self._queued(host.step, *args)
-        proc = proc or (None, [], [], [], 1.0, 0.0, 0.0)
-        top = None if logprobs is None else int(logprobs)
         c = None if constraint is None else int(constraint)
-        return self._queued(host.step_with, *args, *proc, top, c)
+        return self._queued(host.step_with, *args, *extras, c)
 
     # grammar constraints
     def create_constraint(self, q, grammar):
@@ -583,6 +579,17 @@ def _processing(mask, bias, penalty_tokens, penalty_prompt, rep, freq, pres):
         mask, pairs, [int(t) for t in (penalty_tokens or [])],
         [int(t) for t in (penalty_prompt or [])], float(rep), float(freq), float(pres),
     )  # fmt: skip
+
+
+def _sample_extras(mask, bias, penalty_tokens, penalty_prompt, rep, freq, pres, logprobs,
+                   constraint):  # fmt: skip
+    """The WIT arguments a sampling call adds to the plain one (the logit processing, then
+    the number of top log-probabilities), or None when it needs none of them."""
+    proc = _processing(mask, bias, penalty_tokens, penalty_prompt, rep, freq, pres)
+    if proc is None and logprobs is None and constraint is None:
+        return None
+    top = None if logprobs is None else int(logprobs)
+    return (*(proc or (None, [], [], [], 1.0, 0.0, 0.0)), top)
 
 
 # ---------------------------------------------------------------------------- compile and run
