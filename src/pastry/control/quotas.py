@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pastry.api import ApiError
+
 MiB = 1 << 20
 
 
@@ -99,3 +101,7 @@ def share_of(share: float | None, size: int) -> int | None:
     if share is None or share >= 1:
         return None
     return max(1, int(share * size))
+
+
+class QuotaError(ApiError):
+    """A call would take the instance over a resource limit (:meth:`Session.set_limit`)."""

@@ -534,6 +534,17 @@ class ResourceManager:
         except KeyError:
             raise self._lookup_error(instance, kind, handles) from None
 
+    def tables(self, instance: int) -> tuple[dict[int, int], dict[int, int]]:
+        """The instance's KV and embedding handle tables (handle -> physical id), for the
+        batch scheduler's one-pass translation of a batch (:mod:`pastry.control.steps`):
+        read them, never change them. A missing handle is a ``KeyError`` (:meth:`translate`
+        names what is wrong with it); an unknown instance raises :class:`ResourceError`."""
+        handles = self._handles
+        try:
+            return handles["kv"][instance], handles["embed"][instance]
+        except KeyError:
+            raise self._lookup_error(instance, "kv", ()) from None
+
     def translate_array(self, instance: int, kind: Kind, handles: np.ndarray) -> np.ndarray:
         """:meth:`translate` for an integer array of any shape; returns int64 of that shape."""
         arr = np.asarray(handles)

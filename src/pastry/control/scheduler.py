@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pastry.api import ApiError
 from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
@@ -123,10 +123,14 @@ class Command:
     from ``stage`` to ``last_stage`` (the SDK's decode step: embed, forward, sample): they
     go into one batch, the engine runs each with the calls of its type, and the command
     resolves once, with ``finish`` of its last call's result (or the first call's error).
+
+    A *batched* command carries its call as data (``batched``, a :class:`BatchPrepared`
+    such as :class:`~pastry.control.steps.Step`) instead of ``prepare``: the commands of
+    one kind taken into a batch are prepared together, in one pass per batch.
     """
 
     stage: Stage
-    prepare: Callable[[], Call | tuple[Call, ...] | None]
+    prepare: Callable[[], Call | tuple[Call, ...] | None] | None = None
     finish: Callable[[Result], Any] = lambda r: r
     tokens: int = 0  # forward tokens, for the batch limit
     future: asyncio.Future = field(
@@ -137,6 +141,7 @@ class Command:
     queue: Queue | None = None  # set by submit
     admission: Any = None  # what a waiting prefill asks for (control/policies/admission.py)
     last_stage: Stage | None = None  # a fused command's last stage (None: one call)
+    batched: BatchPrepared | None = None  # prepared with the batch's others of its kind
 
     @property
     def end_stage(self) -> Stage:
@@ -154,6 +159,22 @@ class Command:
         if call is None:
             return ()
         return call if type(call) is tuple else (call,)
+
+
+class BatchPrepared(Protocol):
+    """A command's call as data, prepared with every other command of its type taken into
+    the same batch (see :class:`Command`)."""
+
+    def prepare(self) -> Call | tuple[Call, ...]:
+        """This command's call(s) alone; raises what its caller should see."""
+        ...
+
+    @staticmethod
+    def prepare_batch(commands: list[Command]) -> list[Command]:
+        """Set ``call`` of every command (its future's exception where it is refused), in
+        one pass and in order; returns those left for :meth:`prepare` one by one (before
+        anything was done for them)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -178,12 +199,14 @@ class _Forming:
     per_queue: dict[Queue, list[Command]] = field(default_factory=dict)
     stage: dict[Queue, Stage] = field(default_factory=dict)
     blocked: set[Queue] = field(default_factory=set)  # no more from these in this batch
+    deferred: list[Command] = field(default_factory=list)  # batched ones, not prepared yet
 
     def drop(self, q: Queue) -> list[Command]:
         mine = self.per_queue.pop(q, [])
         if mine:
             gone = set(map(id, mine))
             self.commands = [c for c in self.commands if id(c) not in gone]
+            self.deferred = [c for c in self.deferred if id(c) not in gone]
             self.tokens -= sum(c.tokens for c in mine)
             self.forwards -= sum(c.forwards for c in mine)
         return mine
@@ -386,7 +409,34 @@ class BatchScheduler:
             q = swapped_out[0]
             if self._force_resident(q):
                 self._take(q, f, cap)
+        if f.deferred:
+            self._prepare_deferred(f)
         return f.commands or None
+
+    def _prepare_deferred(self, f: _Forming) -> None:
+        """Prepare the batched commands taken since the last call: each run of one kind in
+        one pass (:meth:`BatchPrepared.prepare_batch`), in the order they were taken; the
+        refused ones leave the batch (their futures hold the errors)."""
+        cmds, f.deferred = f.deferred, []
+        i = 0
+        while i < len(cmds):
+            kind = type(cmds[i].batched)
+            j = i + 1
+            while j < len(cmds) and type(cmds[j].batched) is kind:
+                j += 1
+            for cmd in kind.prepare_batch(cmds[i:j]):
+                self._prepare(cmd)
+            i = j
+        for cmd in cmds:
+            if cmd.call is None:  # refused
+                if not cmd.future.done():
+                    cmd.future.set_exception(CommandError("the command could not be prepared"))
+                q = cmd.queue
+                f.commands.remove(cmd)
+                f.per_queue[q].remove(cmd)
+                f.tokens -= cmd.tokens
+                f.forwards -= cmd.forwards
+                self.programs.dropped(q.thread)
 
     def _take(self, q: Queue, f: _Forming, cap: float) -> None:
         """Take ``q``'s commands into ``f`` while they keep the stage order, do not
@@ -404,18 +454,26 @@ class BatchScheduler:
                 if cmd.stage < stage or over:
                     f.blocked.add(q)
                     break
-                ok = self._prepare(cmd)
-                if ok is None:  # not admitted yet: it stays first in its queue
-                    f.blocked.add(q)
-                    break
-                if not ok:  # rejected: its future holds the error
-                    q.pending.popleft()
-                    self.programs.dropped(q.thread)
-                    continue
-                if cmd.stage == stage and _conflicts(mine, cmd, self.page_size):
-                    cmd.call = None  # prepared again when it is taken later
-                    f.blocked.add(q)
-                    break
+                if cmd.batched is not None and cmd.stage != stage:
+                    # Prepared with the batch's others of its kind (form_batch's end): none
+                    # of its queue's commands in the batch is at its stage, so it cannot
+                    # conflict with them.
+                    f.deferred.append(cmd)
+                else:
+                    if f.deferred:  # those taken before act first, as they were taken
+                        self._prepare_deferred(f)
+                    ok = self._prepare(cmd)
+                    if ok is None:  # not admitted yet: it stays first in its queue
+                        f.blocked.add(q)
+                        break
+                    if not ok:  # rejected: its future holds the error
+                        q.pending.popleft()
+                        self.programs.dropped(q.thread)
+                        continue
+                    if cmd.stage == stage and _conflicts(mine, cmd, self.page_size):
+                        cmd.call = None  # prepared again when it is taken later
+                        f.blocked.add(q)
+                        break
                 stage = cmd.end_stage
                 f.tokens += cmd.tokens
                 f.forwards += forwards
@@ -457,7 +515,7 @@ class BatchScheduler:
         """Translate ``cmd``: True if prepared, False if rejected (its future holds the
         error), None if it raised :class:`NotAdmitted`."""
         try:
-            cmd.call = cmd.prepare()
+            cmd.call = cmd.prepare() if cmd.prepare is not None else cmd.batched.prepare()
         except NotAdmitted:
             return None
         except Exception as e:  # the control layer rejected it: only this caller sees it

@@ -29,8 +29,10 @@ from pastry.api import ApiError
 from pastry.control.constraints import MAX_CONSTRAINTS, HostConstraint
 from pastry.control.events import Message
 from pastry.control.outbox import Inbox, Outbox
+from pastry.control.quotas import QuotaError
 from pastry.control.resources import Kind, QuotaExceeded, ResourceError
 from pastry.control.scheduler import Command, Queue, Stage
+from pastry.control.steps import Step, claim
 from pastry.control.tokenization import TokenizeTooLarge
 from pastry.control.users import LOCAL, split_scoped
 from pastry.engine.calls import (
@@ -54,10 +56,6 @@ if TYPE_CHECKING:
 API_VERSION = "0.1.0"
 
 
-class QuotaError(ApiError):
-    """A call would take the instance over a resource limit (:meth:`Session.set_limit`)."""
-
-
 def _token_ids(values, what: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
     try:
         arr = ids(values)
@@ -70,6 +68,18 @@ def _token_ids(values, what: str, lo: int = 0, hi: int | None = None) -> np.ndar
             f"{what} has token id {int(bad[0])}, outside the vocabulary (0 to {top - 1})"
         )
     return arr
+
+
+def _ints(values) -> list[int]:
+    """``values`` as a list of Python ints that fit an int64 (what :func:`ids` makes of
+    them, with its errors): the fused step keeps them as a list until its batch makes one
+    array of every step's integers."""
+    if type(values) is list and all(type(v) is int and -_I64 <= v < _I64 for v in values):
+        return list(values)
+    return ids(values).tolist()
+
+
+_I64 = 1 << 63
 
 
 def _check_top(n, what: str) -> None:
@@ -579,33 +589,18 @@ class Session:
                 f"step needs as many positions and input embeddings as tokens ({n} tokens, "
                 f"{len(positions)} positions, {len(in_embeds)} embeds)"
             )
-        tok, pos = ids(tokens), ids(positions)
-        embeds = [*in_embeds, out_embed]  # snapshots, translated when the step is batched
-        kv, n_ctx = [*in_kv, *out_kv], len(in_kv)
-        last_len, offset = int(in_kv_last_len) if n_ctx else 0, int(out_kv_offset)
-        last_index = ids([n - 1])
         proc, grammar = self._sampling(
             ref, mask, logit_bias, penalty_tokens, penalty_prompt,
             repetition_penalty, frequency_penalty, presence_penalty, logprobs, constraint,
         )  # fmt: skip
-
-        def prepare():
-            phys_e = self._phys(ref, "embed", embeds)  # one translation per handle kind
-            phys_kv = self._phys(ref, "kv", kv)
-            out_pages = phys_kv[n_ctx:]
-            self._claim(ref, out_pages)
-            ins, out = ids(phys_e[:-1]), phys_e[-1]
-            return (
-                EmbedTxt(tok, pos, ins),
-                Forward(
-                    in_embeds=ins, ctx_pages=ids(phys_kv[:n_ctx]), ctx_last_len=last_len,
-                    out_pages=ids(out_pages), out_offset=offset, out_embeds=ids([out]),
-                    out_indices=last_index,
-                ),
-                Sample(out, temperature, top_k, top_p, min_p, seed, **proc),
-            )  # fmt: skip
-
-        cmd = Command(Stage.EMBED, prepare=prepare, tokens=n, last_stage=Stage.OUTPUT)
+        n_ctx = len(in_kv)
+        step = Step(
+            ref.model.resources, self.instance, _ints(tokens), _ints(positions),
+            [*in_embeds, out_embed], [*in_kv, *out_kv],  # snapshots, translated when batched
+            n_ctx, int(in_kv_last_len) if n_ctx else 0, int(out_kv_offset),
+            (temperature, top_k, top_p, min_p, seed), proc,
+        )  # fmt: skip
+        cmd = Command(Stage.EMBED, tokens=n, last_stage=Stage.OUTPUT, batched=step)
         return self._submit_sample(q, cmd, logprobs, grammar)
 
     def _sampling(
@@ -961,12 +956,7 @@ class Session:
         """This instance is about to write physical ``pages`` (see ``claim_writes``)."""
         res = ref.model.resources
         if res.cache is not None:  # no closure: every forward passes here
-            try:
-                res.claim_writes(self.instance, pages)
-            except QuotaExceeded as e:
-                raise QuotaError(str(e)) from None
-            except ResourceError as e:
-                raise ApiError(str(e)) from None
+            claim(res, self.instance, pages)
 
     def _phys(self, ref: _QueueRef, kind: str, handles) -> list[int]:
         # The hot path (every handle of every command): no closure, no copy.

@@ -1,0 +1,169 @@
+"""The fused decode step on the host side: prepared a whole batch at a time.
+
+A :class:`Step` is what :meth:`pastry.control.session.Session.step` queues: the handles
+and parameters of one ``embed_txt -> forward -> sample`` (the SDK's decode step), as data
+instead of a closure. The batch scheduler (:mod:`pastry.control.scheduler`) collects the
+steps it takes into a batch and prepares them together with :meth:`Step.prepare_batch`:
+
+- every step's handles are translated against its instance's tables in one pass;
+- the integers of every call of every step (tokens, positions, translated embedding slots
+  and KV pages) go into *one* int64 array per batch; each call's fields are views of it,
+  not arrays of their own;
+- the write claims on the prefix cache's pages are made in the same pass, in the order the
+  steps were taken.
+
+A step whose handles do not translate is prepared alone (:meth:`Step.prepare`, the same
+work for one step), which raises the error its caller sees, exactly as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pastry.api import ApiError
+from pastry.control.quotas import QuotaError
+from pastry.control.resources import QuotaExceeded, ResourceError
+from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
+
+if TYPE_CHECKING:
+    from pastry.control.resources import ResourceManager
+    from pastry.control.scheduler import Command
+
+
+def claim(res: ResourceManager, instance: int, pages: list[int]) -> None:
+    """``instance`` is about to write physical ``pages`` (see ``claim_writes``); the
+    error its caller sees if it may not."""
+    try:
+        res.claim_writes(instance, pages)
+    except QuotaExceeded as e:
+        raise QuotaError(str(e)) from None
+    except ResourceError as e:
+        raise ApiError(str(e)) from None
+
+
+class Step:
+    """One queued decode step: ``embed_txt(tokens, positions) -> in_embeds``, ``forward``
+    over them on top of ``kv[:n_ctx]`` writing ``kv[n_ctx:]`` from ``offset``, the last
+    input's output to ``embeds[-1]``, and ``sample`` from it with ``sampling`` (the
+    ``Sample`` fields after the embedding slot, positional) and ``proc`` (its logit
+    processing, keywords). Handles are the inferlet's, snapshotted at submission."""
+
+    __slots__ = (
+        "embeds",
+        "instance",
+        "kv",
+        "last_len",
+        "n_ctx",
+        "offset",
+        "positions",
+        "proc",
+        "res",
+        "sampling",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        res: ResourceManager,
+        instance: int,
+        tokens: list[int],
+        positions: list[int],
+        embeds: list[int],
+        kv: list[int],
+        n_ctx: int,
+        last_len: int,
+        offset: int,
+        sampling: tuple,
+        proc: dict,
+    ) -> None:
+        self.res, self.instance = res, instance
+        self.tokens, self.positions = tokens, positions  # Python ints, checked by the session
+        self.embeds, self.kv = embeds, kv  # [*in_embeds, out_embed], [*in_kv, *out_kv]
+        self.n_ctx, self.last_len, self.offset = n_ctx, last_len, offset
+        self.sampling, self.proc = sampling, proc
+
+    def prepare(self) -> tuple[EmbedTxt, Forward, Sample]:
+        """The step's three engine calls, alone (raises what its caller should see)."""
+        res, inst = self.res, self.instance
+        try:
+            phys_e = res.translate(inst, "embed", self.embeds)
+            phys_kv = res.translate(inst, "kv", self.kv)
+        except ResourceError as e:
+            raise ApiError(str(e)) from None
+        out_pages = phys_kv[self.n_ctx :]
+        if res.cache is not None:
+            claim(res, inst, out_pages)
+        n = len(self.tokens)
+        ins = ids(phys_e[:-1])
+        return (
+            EmbedTxt(ids(self.tokens), ids(self.positions), ins),
+            Forward(
+                in_embeds=ins, ctx_pages=ids(phys_kv[: self.n_ctx]), ctx_last_len=self.last_len,
+                out_pages=ids(out_pages), out_offset=self.offset, out_embeds=ids(phys_e[-1:]),
+                out_indices=ids([n - 1]),
+            ),
+            Sample(phys_e[-1], *self.sampling, **self.proc),
+        )  # fmt: skip
+
+    @staticmethod
+    def prepare_batch(commands: list[Command]) -> list[Command]:
+        """Prepare the steps of ``commands`` (each command's ``batched`` is a Step) in one
+        pass: sets each command's ``call``, or its future's exception when its write claim
+        is refused. Returns the commands whose handles did not translate, for
+        :meth:`prepare` one by one (in order; nothing was done for them)."""
+        failed: list[Command] = []
+        done: list[tuple[Command, Step, int]] = []  # (command, step, its phys embed)
+        flat: list[int] = []  # every integer of the batch's calls, step after step
+        for cmd in commands:
+            s: Step = cmd.batched
+            res, inst = s.res, s.instance
+            try:  # translate: one dict lookup per handle, no closure
+                kv_table, embed_table = res.tables(inst)
+                phys_e = [embed_table[h] for h in s.embeds]
+                phys_kv = [kv_table[h] for h in s.kv]
+            except Exception:  # the single path raises the right error
+                failed.append(cmd)
+                continue
+            if res.cache is not None:
+                try:
+                    claim(res, inst, phys_kv[s.n_ctx :])
+                except ApiError as e:
+                    if not cmd.future.done():
+                        cmd.future.set_exception(e)
+                    continue
+            flat += s.tokens
+            flat += s.positions
+            flat += phys_e
+            flat += phys_kv
+            done.append((cmd, s, phys_e[-1]))
+        if not done:
+            return failed
+        arr = np.array(flat, dtype=np.int64)
+        at = 0
+        for cmd, s, out in done:
+            n = len(s.tokens)
+            tok = arr[at : at + n]
+            pos = arr[at + n : at + 2 * n]
+            e = at + 2 * n
+            ins = arr[e : e + n]
+            kv = e + n + 1
+            ctx = kv + s.n_ctx
+            at = kv + len(s.kv)
+            cmd.call = (
+                EmbedTxt(tok, pos, ins),
+                Forward(
+                    in_embeds=ins, ctx_pages=arr[kv:ctx], ctx_last_len=s.last_len,
+                    out_pages=arr[ctx:at], out_offset=s.offset, out_embeds=arr[e + n : kv],
+                    out_indices=_LAST[n] if n < len(_LAST) else ids([n - 1]),
+                ),
+                Sample(out, *s.sampling, **s.proc),
+            )  # fmt: skip
+        return failed
+
+
+# ``out_indices`` of a step of n tokens ([n - 1]), shared read-only for the small n
+_LAST = [ids([n - 1]) for n in range(65)]
+for _a in _LAST:
+    _a.flags.writeable = False
