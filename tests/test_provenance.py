@@ -412,3 +412,63 @@ def test_a_forward_the_engine_refused_is_forgotten_and_leaves_the_cache():
     assert p.record(pages[0]) is None and p.record(pages[1]) is None
     assert cache.cached_pages == 0 and res.referenced("kv") == 2
     res.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_race_free_shortcut_changes_nothing(seed, monkeypatch):
+    """Batches of random calls on a few queues (some sharing an instance) give the same
+    records and embedding slots through the vectorised race check as through the
+    per-page bookkeeping alone; and the check is taken for most of them."""
+    import pastry.control.provenance as provenance
+
+    rng = random.Random(seed)
+    queues = [Q(1), Q(1), Q(2), Q(3), Q(4)]
+    fast, slow = prov(), prov()
+    taken = 0
+    real = provenance._race_free
+    for _ in range(300):
+        calls = []
+        for q in rng.sample(queues, rng.randint(1, 4)):
+            for _ in range(rng.randint(1, 3)):
+                kind = rng.random()
+                if kind < 0.35:
+                    n = rng.randint(1, 3)
+                    start = rng.choice([0, 2, 4, 6])
+                    calls.append((q, embed([rng.randrange(100) for _ in range(n)], start,
+                                           rng.sample(range(64), n))))  # fmt: skip
+                elif kind < 0.8:
+                    n = rng.randint(1, 3)
+                    ctx = rng.sample(range(16), rng.randint(0, 3))
+                    out = rng.sample(range(16), rng.randint(0, 2))
+                    calls.append((q, fwd(rng.sample(range(64), n), ctx=ctx,
+                                         last=rng.randint(1, PS) if ctx else 0, out=out,
+                                         off=rng.randrange(PS),
+                                         outs=rng.sample(range(64), rng.randint(0, 1)))))  # fmt: skip
+                elif kind < 0.9:
+                    calls.append((q, CopyKv(rng.randrange(16), rng.randrange(16), 0, 0, 2)))
+                else:
+                    masked = np.zeros(PS, dtype=np.bool_)
+                    masked[rng.randrange(PS)] = True
+                    calls.append((q, MaskKv(rng.randrange(16), masked)))
+        taken += real(calls)
+        fast.observe(calls)
+        monkeypatch.setattr(provenance, "_race_free", lambda calls: False)
+        slow.observe(calls)
+        monkeypatch.setattr(provenance, "_race_free", real)
+        assert [tokens_of(fast, p) for p in range(16)] == [tokens_of(slow, p) for p in range(16)]
+        assert np.array_equal(fast.embed_token, slow.embed_token)
+        assert np.array_equal(fast.embed_position, slow.embed_position)
+    assert taken > 50
+
+
+def test_the_race_free_check_sees_every_kind_of_race():
+    from pastry.control.provenance import _race_free
+
+    a, b = Q(1), Q(2)
+    assert _race_free([(a, fwd([1], ctx=[3], last=2, out=[3], off=2)), (b, fwd([2], out=[4]))])
+    assert not _race_free([(a, fwd([1], out=[3])), (b, fwd([2], out=[3]))])  # both write 3
+    assert not _race_free([(a, fwd([1], ctx=[3], last=1, out=[5])), (b, fwd([2], out=[3]))])
+    assert not _race_free([(a, CopyKv(3, 5, 0, 0, 1)), (b, fwd([2], out=[3]))])  # copy source
+    masked = np.ones(PS, dtype=np.bool_)
+    assert not _race_free([(a, MaskKv(3, masked)), (b, CopyKv(4, 3, 0, 0, 1))])
+    assert not _race_free([(Q1, embed([1], 0, [4])), (Q2, embed([2], 0, [5]))])  # one instance

@@ -137,6 +137,9 @@ class KvProvenance:
         the engine runs them. A queue's ``instance`` attribute (if any) names its owner:
         embedding slots are never shared between instances, so they can only race between
         queues of one instance."""
+        if _race_free(calls):  # the common batch, checked in one vectorised pass
+            self._apply(calls)
+            return
         pages: dict[int, object] = {}  # page -> the queue writing it (or _MANY)
         slots: dict[int, object] = {}  # embed slot -> the queue writing it (or _MANY)
         owners: dict[object, object] = {}  # instance -> its queue in this batch (or _MANY)
@@ -162,6 +165,22 @@ class KvProvenance:
                 self._copy(call, raced)
             elif t is MaskKv:
                 self._mask(call, pages.get(call.page) is _MANY)
+            elif t is SwapIn:
+                for p in call.pages.tolist():
+                    self.records[p] = None
+
+    def _apply(self, calls: Sequence[tuple[Any, Any]]) -> None:
+        """:meth:`observe` for a batch where no call races another queue's."""
+        for _, call in calls:
+            t = type(call)
+            if t is EmbedTxt:
+                self._embed_txt(call, False)
+            elif t is Forward:
+                self._forward(call, False)
+            elif t is CopyKv:
+                self._copy(call, False)
+            elif t is MaskKv:
+                self._mask(call, False)
             elif t is SwapIn:
                 for p in call.pages.tolist():
                     self.records[p] = None
@@ -265,8 +284,8 @@ class KvProvenance:
         index = length // ps
         if head:
             # The first new token goes into the context's last page (or a copy of it).
-            first = recs[outs[0]]
-            if first is None or not first.holds(_prefix(prev, head)):
+            first = recs[outs[0]]  # (the walk checked that prev holds head tokens)
+            if first is not prev and (first is None or not first.holds(_prefix(prev, head))):
                 return False
             held = prev.tokens[:head]
             key, before = prev.key, prev.prev
@@ -359,6 +378,64 @@ def _raced(table: dict, keys: Iterable[int], q, writes: bool) -> bool:
         if w is not None and (w is _MANY or (not writes and w is not q)):
             return True
     return False
+
+
+def _race_free(calls: Sequence[tuple[Any, Any]]) -> bool:
+    """Whether no call of the batch races another queue's (then :meth:`KvProvenance.observe`
+    needs no per-page bookkeeping): every instance has one queue in it (embedding slots are
+    per instance), no KV page is written by two queues, and none that a queue reads (a
+    forward's context, a copy's source) is written by another. Vectorised: one pass over
+    the calls collects their pages, numpy compares them."""
+    queues: dict[int, object] = {}  # id(queue) -> its index in the batch
+    written: list[np.ndarray] = []  # page arrays, and the queue index of each
+    w_queue: list[int] = []
+    read: list[np.ndarray] = []
+    r_queue: list[int] = []
+    last = None
+    k = -1
+    for q, call in calls:
+        if q is not last:
+            last = q
+            k = queues.setdefault(id(q), len(queues))
+        t = type(call)
+        if t is Forward:
+            if len(call.out_pages):
+                written.append(call.out_pages)
+                w_queue.append(k)
+            if len(call.ctx_pages):
+                read.append(call.ctx_pages)
+                r_queue.append(k)
+        elif t is CopyKv:
+            written.append(np.array([call.dst_page], dtype=np.int64))
+            w_queue.append(k)
+            read.append(np.array([call.src_page], dtype=np.int64))
+            r_queue.append(k)
+        elif t is MaskKv:
+            written.append(np.array([call.page], dtype=np.int64))
+            w_queue.append(k)
+        elif t is SwapIn:
+            written.append(call.pages)
+            w_queue.append(k)
+    if len(queues) > 1:  # instances with several queues in the batch: slots may race
+        insts = {getattr(q, "instance", q) for q, _ in calls}
+        if len(insts) < len({id(q) for q, _ in calls}):
+            return False
+    if not written:
+        return True
+    wp = np.concatenate(written)
+    wq = np.repeat(np.array(w_queue), [len(a) for a in written])
+    order = np.argsort(wp, kind="stable")
+    wp, wq = wp[order], wq[order]
+    same = wp[1:] == wp[:-1]
+    if np.any(same & (wq[1:] != wq[:-1])):
+        return False  # a page written by two queues
+    if not read:
+        return True
+    rp = np.concatenate(read)
+    rq = np.repeat(np.array(r_queue), [len(a) for a in read])
+    at = np.minimum(np.searchsorted(wp, rp), len(wp) - 1)
+    hit = wp[at] == rp  # read pages that are written (by one queue: checked above)
+    return not np.any(hit & (wq[at] != rq))
 
 
 def _written_pages(call) -> Iterable[int]:

@@ -96,8 +96,10 @@ _STAGE = {
     Sample: Stage.OUTPUT,
     SendKv: Stage.OUTPUT,  # after the forward that computes what it sends
 }
-# Within a batch, same-type calls must be adjacent for the engine to run them together.
+# Within a batch, same-type calls must be adjacent for the engine to run them together;
+# a batch lists them in this order (``_STAGE`` lists the types in stage order).
 _TYPE_ORDER = {t: i for i, t in enumerate(_STAGE)}
+assert list(_STAGE.values()) == sorted(_STAGE.values())
 
 
 class CommandError(ApiError):
@@ -529,8 +531,18 @@ class BatchScheduler:
     def _dispatch(self, batch: list[Command]) -> None:
         # (command, engine call) pairs in execution order: by stage, then by call type so
         # that the engine runs each type once; a fused command contributes each of its calls.
-        calls = [(c, call) for c in batch if c.stage != Stage.CONTROL for call in c.parts()]
-        calls.sort(key=_call_order)
+        # Bucketed by type (the types are listed in stage order): O(batch), no sort.
+        buckets: list[list[tuple[Command, Call]]] = [[] for _ in _TYPE_ORDER]
+        for c in batch:
+            call = c.call
+            if call is None or c.stage == Stage.CONTROL:
+                continue
+            if type(call) is tuple:
+                for part in call:
+                    buckets[_TYPE_ORDER[type(part)]].append((c, part))
+            else:
+                buckets[_TYPE_ORDER[type(call)]].append((c, call))
+        calls = [pair for bucket in buckets for pair in bucket]
         if self.on_dispatch is not None:
             self.on_dispatch(calls)
         for c in batch:  # control commands act now, in queue order (see form_batch)
@@ -615,11 +627,6 @@ def _per_thread(batch: Sequence[Command]) -> dict[Thread, int]:
         t = c.queue.thread
         counts[t] = counts.get(t, 0) + 1
     return counts
-
-
-def _call_order(pair: tuple[Command, Call]) -> tuple[int, int]:
-    t = type(pair[1])
-    return _STAGE[t], _TYPE_ORDER[t]
 
 
 def _internal(call: Call) -> Command:
