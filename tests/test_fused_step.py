@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import ClassVar
 
 import pytest
 
@@ -97,10 +98,104 @@ def test_a_fused_command_conflicting_with_an_earlier_one_waits():
     assert asyncio.run(go()) == (1, 1)
 
 
+class Batched:
+    """A batched command's data: ``prepare_batch`` records each pass (the log is the
+    class's), refuses the names in ``refuse`` and leaves ``odd`` ones to ``prepare``."""
+
+    log: ClassVar[list[list[str]]] = []
+    order: ClassVar[list[str]] = []  # every preparation, one by one or in a pass, in order
+
+    def __init__(self, name: str, slot: int, refuse=False, odd=False) -> None:
+        self.name, self.slot, self.refuse, self.odd = name, slot, refuse, odd
+
+    def prepare(self):
+        Batched.order.append(self.name)
+        if self.odd:
+            raise CommandError(f"{self.name} is odd")
+        return fused(self.slot, self.slot + 1, self.slot).prepare()
+
+    @staticmethod
+    def prepare_batch(commands):
+        Batched.log.append([c.batched.name for c in commands])
+        left = []
+        for c in commands:
+            b = c.batched
+            if b.odd:
+                left.append(c)
+                continue
+            Batched.order.append(b.name)
+            if b.refuse:
+                c.future.set_exception(CommandError(f"{b.name} refused"))
+                continue
+            c.call = fused(b.slot, b.slot + 1, b.slot).prepare()
+        return left
+
+
+def batched(name: str, slot: int, **kw) -> Command:
+    return Command(
+        Stage.EMBED, tokens=1, last_stage=Stage.OUTPUT, batched=Batched(name, slot, **kw)
+    )
+
+
+def test_batched_commands_are_prepared_in_one_pass_per_batch_in_the_order_taken():
+    Batched.log, Batched.order = [], []
+
+    async def go():
+        rec = Recorder()
+        s = BatchScheduler(rec.execute, max_batch_tokens=100, page_size=4)
+        qs = [s.create_queue(i) for i in range(6)]
+        futs = [
+            s.submit(qs[0], batched("a", 0)),
+            s.submit(qs[1], batched("b", 10, refuse=True)),
+            s.submit(qs[2], batched("c", 20, odd=True)),  # left to prepare: it raises
+            s.submit(qs[3], batched("d", 30)),
+        ]
+        # a command prepared alone: the steps taken before it are prepared first
+        mask = Command(Stage.KV, prepare=lambda: Batched.order.append("mask") or fwd())
+        futs.append(s.submit(qs[4], mask))
+        futs.append(s.submit(qs[4], batched("e", 40)))
+        futs.append(s.submit(qs[5], batched("f", 50)))
+        s.start()
+        done = await asyncio.gather(*futs, return_exceptions=True)
+        await s.stop()
+        return done, s.stats, rec.batches
+
+    done, stats, engine = asyncio.run(go())
+    assert Batched.log == [["a", "b", "c", "d"], ["e", "f"]]
+    assert Batched.order == ["a", "b", "d", "c", "mask", "e", "f"]
+    assert done[0] == 7 and done[3] == 7 and done[5] == 7 and done[6] == 7
+    assert "b refused" in str(done[1]) and "c is odd" in str(done[2])
+    assert stats.forward_items == 5  # four steps and the lone forward
+    assert engine == [["EmbedTxt"] * 4 + ["Forward"] * 5 + ["Sample"] * 4]
+
+
+def test_a_closed_queue_takes_its_batched_commands_out_of_the_batch_being_formed():
+    Batched.log, Batched.order = [], []
+
+    async def go():
+        s = BatchScheduler(Recorder().execute, max_batch_tokens=100, page_size=4)
+        a, b, c = s.create_queue(1), s.create_queue(2), s.create_queue(3)
+        s.submit(a, batched("a", 0))
+        s.submit(b, batched("b", 10))
+        s.form_batch()  # both prepared
+        fc = s.submit(c, batched("c", 20))
+        s._take(c, s._forming, float("inf"))  # taken, not prepared yet
+        s.close_queue(c, "gone")  # (an instance ended while the batch was formed)
+        batch = s.take_batch()
+        with pytest.raises(CommandError, match="gone"):
+            await fc
+        return batch
+
+    batch = asyncio.run(go())
+    assert [c.batched.name for c in batch] == ["a", "b"]
+    assert Batched.log == [["a", "b"]]
+
+
 # ---------------------------------------------------------------------------- the API
 
 STEP = """
 import json
+from typing import ClassVar
 import pastry.sdk as px
 from pastry.api import ApiError
 
@@ -262,3 +357,36 @@ def test_context_generate_steps_fused_with_the_same_tokens(eng):
     sched = next(iter(controller.models.values())).scheduler
     # 3 x (7 fused steps + 7 x 3 calls + the prefills' commands): fewer commands than calls
     assert sched.stats.commands < sched.stats.calls
+
+
+STEPS_TOGETHER = """
+import pastry.sdk as px
+from pastry.api import ApiError
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    emb = px.alloc_embeds(q, 2)
+    page = px.alloc_kvpages(q, 1)
+    await px.synchronize(q)
+    out = 999 if args[0] == "bad" else emb[1]
+    toks = []
+    for i in range(4):
+        try:
+            toks.append(str(await px.step(q, [5 + i], [i], [emb[0]], page if i else [], i,
+                                          page, i, out)))
+        except ApiError as e:
+            return "error: " + str(e)
+    return ",".join(toks)
+"""
+
+
+def test_steps_of_many_inferlets_batch_together_and_a_bad_one_fails_alone(eng):
+    launches = [(STEPS_TOGETHER, ["bad" if i == 3 else "good"]) for i in range(8)]
+    events, controller = asyncio.run(run_all(eng, launches))
+    outs = [result(e) for e in events]
+    assert outs[3].startswith("error: ") and "999" in outs[3]
+    good = [o for i, o in enumerate(outs) if i != 3]
+    assert all(len(o.split(",")) == 4 for o in good) and len(set(good)) == 1
+    model = next(iter(controller.models.values()))
+    assert model.scheduler.stats.forward_items / model.scheduler.stats.forward_batches > 2
+    model.resources.check_integrity()

@@ -434,8 +434,11 @@ class BatchScheduler:
                 if not cmd.future.done():
                     cmd.future.set_exception(CommandError("the command could not be prepared"))
                 q = cmd.queue
+                mine = f.per_queue.get(q, ())
+                if cmd not in mine:  # its queue was closed meanwhile
+                    continue
+                mine.remove(cmd)
                 f.commands.remove(cmd)
-                f.per_queue[q].remove(cmd)
                 f.tokens -= cmd.tokens
                 f.forwards -= cmd.forwards
                 self.programs.dropped(q.thread)

@@ -74,8 +74,12 @@ def _ints(values) -> list[int]:
     """``values`` as a list of Python ints that fit an int64 (what :func:`ids` makes of
     them, with its errors): the fused step keeps them as a list until its batch makes one
     array of every step's integers."""
-    if type(values) is list and all(type(v) is int and -_I64 <= v < _I64 for v in values):
-        return list(values)
+    if type(values) is list:
+        for v in values:
+            if type(v) is not int or not -_I64 <= v < _I64:
+                break
+        else:
+            return values.copy()
     return ids(values).tolist()
 
 
@@ -601,6 +605,8 @@ class Session:
             (temperature, top_k, top_p, min_p, seed), proc,
         )  # fmt: skip
         cmd = Command(Stage.EMBED, tokens=n, last_stage=Stage.OUTPUT, batched=step)
+        if logprobs is None and grammar is None:  # the common step: no wrapper
+            return ref.model.scheduler.submit(ref.queue, cmd)
         return self._submit_sample(q, cmd, logprobs, grammar)
 
     def _sampling(
