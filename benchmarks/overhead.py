@@ -1,6 +1,6 @@
 """The cost of programmability: inferlets on the control layer vs the fused loop.
 
-    python benchmarks/overhead.py [--quick] [--model DIR] [--device cpu|cuda]
+    python benchmarks/overhead.py [--quick] [--model DIR] [--device cpu|cuda] [--sections abcde]
 
 Without --model, uses the random-weight ``small`` llama checkpoint of
 ``engine_decode.py`` (written into ~/.cache/pastry/bench/ once). One bf16 engine is loaded
@@ -45,7 +45,12 @@ is fixed and nothing depends on the tokenizer.
       loop. ``engine_call_us_C`` = mean µs per call of that.
 
     ``engine_call_us_C / C`` is the control work per inferlet and call: the cost is flat
-    in the number of inferlets when that column is.
+    in the number of inferlets when that column is. ``engine_call_scheduler_us_C`` is the
+    part of it that is the scheduler's own work per batch (``SchedulerStats.seconds``:
+    forming and preparing the batch, dispatching it with its hooks, delivering the
+    results): every call waits for one batch's worth of it. The rest of the round trip is
+    the other inferlets' turns (each of the C inferlets runs its own Python once per
+    cycle on the one event loop), the loop's wake-ups and the thread hop.
 
 (c) The Pie paper's Table 5: 128 concurrent text-completion inferlets under the eager,
     k-only, t-only and adaptive policies (default parameters of the ``pastry.control.policies`` objects). After every
@@ -71,7 +76,10 @@ is fixed and nothing depends on the tokenizer.
     The SDK decodes with the fused ``step`` command (embed, forward and sample as one
     command); the "three calls" column runs the same program with the step as the three
     API calls issued together (what ``Context.generate`` did before), same collector
-    settings.
+    settings. "Of which scheduler" (``stub_step_scheduler_us_C``) is the scheduler's own
+    work (``SchedulerStats.seconds``, read after every batch) per inferlet-step over the
+    same window; the rest is the inferlets' code, the SDK and session calls they make, and
+    the event loop's wake-ups.
 
 (e) Pipelining over a remote engine: the engine in its own process (``spawn_engine``,
     ZeroMQ), 128 text completions as in (c) under the adaptive policy with
@@ -81,6 +89,8 @@ is fixed and nothing depends on the tokenizer.
 
 The whole run uses the server's collector settings (``tune_for_serving`` after the
 engine is loaded), as ``pastry serve`` does.
+
+``--sections`` runs some of (a)-(e) only (the JSON then holds their keys only).
 
 Prints tables, then as the last line one JSON object with the headline numbers. The
 machine this was written on is a shared 2-vCPU VM: the inferlets' Python and the engine's
@@ -401,6 +411,7 @@ async def call_latency(
         "engine_call_p90_us": float(np.percentile(rest, 90)),
         "exec_ms": float(np.mean([e - s for s, e, _ in log if e > s]) * 1e3),
         "calls_per_batch": stats.calls / max(stats.batches, 1),
+        "sched_us": stats.seconds / max(stats.batches, 1) * 1e6,
     }
 
 
@@ -413,21 +424,24 @@ def section_latency(handle: InProcessEngine, iters: int, warmup: int, vocab: int
     print(
         "| inferlets | alloc_embeds | store_get | dealloc issue | **control call** "
         "| queued control (await dealloc) | engine call round trip | engine compute in it "
-        "| **engine call excl. compute** (p90) | ÷ inferlets | engine ms/batch | calls/batch |"
+        "| **engine call excl. compute** (p90) | ÷ inferlets | engine ms/batch | calls/batch "
+        "| scheduler µs/batch |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     out: dict[str, float] = {"thread_hop_us": round(hop, 1)}
     for c in CONCURRENCY:
         r = asyncio.run(call_latency(handle, c, iters, warmup, vocab))
         out[f"control_call_us_{c}"] = round(r["control_call_us"], 2)
         out[f"engine_call_us_{c}"] = round(r["engine_call_us"], 1)
         out[f"engine_call_us_per_inferlet_{c}"] = round(r["engine_call_us"] / c, 2)
+        out[f"engine_call_scheduler_us_{c}"] = round(r["sched_us"], 1)
         print(
             f"| {c} | {r['alloc_us']:.2f} | {r['store_get_us']:.2f} | {r['dealloc_issue_us']:.2f} "
             f"| {r['control_call_us']:.2f} | {r['queued_control_us']:.0f} "
             f"| {r['engine_rt_us']:.0f} | {r['engine_compute_us']:.0f} "
             f"| {r['engine_call_us']:.0f} ({r['engine_call_p90_us']:.0f}) "
-            f"| {r['engine_call_us'] / c:.1f} | {r['exec_ms']:.2f} | {r['calls_per_batch']:.0f} |"
+            f"| {r['engine_call_us'] / c:.1f} | {r['exec_ms']:.2f} | {r['calls_per_batch']:.0f} "
+            f"| {r['sched_us']:.0f} |"
         )
     return out
 
@@ -602,16 +616,26 @@ class GcClock:
 
 async def stub_step_us(
     handle: InProcessEngine, conc: int, steps: int, clock: GcClock, source: str = TEXT_COMPLETION
-) -> tuple[float, float]:
-    """(µs per inferlet-step, share of the decode window the collector took)."""
+) -> tuple[float, float, float]:
+    """(µs per inferlet-step, share of the decode window the collector took, µs of the
+    scheduler's own work per inferlet-step in the window)."""
     async with Server(handle) as server:
+        stats, marks = server.scheduler.stats, [(0.0, 0.0)]  # (time, scheduler seconds)
+        server.scheduler.observers.append(
+            lambda batch, elapsed: marks.append((time.perf_counter(), stats.seconds))
+        )
         ps = [[5 + i % 100] * PROMPT for i in range(conc)]
         events = await launch_and_collect(server, source, [[csv(p), str(steps + 1)] for p in ps])
     t0 = max(t for evs in events for t, ev in evs if isinstance(ev, Message))
     t1 = max(evs[-1][0] for evs in events)
     for evs in events:
         check([ev for _, ev in evs])
-    return (t1 - t0) / (conc * steps) * 1e6, clock.within(t0, t1) / (t1 - t0)
+
+    def sched_at(t: float) -> float:  # the scheduler's seconds by the last batch done by t
+        return max((m for m in marks if m[0] <= t), key=lambda m: m[0])[1]
+
+    sched = (sched_at(t1) - sched_at(t0)) / (conc * steps) * 1e6
+    return (t1 - t0) / (conc * steps) * 1e6, clock.within(t0, t1) / (t1 - t0), sched
 
 
 def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcSettings) -> dict:
@@ -637,11 +661,11 @@ def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcS
         "did before), interleaved; share of the window the collector ran"
     )
     print(
-        "| inferlets | **µs/step, serving gc** (gc share) | three calls (gc share) "
-        "| freeze only (gc share) | CPython defaults (gc share) | three calls / fused "
-        "| freeze only / serving | defaults / serving |"
+        "| inferlets | **µs/step, serving gc** (gc share) | of which scheduler "
+        "| three calls (gc share) | freeze only (gc share) | CPython defaults (gc share) "
+        "| three calls / fused | freeze only / serving | defaults / serving |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     modes = {  # (collector settings, program), applied in this order every repetition
         "default": (lambda: gc_tuning.restore(serving), TEXT_COMPLETION),
         "freeze only": (lambda: gc_tuning.tune_for_serving(serving.thresholds[0]), TEXT_COMPLETION),
@@ -653,7 +677,7 @@ def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcS
         asyncio.run(stub_step_us(handle, 8, 4, clock))  # warm up
         asyncio.run(stub_step_us(handle, 8, 4, clock, TEXT_COMPLETION_CALLS))
         for c in CONCURRENCY:
-            runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+            runs: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
             for _ in range(reps):
                 for mode, (apply, source) in modes.items():
                     apply()
@@ -661,15 +685,18 @@ def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcS
             best = {m: min(r) for m, r in runs.items()}
             tuned = best["serving"][0]
             out[f"stub_step_us_{c}"] = round(tuned, 1)
+            out[f"stub_step_scheduler_us_{c}"] = round(best["serving"][2], 1)
             out[f"stub_step_us_three_calls_{c}"] = round(best["three calls"][0], 1)
             out[f"stub_step_us_freeze_only_{c}"] = round(best["freeze only"][0], 1)
             out[f"stub_step_us_default_gc_{c}"] = round(best["default"][0], 1)
-            cells = " | ".join(
+            cells = [f"{tuned:.1f} ({best['serving'][1]:.0%})", f"{best['serving'][2]:.1f}"]
+            cells += [
                 f"{best[m][0]:.1f} ({best[m][1]:.0%})"
-                for m in ("serving", "three calls", "freeze only", "default")
-            )
+                for m in ("three calls", "freeze only", "default")
+            ]
+            row = " | ".join(cells)
             print(
-                f"| {c} | {cells} | {best['three calls'][0] / tuned:.2f}x "
+                f"| {c} | {row} | {best['three calls'][0] / tuned:.2f}x "
                 f"| {best['freeze only'][0] / tuned:.2f}x "
                 f"| {best['default'][0] / tuned:.2f}x |"
             )
@@ -733,7 +760,17 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: the small one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-remote", action="store_true", help="skip (e), the engine process")
+    ap.add_argument(
+        "--sections",
+        default="abcde",
+        help="which sections to run, e.g. 'bd' (default all; the JSON has their keys only)",
+    )
     args = ap.parse_args()
+    sections = set(args.sections)
+    if not sections <= set("abcde"):
+        ap.error(f"--sections takes letters of 'abcde', got {args.sections!r}")
+    if args.no_remote:
+        sections.discard("e")
     t_start = time.perf_counter()
     torch.manual_seed(0)
     path = args.model or small_checkpoint(args.device)
@@ -763,16 +800,20 @@ def main() -> None:
     )
     print(f"# prompts {PROMPT} tokens (seeded), greedy, page size {PAGE_SIZE}, quick={args.quick}")
     out: dict[str, object] = {}
-    print()
-    out.update(section_tpot(handle, n_tok, reps, vocab))
-    print()
-    out.update(section_latency(handle, iters, warmup, vocab))
-    print()
-    out.update(section_policies(handle, n_conc, max_tokens, window, rounds, vocab))
+    if "a" in sections:
+        print()
+        out.update(section_tpot(handle, n_tok, reps, vocab))
+    if "b" in sections:
+        print()
+        out.update(section_latency(handle, iters, warmup, vocab))
+    if "c" in sections:
+        print()
+        out.update(section_policies(handle, n_conc, max_tokens, window, rounds, vocab))
     handle.close()
-    print()
-    out.update(section_stub(engine.info, stub_steps, stub_reps, serving))
-    if not args.no_remote:
+    if "d" in sections:
+        print()
+        out.update(section_stub(engine.info, stub_steps, stub_reps, serving))
+    if "e" in sections:
         print()
         out.update(section_remote(path, cfg, n_conc, max_tokens, window, rounds, vocab))
     seconds = round(time.perf_counter() - t_start)

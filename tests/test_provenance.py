@@ -421,6 +421,7 @@ def test_the_race_free_shortcut_changes_nothing(seed, monkeypatch):
     per-page bookkeeping alone; and the check is taken for most of them."""
     import pastry.control.provenance as provenance
 
+    monkeypatch.setattr(provenance, "_VECTOR_MIN", 1)
     rng = random.Random(seed)
     queues = [Q(1), Q(1), Q(2), Q(3), Q(4)]
     fast, slow = prov(), prov()

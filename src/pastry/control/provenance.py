@@ -85,6 +85,9 @@ class PageRecord:
 
 
 _MANY = object()  # written by more than one queue in the batch
+# Batches from this many calls on check for races in one vectorised pass first (below it,
+# numpy's fixed cost per operation is more than the per-page bookkeeping).
+_VECTOR_MIN = 48
 
 
 class KvProvenance:
@@ -137,7 +140,7 @@ class KvProvenance:
         the engine runs them. A queue's ``instance`` attribute (if any) names its owner:
         embedding slots are never shared between instances, so they can only race between
         queues of one instance."""
-        if _race_free(calls):  # the common batch, checked in one vectorised pass
+        if len(calls) >= _VECTOR_MIN and _race_free(calls):  # the common large batch
             self._apply(calls)
             return
         pages: dict[int, object] = {}  # page -> the queue writing it (or _MANY)
