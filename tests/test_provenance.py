@@ -435,7 +435,7 @@ def test_the_race_free_shortcut_changes_nothing(seed, monkeypatch):
                 if kind < 0.35:
                     n = rng.randint(1, 3)
                     start = rng.choice([0, 2, 4, 6])
-                    calls.append((q, embed([rng.randrange(100) for _ in range(n)], start,
+                    calls.append((q, embed([rng.randrange(101) for _ in range(n)], start,
                                            rng.sample(range(64), n))))  # fmt: skip
                 elif kind < 0.8:
                     n = rng.randint(1, 3)

@@ -173,12 +173,18 @@ class KvProvenance:
                     self.records[p] = None
 
     def _apply(self, calls: Sequence[tuple[Any, Any]]) -> None:
-        """:meth:`observe` for a batch where no call races another queue's."""
+        """:meth:`observe` for a batch where no call races another queue's; each run of
+        ``embed_txt`` calls in one vectorised pass."""
+        embeds: list[EmbedTxt] = []
         for _, call in calls:
             t = type(call)
             if t is EmbedTxt:
-                self._embed_txt(call, False)
-            elif t is Forward:
+                embeds.append(call)
+                continue
+            if embeds:
+                self._embed_txts(embeds)
+                embeds = []
+            if t is Forward:
                 self._forward(call, False)
             elif t is CopyKv:
                 self._copy(call, False)
@@ -187,6 +193,34 @@ class KvProvenance:
             elif t is SwapIn:
                 for p in call.pages.tolist():
                     self.records[p] = None
+        if embeds:
+            self._embed_txts(embeds)
+
+    def _embed_txts(self, calls: list[EmbedTxt]) -> None:
+        """:meth:`_embed_txt` (not raced) for consecutive calls, in one numpy pass: their
+        slots do not overlap (the scheduler never batches overlapping embeds of one queue,
+        and slots are per instance)."""
+        if len(calls) < _VECTOR_MIN:
+            for call in calls:
+                self._embed_txt(call, False)
+            return
+        lengths = [len(c.out_embeds) for c in calls]
+        if 0 in lengths or any(
+            len(c.tokens) != k or len(c.positions) != k for c, k in zip(calls, lengths, strict=True)
+        ):
+            for call in calls:  # malformed ones (the engine rejects them): one by one
+                self._embed_txt(call, False)
+            return
+        outs = np.concatenate([c.out_embeds for c in calls])
+        toks = np.concatenate([c.tokens for c in calls])
+        poss = np.concatenate([c.positions for c in calls])
+        valid = (toks >= 0) & (toks < self.vocab_size) & (poss >= 0) & (poss < self.max_position)
+        if not valid.all() or len(np.unique(outs)) != len(outs):
+            for call in calls:  # out of range (certifies nothing) or overlapping: in order
+                self._embed_txt(call, False)
+            return
+        self.embed_token[outs] = toks
+        self.embed_position[outs] = poss
 
     @staticmethod
     def _forward_raced(call: Forward, q, pages: dict, slots: dict) -> bool:
@@ -235,8 +269,11 @@ class KvProvenance:
                 done = self._certify(call, outs)
             if not done:
                 self._damage(outs, int(call.out_offset), len(call.in_embeds))
-        if len(call.out_embeds):
-            self.embed_token[call.out_embeds] = -1
+        out_embeds = call.out_embeds
+        if len(out_embeds) == 1:  # a decode step: a scalar write, not a fancy-index one
+            self.embed_token[out_embeds[0]] = -1
+        elif len(out_embeds):
+            self.embed_token[out_embeds] = -1
 
     def _certify(self, call: Forward, outs: list[int]) -> bool:
         """Give the out pages records if the forward is a canonical causal prefill step."""
