@@ -426,7 +426,8 @@ def _race_free(calls: Sequence[tuple[Any, Any]]) -> bool:
     per instance), no KV page is written by two queues, and none that a queue reads (a
     forward's context, a copy's source) is written by another. Vectorised: one pass over
     the calls collects their pages, numpy compares them."""
-    queues: dict[int, object] = {}  # id(queue) -> its index in the batch
+    queues: dict[int, int] = {}  # id(queue) -> its index in the batch
+    distinct: list[object] = []
     written: list[np.ndarray] = []  # page arrays, and the queue index of each
     w_queue: list[int] = []
     read: list[np.ndarray] = []
@@ -437,6 +438,8 @@ def _race_free(calls: Sequence[tuple[Any, Any]]) -> bool:
         if q is not last:
             last = q
             k = queues.setdefault(id(q), len(queues))
+            if k == len(distinct):
+                distinct.append(q)
         t = type(call)
         if t is Forward:
             if len(call.out_pages):
@@ -456,10 +459,8 @@ def _race_free(calls: Sequence[tuple[Any, Any]]) -> bool:
         elif t is SwapIn:
             written.append(call.pages)
             w_queue.append(k)
-    if len(queues) > 1:  # instances with several queues in the batch: slots may race
-        insts = {getattr(q, "instance", q) for q, _ in calls}
-        if len(insts) < len({id(q) for q, _ in calls}):
-            return False
+    if len({getattr(q, "instance", q) for q in distinct}) < len(distinct):
+        return False  # an instance with several queues in the batch: its slots may race
     if not written:
         return True
     wp = np.concatenate(written)
