@@ -390,3 +390,31 @@ def test_steps_of_many_inferlets_batch_together_and_a_bad_one_fails_alone(eng):
     model = next(iter(controller.models.values()))
     assert model.scheduler.stats.forward_items / model.scheduler.stats.forward_batches > 2
     model.resources.check_integrity()
+
+
+EMBEDS_TOGETHER = """
+import pastry.sdk as px
+from pastry.api import ApiError
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    emb = px.alloc_embeds(q, 3)
+    slots = [999, emb[1]] if args[0] == "bad" else emb[1:]
+    try:
+        for i in range(3):
+            await px.embed_txt(q, [5 + i, 6], [i, i + 1], slots)
+    except ApiError as e:
+        return "error: " + str(e)
+    return await px.sample(q, emb[2]) >= 0 and "ok"
+"""
+
+
+def test_embeds_of_many_inferlets_batch_together_and_a_bad_one_fails_alone(eng):
+    launches = [(EMBEDS_TOGETHER, ["bad" if i == 5 else "good"]) for i in range(8)]
+    events, controller = asyncio.run(run_all(eng, launches))
+    outs = [result(e) for e in events]
+    assert outs[5].startswith("error: ") and "999" in outs[5]
+    assert all(o == "ok" for i, o in enumerate(outs) if i != 5)
+    model = next(iter(controller.models.values()))
+    assert model.scheduler.stats.calls / model.scheduler.stats.batches > 2
+    model.resources.check_integrity()

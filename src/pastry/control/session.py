@@ -32,14 +32,13 @@ from pastry.control.outbox import Inbox, Outbox
 from pastry.control.quotas import QuotaError
 from pastry.control.resources import Kind, QuotaExceeded, ResourceError
 from pastry.control.scheduler import Command, Queue, Stage
-from pastry.control.steps import Step, claim
+from pastry.control.steps import Embed, Step, claim
 from pastry.control.tokenization import TokenizeTooLarge
 from pastry.control.users import LOCAL, split_scoped
 from pastry.engine.calls import (
     MAX_LOGPROBS,
     CopyKv,
     Dist,
-    EmbedTxt,
     Forward,
     Logprobs,
     MaskKv,
@@ -434,12 +433,10 @@ class Session:
                 f"embed_txt needs as many positions and embeddings as tokens "
                 f"({len(tokens)} tokens, {len(positions)} positions, {len(embeds)} embeds)"
             )
-        tok, pos, embeds = ids(tokens), ids(positions), list(embeds)
-
-        def prepare():
-            return EmbedTxt(tok, pos, ids(self._phys(ref, "embed", embeds)))
-
-        return self._submit(q, Command(Stage.EMBED, prepare=prepare))
+        embed = Embed(
+            ref.model.resources, self.instance, _ints(tokens), _ints(positions), list(embeds)
+        )
+        return ref.model.scheduler.submit(ref.queue, Command(Stage.EMBED, batched=embed))
 
     def get_eos_token_ids(self, q: int) -> list[int]:
         return list(self._queue(q).model.info.eos_token_ids)

@@ -1,9 +1,10 @@
-"""The fused decode step on the host side: prepared a whole batch at a time.
+"""The commands of the decode hot path, prepared a whole batch at a time.
 
 A :class:`Step` is what :meth:`pastry.control.session.Session.step` queues: the handles
 and parameters of one ``embed_txt -> forward -> sample`` (the SDK's decode step), as data
-instead of a closure. The batch scheduler (:mod:`pastry.control.scheduler`) collects the
-steps it takes into a batch and prepares them together with :meth:`Step.prepare_batch`:
+instead of a closure; an :class:`Embed` is one ``embed_txt``. The batch scheduler
+(:mod:`pastry.control.scheduler`) collects the steps (embeds) it takes into a batch and
+prepares them together with :meth:`Step.prepare_batch` (:meth:`Embed.prepare_batch`):
 
 - every step's handles are translated against its instance's tables in one pass;
 - the integers of every call of every step (tokens, positions, translated embedding slots
@@ -160,6 +161,60 @@ class Step:
                 ),
                 Sample(out, *s.sampling, **s.proc),
             )  # fmt: skip
+        return failed
+
+
+class Embed:
+    """One queued ``embed_txt``: ``tokens`` at ``positions`` into the inferlet's embedding
+    slot handles ``embeds`` (snapshotted at submission)."""
+
+    __slots__ = ("embeds", "instance", "positions", "res", "tokens")
+
+    def __init__(
+        self,
+        res: ResourceManager,
+        instance: int,
+        tokens: list[int],
+        positions: list[int],
+        embeds: list[int],
+    ) -> None:
+        self.res, self.instance = res, instance
+        self.tokens, self.positions, self.embeds = tokens, positions, embeds
+
+    def prepare(self) -> EmbedTxt:
+        """The engine call, alone (raises what its caller should see)."""
+        try:
+            phys = self.res.translate(self.instance, "embed", self.embeds)
+        except ResourceError as e:
+            raise ApiError(str(e)) from None
+        return EmbedTxt(ids(self.tokens), ids(self.positions), ids(phys))
+
+    @staticmethod
+    def prepare_batch(commands: list[Command]) -> list[Command]:
+        """:meth:`Step.prepare_batch` for embeds: one translation pass, one array."""
+        failed: list[Command] = []
+        done: list[tuple[Command, int]] = []  # (command, its number of tokens)
+        flat: list[int] = []
+        for cmd in commands:
+            e: Embed = cmd.batched
+            try:
+                table = e.res.tables(e.instance)[1]
+                phys = [table[h] for h in e.embeds]
+            except Exception:  # the single path raises the right error
+                failed.append(cmd)
+                continue
+            flat += e.tokens
+            flat += e.positions
+            flat += phys
+            done.append((cmd, len(phys)))
+        if done:
+            arr = np.array(flat, dtype=np.int64)
+            at = 0
+            for cmd, n in done:
+                cmd.call = EmbedTxt(
+                    arr[at : at + n], arr[at + n : at + 2 * n], arr[at + 2 * n : at + 3 * n]
+                )
+                at += 3 * n
         return failed
 
 
