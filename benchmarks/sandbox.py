@@ -1,6 +1,7 @@
 """The cost of the WebAssembly sandbox: sandboxed vs trusted Python inferlets.
 
-    python benchmarks/sandbox.py [--quick] [--model DIR] [--device cpu|cuda]
+    python benchmarks/sandbox.py [--quick] [--model DIR] [--device cpu|cuda] [--serial-ab]
+                                 [--sections launch,calls,tpot,memory] [--launch-counts 256]
 
 Without --model, uses the random-weight ``small`` llama checkpoint of ``engine_decode.py``
 (bf16, one ``InProcessEngine`` handle shared by every measurement; each run gets a fresh
@@ -36,6 +37,13 @@ controller and trusted runtime). Needs the Python runtime component (pyrt), buil
     RSS counts the runtime image's shared pages once per instance) and USS delta / N
     (private memory: what an instance really costs), the linear memory each reports
     (``Program.memory``), and the USS of one pre-started (pooled) guest.
+
+Guests run on the sandbox's poll threads (``WasmSandbox(poll_threads=...)``: the event
+loop's thread and helpers, one per core up to 4; ``poll_threads`` in the JSON).
+``--serial-ab`` also measures the serial path (every guest on the loop's thread,
+``poll_threads`` 1) interleaved with it: warm launches (``launch_avg_warm_ms_N_serial``)
+and TPOT (``tpot_sandboxed_serial_over_trusted_N``). ``--sections`` and
+``--launch-counts`` narrow a run for development (the full set is the default).
 
 The whole run uses the server's collector settings (``tune_for_serving`` after the engine
 is loaded), as ``pastry serve`` and ``overhead.py`` do.
@@ -183,7 +191,7 @@ async def launch_round(server: Server, make_prog, n: int) -> tuple[float, float]
     return sum(acks) / n, sum(ends) / n
 
 
-def section_launch(handle: InProcessEngine, counts, reps: int) -> dict:
+def section_launch(handle: InProcessEngine, counts, reps: int, serial_ab: bool) -> dict:
     from pastry.runtime.wasm import POOL_SIZE, WasmSandbox, sandboxed_program_async
 
     print(
@@ -194,9 +202,11 @@ def section_launch(handle: InProcessEngine, counts, reps: int) -> dict:
         "| N | sandboxed warm (pool N) | sandboxed cold (pool N) "
         f"| sandboxed warm (pool {POOL_SIZE}) | sandboxed warm (no pool) "
         "| trusted warm | trusted cold |"
+        + (" sandboxed warm (pool N), serial |" if serial_ab else "")
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|" + ("---|" if serial_ab else ""))
     box = WasmSandbox(pool_size=0)
+    threads = box.pollers.threads
     serial = iter(range(1 << 30))
     out: dict[str, object] = {}
 
@@ -229,30 +239,38 @@ def section_launch(handle: InProcessEngine, counts, reps: int) -> dict:
             "s_warm_default": (POOL_SIZE, lambda p=warm_prog: ready(p)),
             "s_warm_nopool": (0, lambda p=warm_prog: ready(p)),
         }
+        if serial_ab:
+            variants["s_warm_serial"] = (n, lambda p=warm_prog: ready(p))
         if n <= POOL_SIZE:  # the same as pool N
             variants.pop("s_warm_default")
         if n > 256:  # 896 launches without a pool: minutes, and nothing new to learn
             variants.pop("s_warm_nopool")
         rounds: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
 
-        def burst(make_prog, n=n):
+        def burst(make_prog, one_thread: bool, n=n):
             async def go():
                 async with Server(handle) as server:
                     return await launch_round(server, make_prog, n)
 
-            return asyncio.run(go())
+            box.pollers.threads = 1 if one_thread else threads
+            try:
+                return asyncio.run(go())
+            finally:
+                box.pollers.threads = threads
 
         for _ in range(reps):
             for key, (pool, make_prog) in variants.items():
+                one_thread = key.endswith("_serial")
                 if key.startswith("s_warm"):  # warm: launched before, at this scale
                     settle(pool)
-                    burst(make_prog)
+                    burst(make_prog, one_thread)
                 settle(pool)
-                rounds[key].append(burst(make_prog))
+                rounds[key].append(burst(make_prog, one_thread))
         row = {
             k: tuple(statistics.median(x) for x in zip(*v, strict=True)) for k, v in rounds.items()
         }
         order = ("s_warm", "s_cold", "s_warm_default", "s_warm_nopool", "t_warm", "t_cold")
+        order += ("s_warm_serial",) if serial_ab else ()
         cells = [f"{row[k][0]:.2f}" if k in row else "-" for k in order]
         print(f"| {n} | " + " | ".join(cells) + " |")
         out[f"launch_avg_warm_ms_{n}"] = round(row["s_warm"][0], 2)
@@ -261,6 +279,8 @@ def section_launch(handle: InProcessEngine, counts, reps: int) -> dict:
             out[f"launch_avg_warm_ms_{n}_pool{POOL_SIZE}"] = round(row["s_warm_default"][0], 2)
         if "s_warm_nopool" in row:
             out[f"launch_avg_warm_ms_{n}_nopool"] = round(row["s_warm_nopool"][0], 2)
+        if "s_warm_serial" in row:
+            out[f"launch_avg_warm_ms_{n}_serial"] = round(row["s_warm_serial"][0], 2)
         out[f"launch_avg_trusted_ms_{n}"] = round(row["t_warm"][0], 3)
         # the older keys: request -> end, mean over the instances
         out[f"launch_warm_ms_{n}"] = round(row["s_warm"][1], 2)
@@ -326,26 +346,45 @@ async def tpot(handle: InProcessEngine, prog: Program, ps: list[list[int]], n: i
     return (t1 - t0) / (n - 1), outs
 
 
-def section_tpot(handle: InProcessEngine, box, n: int, reps: int, vocab: int) -> dict:
+def section_tpot(
+    handle: InProcessEngine, box, n: int, reps: int, vocab: int, counts, serial_ab: bool
+) -> dict:
     print(f"(c) text completion, ms per output token, {n} new tokens, fastest of {reps}")
-    print("| concurrent | sandboxed | trusted | **sandboxed / trusted** | same output |")
-    print("|---|---|---|---|---|")
+    print(
+        "| concurrent | sandboxed | trusted | **sandboxed / trusted** | same output |"
+        + (" sandboxed serial | serial / trusted |" if serial_ab else "")
+    )
+    print("|---|---|---|---|---|" + ("---|---|" if serial_ab else ""))
     progs = {kind: make(kind, "tc", TEXT_COMPLETION, box) for kind in ("trusted", "sandboxed")}
+    progs["serial"] = progs["sandboxed"]  # the same program, every guest on the loop's thread
+    kinds = ("trusted", "sandboxed", "serial") if serial_ab else ("trusted", "sandboxed")
+    threads = box.pollers.threads
     out = {}
-    for b in TPOT_COUNTS:
+    for b in counts:
         ps = prompts(b, PROMPT, vocab, seed=10)
         for kind in ("trusted", "sandboxed"):  # warm-up on these shapes
             asyncio.run(tpot(handle, progs[kind], ps, 3))
         best: dict[str, tuple] = {}
         for _ in range(reps):
-            for kind in ("trusted", "sandboxed"):
+            for kind in kinds:
                 box.pool.wait_full(600)
-                r = asyncio.run(tpot(handle, progs[kind], ps, n))
+                box.pollers.threads = 1 if kind == "serial" else threads
+                try:
+                    r = asyncio.run(tpot(handle, progs[kind], ps, n))
+                finally:
+                    box.pollers.threads = threads
                 if kind not in best or r[0] < best[kind][0]:
                     best[kind] = r
         s, t = best["sandboxed"], best["trusted"]
         same = sum(a == c for a, c in zip(s[1], t[1], strict=True))
-        print(f"| {b} | {s[0] * 1e3:.2f} | {t[0] * 1e3:.2f} | {s[0] / t[0]:.2f} | {same}/{b} |")
+        row = f"| {b} | {s[0] * 1e3:.2f} | {t[0] * 1e3:.2f} | {s[0] / t[0]:.2f} | {same}/{b} |"
+        if serial_ab:
+            r = best["serial"]
+            assert r[1] == s[1], "the serial and the parallel path generated different text"
+            row += f" {r[0] * 1e3:.2f} | {r[0] / t[0]:.2f} |"
+            out[f"tpot_ms_sandboxed_serial_{b}"] = round(r[0] * 1e3, 2)
+            out[f"tpot_sandboxed_serial_over_trusted_{b}"] = round(r[0] / t[0], 3)
+        print(row)
         out[f"tpot_ms_sandboxed_{b}"] = round(s[0] * 1e3, 2)
         out[f"tpot_ms_trusted_{b}"] = round(t[0] * 1e3, 2)
         out[f"tpot_sandboxed_over_trusted_{b}"] = round(s[0] / t[0], 3)
@@ -440,12 +479,39 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (same JSON keys)")
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: the small one)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--serial-ab",
+        action="store_true",
+        help="also measure the serial path (poll_threads 1), interleaved (extra *_serial keys)",
+    )
+    ap.add_argument(
+        "--sections",
+        default="launch,calls,tpot,memory",
+        help="comma-separated subset of launch,calls,tpot,memory (development)",
+    )
+    ap.add_argument(
+        "--launch-counts",
+        default=",".join(map(str, LAUNCH_COUNTS)),
+        help="comma-separated N of the launch section (development)",
+    )
+    ap.add_argument(
+        "--tpot-counts",
+        default=",".join(map(str, TPOT_COUNTS)),
+        help="comma-separated concurrency of the TPOT section (development)",
+    )
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    unknown = sections - {"launch", "calls", "tpot", "memory"}
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}; choose from launch,calls,tpot,memory")
+    launch_counts = [int(x) for x in args.launch_counts.split(",")]
+    tpot_counts = [int(x) for x in args.tpot_counts.split(",")]
     t_start = time.perf_counter()
     torch.manual_seed(0)
 
     from pastry.runtime import build_pyrt
     from pastry.runtime.wasm import POOL_SIZE, WasmSandbox
+    from pastry.runtime.wasm_pollers import DEFAULT_THREADS
 
     if not build_pyrt.cached_path().exists():
         print("# building the Python runtime component (once) ...", flush=True)
@@ -473,17 +539,22 @@ def main() -> None:
         f"# machine: {cpu_name()}, {os.cpu_count()} cpus, "
         f"torch {torch.__version__}, device {args.device}, quick={args.quick}"
     )
-    out: dict[str, object] = {}
-    print()
-    out.update(section_launch(handle, LAUNCH_COUNTS, launch_reps))
-    print()
+    print(f"# guests run on {DEFAULT_THREADS} poll threads (the loop's included)")
+    out: dict[str, object] = {"poll_threads": DEFAULT_THREADS}
+    if "launch" in sections:
+        print()
+        out.update(section_launch(handle, launch_counts, launch_reps, args.serial_ab))
     box = WasmSandbox(pool_size=POOL_SIZE)  # the default sandbox a server gets
-    out.update(section_calls(handle, box, iters, warm))
-    print()
-    out.update(section_tpot(handle, box, n_tok, reps, vocab))
+    if "calls" in sections:
+        print()
+        out.update(section_calls(handle, box, iters, warm))
+    if "tpot" in sections:
+        print()
+        out.update(section_tpot(handle, box, n_tok, reps, vocab, tpot_counts, args.serial_ab))
     box.close()
-    print()
-    out.update(section_memory(handle, n_mem))
+    if "memory" in sections:
+        print()
+        out.update(section_memory(handle, n_mem))
     handle.close()
     out.update(
         {

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -87,6 +88,7 @@ from pastry.runtime.wasm_host import (
     send,
 )
 from pastry.runtime.wasm_memory import MemoryMap
+from pastry.runtime.wasm_pollers import DEFAULT_THREADS, GuestPollers
 from pastry.runtime.wasm_pool import GuestPool
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,9 @@ TOKENIZE_ON_LOOP_CHARS = 4096  # a guest's shorter texts are tokenized in the ca
 # A guest runs 1-2 epoch ticks per poll before it yields (so one that has just been
 # resumed is not sent to the back of the queue at the very next tick).
 SLICE_TICKS = 2
+# A polling section takes no new guest after this long: the loop's other callbacks (the
+# scheduler, deliveries, I/O) wait at most about this much (plus one guest's slice).
+SECTION_SECONDS = 0.005
 
 
 # ---------------------------------------------------------------------------- host imports
@@ -378,6 +383,7 @@ class _Callbacks:
     def __init__(self, sandbox: WasmSandbox) -> None:
         self.sandbox = sandbox
         self.guests = sandbox._guests
+        self.lock = sandbox.host_lock
         self.names: list[tuple[str, dict | None]] = [("", None)]  # index 0: a NULL env
         self.sigs: dict[int, _Sig] = {}
         self.sync = _SyncFn(self._sync_call)
@@ -445,7 +451,12 @@ class _Callbacks:
         return ctypes.cast(err, ctypes.c_void_p).value or 0
 
     def _sync_call(self, env, context, ty, args, nargs, results, nresults) -> int:
-        # Runs on the guest's fiber. Never raises: a failure becomes a trap.
+        # Runs on the guest's fiber, on whichever thread polls it. Never raises: a failure
+        # becomes a trap.
+        with self.lock:
+            return self._sync(env, context, ty, args, results)
+
+    def _sync(self, env, context, ty, args, results) -> int:
         g = None
         sig = None
         try:
@@ -479,10 +490,16 @@ class _Callbacks:
             f"the inferlet called WASI's {name}: blocking waits outside time.sleep and "
             "asyncio.sleep are not available in the sandbox (they would stop the server)"
         )
-        return self._fail(self.guests.get(context), name, e)
+        with self.lock:
+            return self._fail(self.guests.get(context), name, e)
 
     def _async_call(self, env, context, ty, args, nargs, results, nresults, err_ret, cont):
-        # Runs on the guest's fiber. Never raises; always fills the continuation.
+        # Runs on the guest's fiber, on whichever thread polls it. Never raises; always
+        # fills the continuation.
+        with self.lock:
+            self._async(env, context, ty, args, results, err_ret, cont)
+
+    def _async(self, env, context, ty, args, results, err_ret, cont) -> None:
         c = cont.contents
         c.callback = self.done
         c.env = None
@@ -505,15 +522,16 @@ class _Callbacks:
             )
 
     def _resume(self, env) -> bool:
-        # Polled (on the fiber) each time the loop polls a guest blocked in an import.
-        try:
-            g = self.guests.get(env or 0)
-            if g is None or g.wait_out is None:
-                return True
-            return self.sandbox._unblock(g)
-        except BaseException:
-            log.exception("sandbox: resuming a guest failed")
-            return True  # the unwritten result makes the call fail: a trap, not a crash
+        # Polled (on the fiber) each time a guest blocked in an import is polled.
+        with self.lock:
+            try:
+                g = self.guests.get(env or 0)
+                if g is None or g.wait_out is None:
+                    return True
+                return self.sandbox._unblock(g)
+            except BaseException:
+                log.exception("sandbox: resuming a guest failed")
+                return True  # the unwritten result makes the call fail: a trap, not a crash
 
 
 # ---------------------------------------------------------------------------- the sandbox
@@ -538,10 +556,22 @@ class WasmSandbox:
     """Runs sandboxed inferlets in this process (use :func:`sandbox` for the shared one).
 
     ``pool_size`` Python guests are kept pre-started (:class:`GuestPool`; default
-    :data:`POOL_SIZE`); 0 makes every launch instantiate its own."""
+    :data:`POOL_SIZE`); 0 makes every launch instantiate its own. ``poll_threads`` guests
+    run at once (:class:`GuestPollers`: the event loop's thread and ``poll_threads`` - 1
+    helpers; default one per core, up to 4); 1 runs every guest on the loop's thread."""
 
-    def __init__(self, pyrt: Path | None = None, pool_size: int | None = None) -> None:
+    def __init__(
+        self,
+        pyrt: Path | None = None,
+        pool_size: int | None = None,
+        poll_threads: int | None = None,
+    ) -> None:
         self.engine = engine()
+        # Held by every host call (on whichever thread polls the guest): host code runs
+        # one call at a time, as on the event loop's thread (wasm_pollers).
+        self.host_lock = threading.RLock()
+        self.pollers = GuestPollers(DEFAULT_THREADS if poll_threads is None else poll_threads)
+        self._runq: dict[asyncio.AbstractEventLoop, list[Guest]] = {}  # loop -> next section
         path = pyrt or build_pyrt.cached_path()
         if not path.exists():
             raise FileNotFoundError(
@@ -582,8 +612,10 @@ class WasmSandbox:
         self.pool.start()
 
     def close(self) -> None:
-        """Stop the pool's thread and free its guests (running instances are not touched)."""
+        """Stop the pool's and the pollers' threads and free the pooled guests (running
+        instances are not touched)."""
         self.pool.close()
+        self.pollers.close()
         self.compiler.shutdown(wait=False, cancel_futures=True)
 
     def _deny_wasi_waits(self) -> None:
@@ -686,7 +718,7 @@ class WasmSandbox:
             g.code, g.source = code, code.source
         g.args = list(args)
         self._bind(g, session, code.limits)
-        self._step(g)  # straight on: the guest runs until it first blocks
+        self._ready(g)  # with the other launches of this loop iteration
         try:
             return await g.result
         finally:
@@ -888,13 +920,11 @@ class WasmSandbox:
             g.deadline = loop.call_at(g.wall_end, self._expire, g)
 
     def _schedule(self, g: Guest) -> None:
-        if not g.scheduled and not g.finished:
-            g.scheduled = True
-            asyncio.get_running_loop().call_soon(self._step, g)
+        self._ready(g)
 
     def _wake(self, g: Guest, _fut=None) -> None:
         """A future the guest waits on completed (or its timeout passed). The calls of one
-        engine batch complete together: the first callback polls the guest, which takes
+        engine batch complete together: the first callback readies the guest, which takes
         them all; the others find nothing new and do not resume it."""
         if g.finished or g.wait_out is None:
             return
@@ -904,31 +934,79 @@ class WasmSandbox:
             pending = g.pending
             if not any(p in pending and pending[p].done() for p in g.waiting):
                 return
-        if not g.polling:
-            self._step(g)
+        self._ready(g)
 
-    def _step(self, g: Guest) -> None:
-        """Run the guest until it blocks, yields at an epoch tick, or ends."""
-        g.scheduled = False
-        if g.finished or g.polling:
+    def _ready(self, g: Guest) -> None:
+        """Poll ``g`` in the loop's next section (:meth:`_section`), which runs after the
+        callbacks queued so far: the guests that one engine batch (or one burst of
+        launches) readies are polled together."""
+        if g.scheduled or g.finished:
             return
+        g.scheduled = True
+        loop = asyncio.get_running_loop()
+        batch = self._runq.get(loop)
+        if batch is None:
+            batch = self._runq[loop] = []
+            loop.call_soon(self._section, loop, context=_SECTION_CONTEXT)
+        batch.append(g)
+
+    def _section(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Poll the ready guests once each, for at most :data:`SECTION_SECONDS`: in
+        parallel (:class:`GuestPollers`), core-module guests first on this thread (their
+        host calls do not take the host lock); then act on what each poll left (ended, over
+        its CPU budget, yielded). Those not polled in time lead the next section, after the
+        loop's other callbacks (deliveries, the scheduler, I/O)."""
+        batch = self._runq.pop(loop, [])
+        run = []
+        for g in batch:
+            g.scheduled = False
+            if not g.finished and not g.polling:
+                g.polling = True  # from now on _end defers (kill_reason) until it is polled
+                run.append(g)
+        core = [g for g in run if g.core]
+        python = [g for g in run if not g.core] if core else run
+        for g in core:
+            self._poll_once(g)
+        seconds = SECTION_SECONDS
+        if python and _shareable(loop):
+            rest = self.pollers.run(python, self._poll_once, seconds)
+        else:
+            rest = GuestPollers.serial(python, self._poll_once, seconds)
+        for g in rest:  # not polled: first in the next section
+            g.polling = False
+            if g.kill_reason is not None:
+                self._fail(g, g.kill_reason)
+            else:
+                self._ready(g)
+        if rest:
+            skipped = set(map(id, rest))
+            run = [g for g in run if id(g) not in skipped]
+        for g in run:
+            self._after_poll(g)
+
+    def _poll_once(self, g: Guest) -> None:
+        """Run ``g`` (``polling`` set) until it blocks, yields at an epoch tick, or ends;
+        on any thread (its host calls take the host lock)."""
         _set_deadline(g.ctx, SLICE_TICKS)
         t0 = time.thread_time_ns()
-        g.polling = True
         try:
-            done = _poll(g.future)
+            g.returned = bool(_poll(g.future))
         finally:
             g.polling = False
             g.cpu_ns += time.thread_time_ns() - t0
             g.slices += 1
-        if done:
+
+    def _after_poll(self, g: Guest) -> None:
+        if g.finished:  # ended meanwhile (by what an earlier guest's outcome did)
+            return
+        if g.returned:
             self._complete(g)
         elif g.kill_reason is not None:
             self._fail(g, g.kill_reason)
         elif g.cpu_ns > g.limits.cpu_seconds * 1e9:
             self._fail(g, f"CPU budget of {g.limits.cpu_seconds:g} s exceeded")
         elif g.wait_out is None:
-            self._schedule(g)  # yielded at an epoch tick: let the others run, then go on
+            self._ready(g)  # yielded at an epoch tick: let the others run, then go on
 
     # ------------------------------------------------------------------ blocking imports
 
@@ -1186,6 +1264,15 @@ def _wasi_instance_name(eng: wasmtime.Engine, interface: str) -> str:
             )
         _WASI_NAMES[interface] = name
     return name
+
+
+_SECTION_CONTEXT = contextvars.Context()  # sections run in no inferlet's context
+
+
+def _shareable(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether helper threads may run host calls for ``loop`` while its thread waits:
+    asyncio's own loops, outside debug mode (whose thread checks would refuse them)."""
+    return isinstance(loop, asyncio.BaseEventLoop) and not loop.get_debug()
 
 
 _shared: WasmSandbox | None = None

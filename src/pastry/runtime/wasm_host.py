@@ -122,8 +122,9 @@ class Guest:
     timer: asyncio.TimerHandle | None = None
     cpu_ns: int = 0
     slices: int = 0
-    polling: bool = False
-    scheduled: bool = False
+    polling: bool = False  # being polled (or about to be, in this section)
+    scheduled: bool = False  # in the loop's next polling section
+    returned: bool = False  # its call future completed at the last poll
     finished: bool = False
     kill_reason: str | None = None
     core: bool = False  # a core-module guest (pastry.runtime.wasm_core)
