@@ -10,7 +10,8 @@ every import is the instance's :class:`~pastry.control.session.Session`, the sam
 trusted inferlets call, so sandboxed and trusted inferlets share the batch scheduler and
 batch together.
 
-How it is driven (one asyncio loop, no thread per guest):
+How it is driven (one asyncio loop, no thread per guest; guests are polled on the loop's
+thread and a few helpers, :mod:`pastry.runtime.wasm_pollers`):
 
 - One :class:`WasmSandbox` per process: one Engine (epoch interruption; an epoch ticker
   thread), one component Linker, the compiled pyrt component, and a :class:`GuestPool` of
@@ -27,7 +28,12 @@ How it is driven (one asyncio loop, no thread per guest):
   values (:mod:`pastry.runtime.wasm_codec`), call the Session and return (queued calls
   return a ``pending`` handle at once). A blocking import suspends the fiber until one of
   its futures completes (or the host's timer fires: ``time.sleep`` and ``asyncio.sleep``
-  in the guest wait here); that future's done-callback polls the guest again.
+  in the guest wait here); that future's done-callback readies the guest again.
+- Ready guests are polled in *sections* (:meth:`WasmSandbox._section`): the guests one
+  engine batch or one burst of launches readies, in parallel on :class:`GuestPollers`'
+  threads (Wasmtime runs guest code without the GIL), each host call under
+  ``host_lock`` while the loop's thread waits, so host code still runs one call at a
+  time, as the loop's own; at most ``SECTION_SECONDS`` of new polls per section.
 - WASI's own clock waits are refused (the guest traps): Wasmtime would block the whole
   thread in them, and with it the server.
 - Limits per instance (:class:`SandboxLimits`): linear memory (store limits), CPU (thread
@@ -965,6 +971,8 @@ class WasmSandbox:
                 run.append(g)
         core = [g for g in run if g.core]
         python = [g for g in run if not g.core] if core else run
+        if any(g.slices == 0 for g in python):  # launches: the pool waits for a lull
+            self.pool.hold()
         for g in core:
             self._poll_once(g)
         seconds = SECTION_SECONDS
