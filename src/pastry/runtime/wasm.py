@@ -953,7 +953,9 @@ class WasmSandbox:
         batch = self._runq.get(loop)
         if batch is None:
             batch = self._runq[loop] = []
-            loop.call_soon(self._section, loop, context=_SECTION_CONTEXT)
+            # (a context of its own: sections run in no inferlet's context, and one Context
+            # object cannot be entered by two loops' threads at once)
+            loop.call_soon(self._section, loop, context=contextvars.Context())
         batch.append(g)
 
     def _section(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -1272,9 +1274,6 @@ def _wasi_instance_name(eng: wasmtime.Engine, interface: str) -> str:
             )
         _WASI_NAMES[interface] = name
     return name
-
-
-_SECTION_CONTEXT = contextvars.Context()  # sections run in no inferlet's context
 
 
 def _shareable(loop: asyncio.AbstractEventLoop) -> bool:
