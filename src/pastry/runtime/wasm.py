@@ -758,7 +758,7 @@ class WasmSandbox:
         except BaseException:
             self._end(g)
             raise
-        self._schedule(g)
+        self._ready(g)
         try:
             return await g.result
         finally:
@@ -788,7 +788,7 @@ class WasmSandbox:
         except BaseException:
             self._end(g)
             raise
-        self._schedule(g)
+        self._ready(g)
         try:
             return await g.result
         finally:
@@ -924,9 +924,6 @@ class WasmSandbox:
         if limits.wall_seconds is not None:
             g.wall_end = loop.time() + limits.wall_seconds
             g.deadline = loop.call_at(g.wall_end, self._expire, g)
-
-    def _schedule(self, g: Guest) -> None:
-        self._ready(g)
 
     def _wake(self, g: Guest, _fut=None) -> None:
         """A future the guest waits on completed (or its timeout passed). The calls of one
