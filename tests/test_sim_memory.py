@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pastry.control.policies import Fcfs, Plas
+from pastry.control.policies.memory import MemoryAdmission
 from pastry.sched.datasets import join_pieces
 from pastry.sched.hardware import LLAMA31_8B_KV_BYTES, CostModel, KvMemory
 from pastry.sched.programs import CallSpec, ProgramSpec, Stage
@@ -95,11 +96,13 @@ def test_vllm_fails_a_prompt_larger_than_the_device_and_rejects_a_bad_watermark(
 def test_pastry_swaps_an_idle_program_out_and_back_in_exactly():
     # 4 device pages of 2 tokens, swapping a page costs 1 step. a (4 tokens, 2 pages) goes
     # into a tool call; b (6 tokens, then 1 more) needs 4 pages: a's pages go to the host
-    # one per step; a's next call brings both back
+    # one per step; a's next call brings both back. (Without admission by memory, which
+    # would keep b waiting while a is in memory, until nothing else can run: see below.)
     a = one_thread("a", 0.0, (4, 1), (1, 1), interrupt=10.0)
     b = one_thread("b", 1.0, (6, 2))
     mem = KvMemory(pages=4, page_size=2, host_pages=16, page_bytes=1, swap_bytes_per_s=1.0)
-    sim = Simulator(Plas(), SimConfig(cost=UNIT, memory=mem, share_prefix=False))
+    cfg = SimConfig(cost=UNIT, memory=mem, share_prefix=False, admission=None)
+    sim = Simulator(Plas(), cfg)
     r = sim.run([a, b])
     assert [p.finish for p in r.programs] == [14.0, 5.0]
     s = r.stats
@@ -143,6 +146,35 @@ def test_memory_pressure_keeps_every_program_and_the_books_exact():
         sim.table.check_integrity()
     v = simulate(Vllm(), progs, SimConfig(max_batch=8, cost=UNIT, memory=mem))
     assert v.completed and v.stats["preemptions"] > 0
+
+
+def test_admission_by_memory_stops_plas_swapping_more_than_fcfs():
+    # BFCL-like at memory saturation: ReAct programs (a shared tool-documentation prompt,
+    # short calls, tool latencies) arriving while older ones are mid-work, on a device that
+    # holds the system prompt and a few programs. PLAS serves new programs first; without
+    # admission by memory they push out programs waiting mid-work, which then push back
+    def react(t: float, calls: int) -> ProgramSpec:
+        return ProgramSpec("bfcl", t, tuple(Stage((CallSpec(2, 2),), 1.0) for _ in range(calls)), 8)
+
+    progs = [react(2.0 * i, 2 + 7 * i % 5) for i in range(8)]
+    mem = KvMemory(pages=24, page_size=2, host_pages=256, page_bytes=1, swap_bytes_per_s=4.0)
+    runs = {}
+    for admission in (None, MemoryAdmission()):
+        for policy in (Fcfs, Plas):
+            cfg = SimConfig(cost=UNIT, memory=mem, max_batch=4, admission=admission)
+            sim = Simulator(policy(), cfg)
+            r = sim.run(progs)
+            assert r.completed and r.stats["forced"] == 0
+            engine = sim.engine
+            assert isinstance(engine, PastryEngine) and engine.resources is not None
+            engine.resources.check_integrity()
+            s = r.summary()
+            runs[admission is not None, policy.name] = (s["avg_latency"], s["pages_out"])
+    (fcfs_lat, fcfs_out), (plas_lat, plas_out) = runs[False, "fcfs"], runs[False, "plas"]
+    assert plas_out > fcfs_out and plas_lat > fcfs_lat  # the thrashing admission prevents
+    (fcfs_lat, fcfs_out), (plas_lat_adm, plas_out_adm) = runs[True, "fcfs"], runs[True, "plas"]
+    assert plas_out_adm <= fcfs_out and plas_lat_adm <= fcfs_lat
+    assert plas_out_adm < plas_out and plas_lat_adm < plas_lat
 
 
 def test_split_sharegpt_pieces_are_joined_in_order():

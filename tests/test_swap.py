@@ -9,6 +9,7 @@ import torch
 
 from inferlet_util import load_engine
 from pastry.control.policies import Fcfs
+from pastry.control.policies.memory import MemoryAdmission
 from pastry.control.programs import ProcessTable
 from pastry.control.resources import OutOfResources, ResourceError, ResourceManager
 from pastry.control.swap import KvSwapper
@@ -130,10 +131,12 @@ class FakeScheduler:
         return set(self.busy)
 
 
-def swapper_world(pages=4, host=8, min_resident=2):
+def swapper_world(pages=4, host=8, min_resident=2, admission=None):
+    """A swapper over 3 programs; without admission by memory unless given (the tests of
+    the base rules: ranks, residency, the last resort)."""
     res = ResourceManager(pages, 8, num_host_pages=host)
     sched = FakeScheduler()
-    sw = KvSwapper(res, sched, min_resident=min_resident)
+    sw = KvSwapper(res, sched, min_resident=min_resident, admission=admission)
     for inst in (1, 2, 3):
         res.add_instance(inst)
         sched.programs.start(inst)
@@ -205,6 +208,93 @@ def test_forced_residency_ignores_ranks_then_terminates_as_the_last_resort():
     res.check_integrity()
 
 
+def test_admission_by_memory_never_pushes_out_a_waiting_program_for_an_out_one():
+    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0, admission=MemoryAdmission())
+    res.alloc(1, "kv", 3)
+    activate(sched, 2, 0.0)  # FCFS: 2 ranks first, then 1
+    activate(sched, 1, 1.0)
+    res.alloc(2, "kv", 2)  # deferred: 2 is out (none of its own pages on the device)
+    # 1 waits for a batch: without admission it would give way to 2 (it ranks after it)
+    sw.new_pass()
+    assert not sw.ensure_resident(2)
+    assert res.handles_on_host(1) == 0 and res.handles_on_host(2) == 2
+    assert sw.stats.held_back == 1 and sw.stats.swap_outs == 0
+    # 1 goes idle (a tool call): now it gives way, and only as many pages as 2 needs
+    sched.programs.close_thread(sched.programs.program_of(1).threads[0])
+    sw.new_pass()
+    assert sw.ensure_resident(2)
+    assert res.handles_on_host(1) == 1 and res.handles_on_host(2) == 0
+    assert [type(c) for c in sw.take_calls()] == [SwapOut]  # 2's pages were deferred
+    res.check_integrity()
+    # without admission by memory the waiting program gives way at once
+    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0)
+    res.alloc(1, "kv", 3)
+    activate(sched, 2, 0.0)
+    activate(sched, 1, 1.0)
+    res.alloc(2, "kv", 2)
+    assert sw.ensure_resident(2) and res.handles_on_host(1) == 1
+
+
+def test_admission_by_memory_keeps_the_policy_order_head_of_line():
+    # 2 (first in the order) needs 3 pages, 3 needs 1; 1 page is free; 1 waits for a batch
+    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0, admission=MemoryAdmission())
+    held = res.alloc(1, "kv", 4)
+    for inst, at in ((1, 0.0), (2, 1.0), (3, 2.0)):
+        activate(sched, inst, at)
+    res.alloc(2, "kv", 3)  # deferred
+    res.alloc(3, "kv", 1)  # deferred
+    res.free(1, "kv", held[:1])
+    sw.new_pass()
+    assert not sw.ensure_resident(2)
+    assert not sw.ensure_resident(3)  # it would fit, but 2 is first: the page is saved up
+    assert sw.stats.held_back == 2
+    # outside the scheduler's passes (no order to keep) each is judged on its own
+    sw.take_calls()
+    assert sw.ensure_resident(3)
+    # 1 ends: its pages go to 2 at the next pass
+    sched.programs.close_thread(sched.programs.program_of(1).threads[0])
+    res.remove_instance(1)
+    sw.new_pass()
+    assert sw.ensure_resident(2) and res.handles_on_host(2) == 0
+    res.check_integrity()
+
+
+def test_a_program_that_is_in_still_takes_pages_for_its_growth():
+    # 1 is in (its pages on the device) and its next forward's page was allocated short:
+    # it takes it from 2, which ranks after it, although 2 is waiting for a batch
+    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0, admission=MemoryAdmission())
+    res.alloc(1, "kv", 2)
+    res.alloc(2, "kv", 2)
+    activate(sched, 1, 0.0)
+    activate(sched, 2, 1.0)
+    res.alloc(1, "kv", 1)  # deferred
+    sw.new_pass()
+    assert sw.ensure_resident(1)
+    assert res.handles_on_host(1) == 0 and res.handles_on_host(2) == 1
+    res.check_integrity()
+
+
+def test_admission_by_memory_waits_for_programs_to_be_idle_long_enough():
+    adm = MemoryAdmission(min_idle_s=5.0)
+    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0, admission=adm)
+    res.alloc(1, "kv", 4)
+    t = activate(sched, 1, 0.0)
+    sched.programs.dispatched([(t, 1)], 0.0)
+    sched.programs.completed([(t, 1, True)], 1.0, 1.0)
+    sched.programs.end_call(t, 1.0)  # idle since 1.0
+    activate(sched, 2, 2.0)
+    res.alloc(2, "kv", 2)
+    sw.new_pass()
+    assert not sw.ensure_resident(2)  # 1 has been idle for 1 s
+    sched.now = 6.0
+    sw.new_pass()
+    assert sw.ensure_resident(2) and res.handles_on_host(1) == 2
+    assert adm.describe().startswith("admission by memory")
+    with pytest.raises(ValueError, match="min_idle_s"):
+        MemoryAdmission(min_idle_s=-1.0)
+    res.check_integrity()
+
+
 def test_the_engine_swaps_every_layer_and_the_slot_state_in_one_call(make_tiny):
     eng = load_engine(make_tiny("llama"), num_pages=8, num_host_pages=4, page_size=4)
     kv = eng.kv
@@ -256,3 +346,34 @@ def test_a_full_batch_does_not_bring_back_a_program_it_cannot_take():
         return [c.queue.instance for c in batch], res.handles_on_host(2)
 
     assert asyncio.run(go()) == ([1], 2)
+
+
+def test_the_scheduler_admits_by_memory_instead_of_pushing_out_a_waiting_program():
+    """The real scheduler with the swapper: program 2 (first in FCFS order) has its pages on
+    the host; program 1 holds the device and waits for the same batch. Admission by memory
+    keeps 2 waiting and runs 1; without it, 2 pushes 1 out and runs instead."""
+    import asyncio
+
+    from pastry.control.scheduler import BatchScheduler, Command, Stage
+
+    async def never(calls):
+        raise AssertionError("not dispatched in this test")
+
+    async def go(admission):
+        res = ResourceManager(4, 8, num_host_pages=8)
+        s = BatchScheduler(never, 100, 4, schedule=Fcfs())
+        sw = KvSwapper(res, s, min_resident=0, admission=admission)
+        for inst in (1, 2):
+            res.add_instance(inst)
+            s.programs.start(inst)
+        res.alloc(1, "kv", 3)
+        res.alloc(2, "kv", 2)  # deferred: 2 is out
+        for inst in (2, 1):
+            s.submit(s.create_queue(inst), Command(Stage.FORWARD, lambda: None, tokens=1))
+        batch = s.take_batch()
+        moved = [type(c) for c in sw.take_calls()]
+        res.check_integrity()
+        return [c.queue.instance for c in batch], res.handles_on_host(2), moved
+
+    assert asyncio.run(go(MemoryAdmission())) == ([1], 2, [])
+    assert asyncio.run(go(None)) == ([2], 0, [SwapOut])

@@ -23,6 +23,14 @@ page), and its next forward finds its context where it left it.
   ranks change; (2) a program brought back stays at least ``min_resident`` batches before
   it may be swapped out again. So each page moves out at most once per ``min_resident``
   batches, and a swap-out always serves a more important program.
+- **Admission by memory** (:class:`~pastry.control.policies.memory.MemoryAdmission`): a
+  program none of whose own pages are on the device (a new program allocated short of
+  device pages, or one swapped out) comes in only when its pages fit in the free device
+  pages plus those of idle programs that rank after it; it never pushes out a program
+  that is waiting for a batch, and the first one that does not fit stops the others after
+  it in the policy's order for this pass. So the device does not hold more working
+  programs than fit, and swapped-out programs wait instead of thrashing.
+  ``admission=None``: the rules above only.
 - **Last resort.** If nothing can run (no batch could be formed and nothing is on the
   engine) and the best-ranked swapped-out program still cannot come back, it is brought
   back by force: any program not running gives way, ignoring ranks and residency; if even
@@ -40,9 +48,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pastry.control.policies.memory import MemoryAdmission
 from pastry.engine.calls import Call, SwapIn, SwapOut, ids
 
 if TYPE_CHECKING:
+    from pastry.control.programs import Program
     from pastry.control.resources import ResourceManager
     from pastry.control.scheduler import BatchScheduler
 
@@ -56,23 +66,27 @@ class SwapStats:
     swap_outs: int = 0  # programs swapped out (one event per program per call)
     swap_ins: int = 0
     forced: int = 0  # last-resort swap-ins
+    held_back: int = 0  # times an out program was refused admission (memory too short)
 
 
 class KvSwapper:
     """Swaps KV pages of one model's programs between device and host (see the module
-    docstring). Installs itself on ``resources`` (deferred allocs) and ``scheduler``."""
+    docstring). Installs itself on ``resources`` (deferred allocs) and ``scheduler``.
+    ``admission``: the admission-by-memory rule (None: none)."""
 
     def __init__(
         self,
         resources: ResourceManager,
         scheduler: BatchScheduler,
         min_resident: int = MIN_RESIDENT_BATCHES,
+        admission: MemoryAdmission | None = MemoryAdmission(),  # noqa: B008 (frozen)
     ) -> None:
         if not isinstance(min_resident, int) or min_resident < 0:
             raise ValueError(f"min_resident must be an integer >= 0, got {min_resident!r}")
         self.resources = resources
         self.scheduler = scheduler
         self.min_resident = min_resident
+        self.admission = admission
         self.stats = SwapStats()
         self._back_at: dict[int, int] = {}  # instance -> batch number when it came back
         # This pass's candidates to give way, (rank, instance) worst last, and the
@@ -80,6 +94,8 @@ class KvSwapper:
         self._victims: list[tuple[tuple[float, ...], int]] | None = None
         self._ranks: dict[int, tuple[float, ...]] = {}
         self._taken: set[int] = set()
+        self._held_back = False  # an out program waits for memory in this pass
+        self._idle_total: int | None = None  # this pass's idle programs' swappable pages
         self._in_pass = False
         resources.defer_when_short = True
         scheduler.swapper = self
@@ -95,6 +111,7 @@ class KvSwapper:
         self._victims = None
         self._ranks.clear()
         self._taken.clear()
+        self._held_back, self._idle_total = False, None
 
     def ensure_resident(self, instance: int, force: bool = False) -> bool:
         """Whether ``instance``'s pages are all on the device now, after swapping it in
@@ -105,6 +122,9 @@ class KvSwapper:
             self._taken.add(instance)
             return True
         need = res.pages_on_host(instance)
+        out = not force and self.admission is not None and not res.swappable(instance)
+        if out and not self._admit(instance, need):  # admission by memory
+            return False
         short = need - res.available("kv")  # (unused prefix-cache pages are evicted first)
         if short > 0:
             self._make_room(instance, short, force)
@@ -119,6 +139,28 @@ class KvSwapper:
             self.stats.forced += force
         self._back_at[instance] = self.scheduler.stats.batches
         return True
+
+    def _admit(self, instance: int, need: int) -> bool:
+        """Admission by memory for an out program (none of its own pages on the device):
+        whether its ``need`` pages fit in the free pages, after idle programs that rank
+        after it gave way (only if that is enough); refused, it holds back the out
+        programs after it in this pass."""
+        adm, res = self.admission, self.resources
+        assert adm is not None
+        if self._in_pass and self._held_back:
+            self.stats.held_back += 1
+            return False
+        short = need - res.available("kv")
+        if short > 0 and self._idle_pages() >= short:
+            before = res.available("kv")
+            self._make_room(instance, short, False, idle_only=True)
+            assert self._idle_total is not None
+            self._idle_total -= res.available("kv") - before
+        if need <= res.available("kv"):
+            return True
+        self._held_back = self._in_pass
+        self.stats.held_back += 1
+        return False
 
     def make_room(self, requester: int, pages: int) -> None:
         """Swap out up to about ``pages`` device pages of programs that rank after
@@ -141,7 +183,7 @@ class KvSwapper:
             self.stats.pages_in += len(into)
         return calls
 
-    def _make_room(self, requester: int, needed: int, force: bool) -> None:
+    def _make_room(self, requester: int, needed: int, force: bool, idle_only: bool = False) -> None:
         res = self.resources
         if not self._in_pass:  # a call outside the scheduler's passes
             self.new_pass()
@@ -161,6 +203,7 @@ class KvSwapper:
             return
         victims = self._candidates()
         mine = self._ranks.get(requester) or self._rank(requester)
+        programs, now = self.scheduler.programs, self.scheduler.programs.clock()
         i = len(victims) - 1
         while needed > 0 and i >= 0:  # the last-ranked first
             rank, inst = victims[i]
@@ -168,6 +211,8 @@ class KvSwapper:
                 break  # (sorted: nobody before it ranks after the requester)
             if inst in self._taken:  # made resident in this pass: it is in the batch
                 del victims[i]
+            elif idle_only and not self._gives_way(programs.program_of(inst), now):
+                pass  # admission by memory: only idle programs give way
             elif inst != requester:
                 n = res.swap_out(inst, needed)
                 if n:
@@ -179,6 +224,24 @@ class KvSwapper:
         if len(self._back_at) > 2 * len(res.instances()) + 64:  # forget ended instances
             alive = set(res.instances())
             self._back_at = {i: b for i, b in self._back_at.items() if i in alive}
+
+    def _gives_way(self, program: Program | None, now: float) -> bool:
+        adm = self.admission
+        return program is not None and adm is not None and adm.gives_way(program, now)
+
+    def _idle_pages(self) -> int:
+        """Device pages that this pass's idle candidates could give, counted once per pass
+        (an admission that cannot be met with them swaps nobody out). Idle programs rank
+        after waiting ones under every built-in policy; with a policy whose ranks mix them,
+        :meth:`_make_room` may find fewer that rank after the requester."""
+        if self._idle_total is None or not self._in_pass:
+            programs, now = self.scheduler.programs, self.scheduler.programs.clock()
+            self._idle_total = sum(
+                self.resources.swappable(inst)
+                for _, inst in self._candidates()
+                if self._gives_way(programs.program_of(inst), now)
+            )
+        return self._idle_total
 
     def _candidates(self) -> list[tuple[tuple[float, ...], int]]:
         """This pass's programs that may give way, by rank (the last-ranked last): not in

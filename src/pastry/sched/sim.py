@@ -51,6 +51,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from pastry.control.policies import Adaptive, SchedulePolicy
+from pastry.control.policies.memory import MemoryAdmission
 from pastry.control.programs import ProcessTable
 from pastry.control.resources import ExportError, ResourceError, ResourceManager
 from pastry.control.scheduler import BatchScheduler, Command, Queue
@@ -82,6 +83,8 @@ class SimConfig:
     min_resident: int = MIN_RESIDENT_BATCHES  # the swapper's residency bound (batches)
     steps_per_schedule: int = 1  # N: engine steps per scheduling pass (multi-step)
     measure: tuple[float, float] | None = None  # arrivals measured (None: every program)
+    # Pastry: admission by memory (the swapper's; None: swapping without it)
+    admission: MemoryAdmission | None = field(default_factory=MemoryAdmission)
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps_per_schedule, int) or self.steps_per_schedule < 1:
@@ -423,7 +426,9 @@ class PastryEngine:
             self.resources = ResourceManager(
                 cfg.memory.pages, 0, num_host_pages=cfg.memory.host_pages
             )
-            self.swapper = KvSwapper(self.resources, self.sched, cfg.min_resident)
+            self.swapper = KvSwapper(
+                self.resources, self.sched, cfg.min_resident, admission=cfg.admission
+            )
         self.share_prefix = cfg.share_prefix
         self._loop = asyncio.new_event_loop()  # commands' futures (never run)
         self._by_queue: dict[Queue, SimThread] = {}
@@ -446,7 +451,8 @@ class PastryEngine:
         if self.swapper is not None:
             s = self.swapper.stats
             out.update(pages_out=s.pages_out, pages_in=s.pages_in, swap_outs=s.swap_outs,
-                       forced=s.forced, swap_s=round(self._swap_s, 3))  # fmt: skip
+                       forced=s.forced, held_back=s.held_back,
+                       swap_s=round(self._swap_s, 3))  # fmt: skip
         self._loop.close()
         return out
 

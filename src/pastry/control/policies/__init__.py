@@ -1,7 +1,8 @@
 """Scheduler policies as objects: batching (:mod:`.batching`: when to dispatch, batch
 caps), scheduling (:mod:`.schedule`: which queues go first, who is preempted; FCFS
 there, MLFQ in :mod:`.mlfq`, PLAS in :mod:`.plas`, ATLAS in :mod:`.atlas`), admission
-(:mod:`.admission`: which waiting prefills go first; cache-aware) and eviction across
+(:mod:`.admission`: which waiting prefills go first; cache-aware), admission by memory
+(:mod:`.memory`: which programs may hold KV on the device) and eviction across
 users (:mod:`.eviction`: who ends when memory runs out). A new policy is a new class, not a
 new branch in the scheduler."""
 
@@ -26,6 +27,7 @@ from pastry.control.policies.batching import (
     batch_policy,
 )
 from pastry.control.policies.eviction import FairShare
+from pastry.control.policies.memory import MemoryAdmission
 from pastry.control.policies.mlfq import Levels, Mlfq, MultilevelQueues
 from pastry.control.policies.plas import Plas
 from pastry.control.policies.schedule import (
@@ -53,6 +55,7 @@ __all__ = [
     "KOnly",
     "Levels",
     "LongestPrefixMatch",
+    "MemoryAdmission",
     "Mlfq",
     "MultilevelQueues",
     "Plas",
