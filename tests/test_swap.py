@@ -235,9 +235,10 @@ def test_admission_by_memory_never_pushes_out_a_waiting_program_for_an_out_one()
     assert sw.ensure_resident(2) and res.handles_on_host(1) == 1
 
 
-def test_admission_by_memory_keeps_the_policy_order_head_of_line():
+def test_admission_by_memory_head_of_line_keeps_the_policy_order():
     # 2 (first in the order) needs 3 pages, 3 needs 1; 1 page is free; 1 waits for a batch
-    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0, admission=MemoryAdmission())
+    adm = MemoryAdmission(head_of_line=True)
+    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0, admission=adm)
     held = res.alloc(1, "kv", 4)
     for inst, at in ((1, 0.0), (2, 1.0), (3, 2.0)):
         activate(sched, inst, at)
@@ -256,6 +257,18 @@ def test_admission_by_memory_keeps_the_policy_order_head_of_line():
     res.remove_instance(1)
     sw.new_pass()
     assert sw.ensure_resident(2) and res.handles_on_host(2) == 0
+    assert "head-of-line" in adm.describe()
+    res.check_integrity()
+    # by default (not head-of-line) 3 passes 2 in the same pass
+    res, sched, sw = swapper_world(pages=4, host=8, min_resident=0, admission=MemoryAdmission())
+    held = res.alloc(1, "kv", 4)
+    for inst, at in ((1, 0.0), (2, 1.0), (3, 2.0)):
+        activate(sched, inst, at)
+    res.alloc(2, "kv", 3)
+    res.alloc(3, "kv", 1)
+    res.free(1, "kv", held[:1])
+    sw.new_pass()
+    assert not sw.ensure_resident(2) and sw.ensure_resident(3)
     res.check_integrity()
 
 

@@ -27,9 +27,9 @@ page), and its next forward finds its context where it left it.
   program none of whose own pages are on the device (a new program allocated short of
   device pages, or one swapped out) comes in only when its pages fit in the free device
   pages plus those of idle programs that rank after it; it never pushes out a program
-  that is waiting for a batch, and the first one that does not fit stops the others after
-  it in the policy's order for this pass. So the device does not hold more working
-  programs than fit, and swapped-out programs wait instead of thrashing.
+  that is waiting for a batch (optionally, the first one that does not fit stops the
+  others after it in the policy's order for this pass). So the device does not hold more
+  working programs than fit, and swapped-out programs wait instead of thrashing.
   ``admission=None``: the rules above only.
 - **Last resort.** If nothing can run (no batch could be formed and nothing is on the
   engine) and the best-ranked swapped-out program still cannot come back, it is brought
@@ -144,7 +144,7 @@ class KvSwapper:
         """Admission by memory for an out program (none of its own pages on the device):
         whether its ``need`` pages fit in the free pages, after idle programs that rank
         after it gave way (only if that is enough); refused, it holds back the out
-        programs after it in this pass."""
+        programs after it in this pass if the rule is head-of-line."""
         adm, res = self.admission, self.resources
         assert adm is not None
         if self._in_pass and self._held_back:
@@ -158,7 +158,7 @@ class KvSwapper:
             self._idle_total -= res.available("kv") - before
         if need <= res.available("kv"):
             return True
-        self._held_back = self._in_pass
+        self._held_back = self._in_pass and adm.head_of_line
         self.stats.held_back += 1
         return False
 

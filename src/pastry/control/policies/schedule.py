@@ -124,8 +124,9 @@ SCHEDULES: tuple[str, ...] = ("fcfs", "mlfq", "plas", "atlas")
 # workload in steady state, at saturation, PLAS had the lowest average and P99 latency
 # (ATLAS favours wide programs, which costs the others); the two are the same policy on
 # single-threaded programs. ATLAS is the choice for a server of mostly parallel programs
-# (it minds their critical path); FCFS for many short tool-using programs at KV-memory
-# saturation (PLAS swaps more there: RESULTS.md, simulator, bfcl).
+# (it minds their critical path); FCFS for many short, alike tool-using programs at
+# KV-memory saturation (RESULTS.md, simulator, bfcl: with admission by memory PLAS no
+# longer thrashes there, but least-attained-service loses to FCFS on alike programs).
 DEFAULT_SCHEDULE = "plas"
 
 
