@@ -8,6 +8,7 @@ it on a worker thread, ``engine/serve.py`` serves it over ZeroMQ.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -42,6 +43,7 @@ from pastry.engine.calls import (
 )
 from pastry.engine.compiled import CompiledDecode
 from pastry.engine.config import EngineConfig, ModelConfig
+from pastry.engine.hugepages import huge_pages
 from pastry.engine.logits import (
     LogitsProcessor,
     log_softmax,
@@ -274,7 +276,12 @@ class Engine:
         arr = np.asarray(arr)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise Invalid(f"{what} must be a 1-D integer array")
-        if arr.size and (arr.min() < 0 or arr.max() >= limit):
+        if arr.size <= 16:  # most calls name a few ids: numpy's reductions cost more here
+            values = arr.tolist()
+            lo, hi = (min(values), max(values)) if values else (0, 0)
+        else:
+            lo, hi = arr.min(), arr.max()
+        if arr.size and (lo < 0 or hi >= limit):
             bad = arr[(arr < 0) | (arr >= limit)][0]
             raise Invalid(f"{what} {int(bad)} is out of range [0, {limit}){fix}")
         return arr.astype(np.int64, copy=False)
@@ -574,6 +581,15 @@ class Engine:
         if not samples:
             return
         sc = [calls[r] for r in samples]
+        rows = logits if len(samples) == len(calls) else logits[samples]
+        if all(c.temperature == 0 for c in sc):
+            # all greedy: the argmax, without building the sampling parameters (the seeds
+            # are still drawn, so that later unseeded samples see the same random stream)
+            for c in sc:
+                if c.seed is None:
+                    self._draw_seed()
+            self._finish_samples(ok, calls, samples, want_lp, logp, rows.argmax(dim=-1), results)
+            return
         params = SamplingParams(
             temperature=torch.tensor([float(c.temperature) for c in sc], device=dev),
             top_k=torch.tensor([c.top_k for c in sc], dtype=torch.int64, device=dev),
@@ -585,8 +601,10 @@ class Engine:
                 device=dev,
             ),
         )
-        rows = logits if len(samples) == len(calls) else logits[samples]
-        tokens_t = sample(rows, params)
+        self._finish_samples(ok, calls, samples, want_lp, logp, sample(rows, params), results)
+
+    def _finish_samples(self, ok, calls, samples, want_lp, logp, tokens_t, results) -> None:
+        """The sampled rows' results: the token, or with its log-probabilities when asked."""
         tokens = tokens_t.tolist()
         for r, t in zip(samples, tokens, strict=True):
             results[ok[r][0]] = t
@@ -772,16 +790,18 @@ def build_model(
             f"quantized weights run on the CPU only (device is {device}); use --quantize none "
             "to expand them"
         )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # allocate parameters directly in the target dtype
-    try:
-        with torch.device(device):
-            model = LlamaModel(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    model.load_hf_state_dict(weights)
-    if quantize in ("int8", "int4", "int4-hybrid"):
-        model.quantize(quantize)
-    model.eval()
-    model.prepack()
+    # the weights stream once per decode step: on huge pages, fewer TLB misses (hugepages.py)
+    with huge_pages() if device.type == "cpu" else contextlib.nullcontext():
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # allocate parameters directly in the target dtype
+        try:
+            with torch.device(device):
+                model = LlamaModel(cfg)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_hf_state_dict(weights)
+        if quantize in ("int8", "int4", "int4-hybrid"):
+            model.quantize(quantize)
+        model.eval()
+        model.prepack()
     return model
