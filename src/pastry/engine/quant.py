@@ -43,9 +43,13 @@ QUANT_MODES = ("auto", "none", "int8", "int4", "int4-hybrid")
 QUANTIZED_MODES = ("int8", "int4", "int4-hybrid")
 GROUP = 32  # int4 group size along in_features (GGUF's block size)
 _INT4_N_MULTIPLE = 16  # the int4 packing needs out_features divisible by 16
-# Batch sizes above which int8 weights are expanded to the activation dtype for one dense
-# product instead of running the int8 kernel (measured in benchmarks/quant_kernels.py).
-INT8_DENSE_FROM_M = 16
+# Batch sizes from which int8 weights are expanded to the activation dtype for one dense
+# product instead of running the int8 kernel. The expansion is paid per call, in proportion
+# to the weight: on the 2-core Zen 5 the kernel wins below ~100 rows for SmolLM2's decoder
+# shapes (960x576 at 32 rows: 0.12 ms vs 0.18) and at every measured size for its
+# 49152x576 head (32 rows: 9.7 ms vs 46.8, 128 rows: 33.7 vs 53.1; issue 15 session 4).
+# At 16, the int8 head of --quantize int4/int8 cost ~40 ms a step from batch 16 on.
+INT8_DENSE_FROM_M = 128
 # Batch sizes from which an int4 weight with a dense copy (``--quantize int4-hybrid``) multiplies
 # by the copy: the int4 kernel's cost grows by ~0.6 ms per row over SmolLM2-135M's
 # projections, oneDNN's bf16 by ~0.2 ms from a higher base; they cross between 12 and 16 rows
