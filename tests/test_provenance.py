@@ -473,3 +473,301 @@ def test_the_race_free_check_sees_every_kind_of_race():
     masked = np.ones(PS, dtype=np.bool_)
     assert not _race_free([(a, MaskKv(3, masked)), (b, CopyKv(4, 3, 0, 0, 1))])
     assert not _race_free([(Q1, embed([1], 0, [4])), (Q2, embed([2], 0, [5]))])  # one instance
+
+
+# ------------------------------------------------------------------------------ known chains
+
+
+def full_walk(num_pages: int = 40) -> KvProvenance:
+    """A provenance that knows no chain: every step walks its whole context (as before)."""
+    p = prov_n(num_pages)
+    p._known = lambda ctx: (None, 0)  # type: ignore[method-assign]
+    p._remember = lambda *args: None  # type: ignore[method-assign]
+    return p
+
+
+def prov_n(num_pages: int) -> KvProvenance:
+    return KvProvenance(PS, num_pages, 64, vocab_size=100, max_position=1000, max_batch_tokens=64)
+
+
+def snapshot(p: KvProvenance) -> list:
+    """Every page's record as values (index, tokens, key, the page and length of the record
+    it continues), and the embedding slots."""
+    out = []
+    for r in p.records:
+        if r is None:
+            out.append(None)
+            continue
+        prev = None if r.prev is None else (r.prev.page, r.prev.index, r.prev.tokens)
+        out.append((r.page, r.index, r.tokens, r.key, prev))
+    return [out, p.embed_token.tolist(), p.embed_position.tolist()]
+
+
+def decode(p: KvProvenance, pages: list[int], length: int, token: int, slot: int, q=Q1):
+    """One decode step of a sequence of ``length`` tokens in ``pages`` (a new page appended
+    by the caller when ``length`` fills the last one)."""
+    ctx = pages[: -(-length // PS)]
+    head = length % PS
+    out = [ctx[-1]] if head else [pages[len(ctx)]]
+    last = PS if ctx and not head else head
+    p.observe([(q, embed([token], length, [slot])), (q, fwd([slot], ctx, last, out, head))])
+
+
+def test_a_write_in_the_middle_of_a_known_chain_is_caught():
+    """After decode steps that know the chain of full pages, any write to one of them (or a
+    context that differs there) stops the next step's certification, as a full walk does."""
+    writes = {
+        "mask": lambda p: [(Q1, MaskKv(2, np.arange(PS) == 3))],
+        "masked forward": lambda p: [
+            (Q1, fwd([40], ctx=[1], last=4, out=[2], off=3, mask=np.ones((1, 8), bool)))
+        ],
+        "misaligned copy": lambda p: [(Q1, CopyKv(1, 2, 0, 1, 2))],
+        "swap-in": lambda p: [(Q1, SwapIn(ids([0]), ids([2])))],
+        "prefill of another sequence": lambda p: [
+            (Q(5), embed([7, 7, 7, 7], 0, range(40, 44))),
+            (Q(5), fwd(range(40, 44), out=[2])),
+        ],
+        "forgotten": lambda p: p.forget([2]) or [],
+    }
+    toks = list(range(1, 26))  # 25 tokens: pages 0..5 full, page 6 holds one
+    pages = list(range(8))
+    for name, write in writes.items():
+        for p, known in ((prov_n(16), True), (full_walk(16), False)):
+            p.observe([(Q1, embed(toks, 0, range(25))), (Q1, fwd(range(25), out=pages[:7]))])
+            for n in range(25, 27):
+                decode(p, pages, n, 50 + n, 30)
+            assert p.certified([6]) == [3]
+            assert not known or p._chains[5].pages == [0, 1, 2, 3, 4, 5]  # the steps know them
+            p.observe(write(p))
+            decode(p, pages, 27, 65, 30)
+            assert p.certified([6]) == [3], name  # the step is not certified
+            assert p.record(0).tokens == (1, 2, 3, 4)
+            assert 5 not in p._chains
+            p.check_chains()
+    # a context that names another page in the middle: not certified, even after a known
+    # chain of the right one
+    p = prov_n(16)
+    p.observe([(Q1, embed(toks, 0, range(25))), (Q1, fwd(range(25), out=pages[:7]))])
+    decode(p, pages, 25, 9, 30)
+    assert p._chains[5].pages == [0, 1, 2, 3, 4, 5]
+    other = [0, 1, 10, 3, 4, 5, 6]
+    p.observe([(Q1, embed([8], 26, [31])), (Q1, fwd([31], other, 2, [6], 2))])
+    assert p.certified([6]) == [2]
+    # a certified copy of the middle page is a valid context (keys chain), a misplaced one not
+    p.observe([(Q1, CopyKv(2, 10, 0, 0, PS))])
+    p.observe([(Q1, embed([8], 26, [31])), (Q1, fwd([31], other, 2, [6], 2))])
+    assert p.certified([6]) == [3]
+    misplaced = [0, 1, 3, 10, 4, 5, 6]
+    p.observe([(Q1, embed([7], 27, [31])), (Q1, fwd([31], misplaced, 3, [6], 3))])
+    assert p.certified([6]) == [3]
+    p.check_chains()
+
+
+def test_a_page_named_by_a_negative_index_is_never_known():
+    """``records[-1]`` is the last page's record: a context naming it so is walked each time
+    (a known chain would miss writes to it under its own number)."""
+    toks = list(range(1, 26))
+    pages = [0, 1, 2, 3, 4, 15, 6, 7]
+    results = []
+    for p in (prov_n(16), full_walk(16)):
+        p.observe([(Q1, embed(toks, 0, range(25))), (Q1, fwd(range(25), out=pages[:7]))])
+        aliased = [0, 1, 2, 3, 4, -1, 6, 7]
+        decode(p, aliased, 25, 9, 30)
+        p.observe([(Q1, MaskKv(15, np.arange(PS) == 3))])
+        decode(p, aliased, 26, 9, 30)
+        results.append(p.certified([6]))
+        p.check_chains()
+    assert results == [[2], [2]]
+
+
+class Sequences:
+    """Random decode workloads over a small page pool: sequences prefill, decode, fork
+    (sharing their full pages, copying the partial one), roll back, end (their pages are
+    reused by others), and meanwhile pages get masked, overwritten, copied over, swapped in
+    and forgotten; some batches race (another instance writes a page one reads)."""
+
+    def __init__(self, seed: int, num_pages: int = 40) -> None:
+        self.rng = random.Random(seed)
+        self.free = list(range(num_pages))
+        self.rng.shuffle(self.free)
+        self.refs: Counter[int] = Counter()
+        self.seqs: dict[int, tuple[list[int], int]] = {}  # instance -> (pages, length)
+        self.next = 1
+        self.q = {i: Q(i) for i in range(1, 9)}  # one queue per instance (8: a disturber)
+
+    def take(self) -> int | None:
+        if not self.free:
+            return None
+        p = self.free.pop()
+        self.refs[p] += 1
+        return p
+
+    def drop(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] -= 1
+            if not self.refs[p]:
+                del self.refs[p]
+                self.free.insert(self.rng.randrange(len(self.free) + 1), p)
+
+    def batch(self) -> list:
+        rng, calls = self.rng, []
+        for inst in rng.sample(sorted(self.seqs), min(len(self.seqs), rng.randint(1, 3))):
+            calls += self.step(inst)
+        kind = rng.random()
+        if kind < 0.15 or not self.seqs:
+            calls += self.prefill()
+        elif kind < 0.22:
+            self.fork(rng.choice(sorted(self.seqs)), calls)
+        elif kind < 0.28:
+            inst = rng.choice(sorted(self.seqs))
+            self.drop(self.seqs.pop(inst)[0])
+        elif kind < 0.45:
+            calls += self.disturb()
+        return calls
+
+    def prefill(self) -> list:
+        n = self.rng.randint(1, 14)
+        pages = [self.take() for _ in range(-(-n // PS) + 1)]
+        if None in pages:
+            self.drop([p for p in pages if p is not None])
+            return []
+        inst, self.next = self.next, self.next % 7 + 1
+        if inst in self.seqs:
+            self.drop(self.seqs.pop(inst)[0])
+        self.seqs[inst] = (pages, n)
+        slots = range(inst * 8, inst * 8 + n) if n <= 8 else range(inst * 8, inst * 8 + 8)
+        toks = [self.rng.randrange(100) for _ in range(n)]
+        if n > 8:  # two chunks: the second continues the first
+            return [
+                (self.q[inst], embed(toks[:8], 0, slots)),
+                (self.q[inst], fwd(slots, out=pages[:2])),
+                (self.q[inst], embed(toks[8:], 8, range(inst * 8, inst * 8 + n - 8))),
+                (self.q[inst], fwd(range(inst * 8, inst * 8 + n - 8), pages[:2], 4, pages[2:], 0)),
+            ]
+        return [
+            (self.q[inst], embed(toks, 0, slots)),
+            (self.q[inst], fwd(slots, out=pages[:-1] or pages)),
+        ]
+
+    def step(self, inst: int) -> list:
+        """A decode step (sometimes two tokens, a rollback first, or an odd context)."""
+        rng = self.rng
+        pages, n = self.seqs[inst]
+        if rng.random() < 0.05 and n > 1:  # roll back
+            n = rng.randint(1, n - 1)
+            keep = -(-n // PS) + 1
+            self.drop(pages[keep:])
+            pages = pages[:keep]
+        k = 2 if rng.random() < 0.1 else 1
+        while len(pages) * PS < n + k:
+            p = self.take()
+            if p is None:
+                return []
+            pages.append(p)
+        self.seqs[inst] = (pages, n + k)
+        ctx = pages[: -(-n // PS)]
+        head = n % PS
+        out = [ctx[-1], *pages[len(ctx) : len(ctx) + 1]] if head else pages[len(ctx) :][:2]
+        last = head or PS
+        odd = rng.random()
+        if odd < 0.03 and len(ctx) > 2:  # two pages swapped
+            i, j = rng.sample(range(len(ctx) - 1), 2)
+            ctx = list(ctx)
+            ctx[i], ctx[j] = ctx[j], ctx[i]
+        elif odd < 0.06 and len(ctx) > 1:  # a page of someone else's
+            ctx = list(ctx)
+            ctx[rng.randrange(len(ctx) - 1)] = rng.randrange(40)
+        slots = list(range(inst * 8, inst * 8 + k))
+        toks = [rng.randrange(100) for _ in range(k)]
+        return [
+            (self.q[inst], embed(toks, n, slots)),
+            (self.q[inst], fwd(slots, ctx, last, out, head)),
+        ]
+
+    def fork(self, inst: int, calls: list) -> None:
+        pages, n = self.seqs[inst]
+        full = n // PS
+        new = self.take()
+        spare = self.take()
+        if new is None or spare is None:
+            self.drop([p for p in (new, spare) if p is not None])
+            return
+        child = max(self.seqs) + 1 if len(self.seqs) < 7 else None
+        if child is None or child > 7:
+            self.drop([new, spare])
+            return
+        for p in pages[:full]:
+            self.refs[p] += 1
+        if n % PS:
+            calls.append((self.q[inst], CopyKv(pages[full], new, 0, 0, n % PS)))
+        self.seqs[child] = ([*pages[:full], new, spare], n)
+
+    def disturb(self) -> list:
+        rng = self.rng
+        page = rng.choice(sorted(self.refs)) if self.refs else 0
+        q = self.q[rng.choice([8, *self.seqs])]
+        kind = rng.randrange(6)
+        if kind == 0:
+            return [(q, MaskKv(page, np.arange(PS) == rng.randrange(PS)))]
+        if kind == 1:
+            return [(q, fwd([0], ctx=[page], last=PS, out=[page], off=rng.randrange(PS),
+                            mask=np.ones((1, 2 * PS), bool)))]  # fmt: skip
+        if kind == 2:  # a copy: aligned (may carry certification) or not
+            src = rng.choice(sorted(self.refs))
+            so = rng.randrange(PS)
+            do = so if rng.random() < 0.6 else rng.randrange(PS)
+            n = rng.randint(1, PS - max(so, do))
+            return [(q, CopyKv(src, page, so, do, n))]
+        if kind == 3:
+            return [(q, SwapIn(ids([0]), ids([page])))]
+        if kind == 4:  # a prefill of another instance into a page in use (a race, or after)
+            return [(self.q[8], embed([1, 2], 0, [1, 2])), (self.q[8], fwd([1, 2], out=[page]))]
+        return [("forget", [page])]
+
+
+@pytest.mark.parametrize("walked", [1, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_known_chains_certify_exactly_what_a_full_walk_does(seed, walked, monkeypatch):
+    """The same random batches into a provenance that reuses known chains and one that
+    walks every context in full leave identical records (tokens, keys, chains) and
+    embedding slots after every batch; the known chains are exact; and they are used
+    (also for contexts shorter than those walked in full by default: ``walked``)."""
+    import pastry.control.provenance as provenance
+
+    monkeypatch.setattr(provenance, "_WALKED", walked)
+    fast, slow = prov_n(40), full_walk()
+    work = Sequences(seed)
+    real, reused = fast._known, []
+
+    def known(ctx):
+        c, start = real(ctx)
+        reused.append((start, len(ctx)))
+        return c, start
+
+    fast._known = known  # type: ignore[method-assign]
+    for _ in range(1500):
+        calls = work.batch()
+        for p in (fast, slow):
+            if calls and calls[0][0] == "forget":
+                p.forget(calls[0][1])
+            else:
+                p.observe(calls)
+        assert snapshot(fast) == snapshot(slow)
+        fast.check_chains()
+    assert sum(start >= 4 for start, _ in reused) > 100  # known chains of 4+ pages used
+    assert sum(start >= 1 for start, _ in reused) > (1000 if walked == 1 else 100)
+    assert sum(n - start >= 3 for start, n in reused) > 100  # and long walks after writes
+
+
+def test_the_race_lookup_for_long_contexts_is_the_plain_one():
+    """``_reads_raced`` looks a long context up the other way round (the few pages a batch
+    writes in it): the same answer as asking page by page."""
+    from pastry.control.provenance import _MANY, _reads_raced
+
+    rng = random.Random(0)
+    q, other = Q(1), Q(2)
+    for _ in range(3000):
+        table = {rng.randrange(40): rng.choice([q, other, _MANY]) for _ in range(rng.randint(0, 6))}
+        keys = rng.sample(range(40), rng.randint(0, 30))
+        plain = any(table.get(k) is not None and table[k] is not q for k in keys)
+        assert _reads_raced(table, ids(keys), q) == plain

@@ -27,6 +27,12 @@ Within one batch the engine runs calls of different queues together (one handler
 type; every forward of a batch writes its K/V before any reads its context), so a call that
 reads or writes memory that *another queue* writes in the same batch is never certified.
 
+A decode step reads the same context as the step before it, one token longer: the walk
+over the context's records would cost O(pages) per step. What the last walk certified of a
+context's leading *full* pages is kept (a :class:`_Chain`) and forgotten as soon as any of
+those pages is written again, so that a step walks only the pages after them (one, or two
+when a page has just filled): the same checks, on the same records, as a walk of them all.
+
 Pure Python bookkeeping on the control loop. Nothing here trusts what an inferlet says.
 """
 
@@ -84,6 +90,21 @@ class PageRecord:
         return f"PageRecord(page={self.page}, index={self.index}, tokens={len(self.tokens)})"
 
 
+class _Chain:
+    """Pages ``0..m-1`` of a sequence that a walk found certified, *full* and chained (each
+    page's record continues the one before it), and the record of the last one. Valid while
+    none of these pages is written: :meth:`KvProvenance._set` drops every chain holding a
+    page it writes, so a chain that is still known still holds."""
+
+    __slots__ = ("last", "pages")
+
+    def __init__(self, pages: list[int], last: PageRecord) -> None:
+        self.pages = pages
+        self.last = last
+
+
+# Contexts of up to this many pages are walked in full (cheaper than looking them up).
+_WALKED = 4
 _MANY = object()  # written by more than one queue in the batch
 # Batches from this many calls on check for races in one vectorised pass first (below it,
 # numpy's fixed cost per operation is more than the per-page bookkeeping).
@@ -111,6 +132,10 @@ class KvProvenance:
         # per embedding slot: the token embed_txt wrote there and its position (-1: none)
         self.embed_token = np.full(num_embeds, -1, dtype=np.int64)
         self.embed_position = np.full(num_embeds, -1, dtype=np.int64)
+        # Certified chains of full pages (see _Chain), by their last page, and the chains
+        # each page is in (written: they are dropped).
+        self._chains: dict[int, _Chain] = {}
+        self._watch: dict[int, set[_Chain]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -131,7 +156,7 @@ class KvProvenance:
     def forget(self, pages: Iterable[int]) -> None:
         """Certify nothing in ``pages`` any more (a write to them failed)."""
         for p in pages:
-            self.records[p] = None
+            self._set(p, None)
 
     # ------------------------------------------------------------------ observing a batch
 
@@ -170,7 +195,7 @@ class KvProvenance:
                 self._mask(call, pages.get(call.page) is _MANY)
             elif t is SwapIn:
                 for p in call.pages.tolist():
-                    self.records[p] = None
+                    self._set(p, None)
 
     def _apply(self, calls: Sequence[tuple[Any, Any]]) -> None:
         """:meth:`observe` for a batch where no call races another queue's; each run of
@@ -192,7 +217,7 @@ class KvProvenance:
                 self._mask(call, False)
             elif t is SwapIn:
                 for p in call.pages.tolist():
-                    self.records[p] = None
+                    self._set(p, None)
         if embeds:
             self._embed_txts(embeds)
 
@@ -225,7 +250,7 @@ class KvProvenance:
     @staticmethod
     def _forward_raced(call: Forward, q, pages: dict, slots: dict) -> bool:
         if pages:
-            if _raced(pages, call.ctx_pages.tolist(), q, False):
+            if _reads_raced(pages, call.ctx_pages, q):
                 return True
             if _raced(pages, call.out_pages.tolist(), q, True):
                 return True
@@ -292,7 +317,7 @@ class KvProvenance:
         if len(outs) * ps - head < n or len(set(outs)) != len(outs):
             return False
         if any(p in ctx for p in outs[1:]) or (
-            outs[0] in ctx and (head == 0 or outs[0] != ctx[-1])
+            (head == 0 or outs[0] != ctx[-1]) and outs[0] in ctx
         ):
             return False
         ins = call.in_embeds
@@ -308,11 +333,14 @@ class KvProvenance:
             ):
                 return False
             tokens = toks.tolist()
-        # The context: pages 0, 1, ... of one certified sequence, keys chained.
-        prev: PageRecord | None = None
+        # The context: pages 0, 1, ... of one certified sequence, keys chained. Its leading
+        # full pages that an earlier walk certified and nothing wrote since are not walked
+        # again (the same checks would pass on the same records).
+        chain, start = self._known(ctx) if len(ctx) > _WALKED else (None, 0)
+        prev = None if chain is None else chain.last
         last = len(ctx) - 1
-        for i, p in enumerate(ctx):
-            r = recs[p]
+        for i in range(start, last + 1):
+            r = recs[ctx[i]]
             if r is None or r.index != i or len(r.tokens) < (ps if i < last else last_len):
                 return False
             if i == 0:
@@ -321,6 +349,9 @@ class KvProvenance:
             elif r.prev is not prev and r.key != prev.next_key():
                 return False
             prev = r
+        full = last + 1 if last_len == ps else last  # pages the walk found full
+        if full > start and full >= _WALKED:
+            self._remember(ctx, full, chain, start)
         index = length // ps
         if head:
             # The first new token goes into the context's last page (or a copy of it).
@@ -340,7 +371,7 @@ class KvProvenance:
             rec = PageRecord(
                 outs[k], index + k, held + tuple(tokens[pos : pos + take]), key, before
             )
-            recs[outs[k]] = rec
+            self._set(outs[k], rec)
             pos += take
             k += 1
             held = ()
@@ -351,9 +382,8 @@ class KvProvenance:
     def _damage(self, outs: list[int], offset: int, n: int) -> None:
         """Slots ``offset .. offset + n`` of the concatenated ``outs`` were written with
         uncertified content: each page's certification ends where the write starts."""
-        recs = self.records
         for k, p in enumerate(outs[: -(-(offset + n) // self.page_size)]):
-            _truncate(recs, p, offset if k == 0 else 0)
+            self._truncate(p, offset if k == 0 else 0)
 
     def _copy(self, call: CopyKv, raced: bool) -> None:
         recs = self.records
@@ -366,21 +396,110 @@ class KvProvenance:
             return  # the engine rejects it: nothing is written
         rs = recs[src]
         if raced or rs is None or so != do or so + n > len(rs.tokens):
-            _truncate(recs, dst, do)
+            self._truncate(dst, do)
             return
         if do == 0:
-            recs[dst] = PageRecord(dst, rs.index, rs.tokens[:n], rs.key, rs.prev)
+            self._set(dst, PageRecord(dst, rs.index, rs.tokens[:n], rs.key, rs.prev))
             return
         rd = recs[dst]
         if rd is not None and len(rd.tokens) >= do and rd.holds(_prefix(rs, do)):
-            recs[dst] = PageRecord(dst, rs.index, rs.tokens[: do + n], rs.key, rs.prev)
+            self._set(dst, PageRecord(dst, rs.index, rs.tokens[: do + n], rs.key, rs.prev))
         else:
-            _truncate(recs, dst, do)
+            self._truncate(dst, do)
 
     def _mask(self, call: MaskKv, raced: bool) -> None:
         hidden = np.flatnonzero(call.masked)
         first = int(hidden[0]) if len(hidden) else self.page_size
-        _truncate(self.records, int(call.page), 0 if raced else first)
+        self._truncate(int(call.page), 0 if raced else first)
+
+    # ------------------------------------------------------------------ writing records
+
+    def _set(self, page: int, rec: PageRecord | None) -> None:
+        """Every write of a record goes here: it drops the chains that hold ``page``."""
+        self.records[page] = rec
+        if page in self._watch:
+            for c in self._watch.pop(page):
+                self._unwatch(c)
+
+    # ------------------------------------------------------------------ known chains
+
+    def _known(self, ctx: list[int]) -> tuple[_Chain | None, int]:
+        """The known chain that is exactly ``ctx``'s leading pages (all but the last, or
+        all), and how many pages it covers; ``(None, 0)`` if none is."""
+        n = len(ctx)
+        if n >= 2:
+            c = self._chains.get(ctx[-2])
+            if c is not None and len(c.pages) == n - 1 and c.pages == ctx[:-1]:
+                return c, n - 1
+        if n:
+            c = self._chains.get(ctx[-1])
+            if c is not None and len(c.pages) == n and c.pages == ctx:
+                return c, n
+        return None, 0
+
+    def _remember(self, ctx: list[int], full: int, chain: _Chain | None, start: int) -> None:
+        """A walk found ``ctx[:full]`` certified, full and chained (``chain``, if not None,
+        being ``ctx[:start]``): know it, by its last page. A known chain grows in place (a
+        decode step that filled a page adds that page only)."""
+        chains, watch = self._chains, self._watch
+        new = ctx[start:full]
+        if min(new) < 0:  # (a negative index names a page by another number: not known)
+            return
+        if chain is None:
+            chain = _Chain(new, self.records[ctx[full - 1]])
+        else:
+            del chains[chain.pages[-1]]
+            chain.pages.extend(new)
+            chain.last = self.records[ctx[full - 1]]
+        for p in new:
+            s = watch.get(p)
+            if s is None:
+                watch[p] = {chain}
+            else:
+                s.add(chain)
+        old = chains.get(ctx[full - 1])
+        if old is not None:
+            self._unwatch(old)
+        chains[ctx[full - 1]] = chain
+
+    def _unwatch(self, chain: _Chain) -> None:
+        """Forget ``chain`` (one of its pages was written, or another chain ends in the
+        same page)."""
+        if self._chains.get(chain.pages[-1]) is chain:
+            del self._chains[chain.pages[-1]]
+        watch = self._watch
+        for p in chain.pages:
+            s = watch.get(p)
+            if s is not None:
+                s.discard(chain)
+                if not s:
+                    del watch[p]
+
+    def check_chains(self) -> None:
+        """Assert that every known chain still holds what a walk of its pages certifies,
+        and that the index of chains by page is exact (for tests)."""
+        ps, recs = self.page_size, self.records
+        held: dict[int, set[_Chain]] = {}
+        for key, c in self._chains.items():
+            assert c.pages and c.pages[-1] == key and recs[key] is c.last, key
+            prev = None
+            for i, p in enumerate(c.pages):
+                r = recs[p]
+                assert r is not None and r.index == i and len(r.tokens) >= ps, (key, p)
+                if i == 0:
+                    assert r.key == ROOT_KEY, (key, p)
+                else:
+                    assert r.prev is prev or r.key == prev.next_key(), (key, p)
+                prev = r
+                held.setdefault(p, set()).add(c)
+        assert held == self._watch
+
+    def _truncate(self, page: int, n: int) -> None:
+        """Keep the certification of slots ``0..n-1`` of ``page`` only."""
+        r = self.records[page]
+        if r is None or len(r.tokens) <= n:
+            return
+        self._set(page, PageRecord(page, r.index, r.tokens[:n], r.key, r.prev) if n > 0 else None)
 
     # ------------------------------------------------------------------ checks
 
@@ -392,14 +511,6 @@ class KvProvenance:
 def _prefix(rec: PageRecord, n: int) -> PageRecord:
     """A view of ``rec`` certifying only its first ``n`` slots."""
     return PageRecord(rec.page, rec.index, rec.tokens[:n], rec.key, rec.prev)
-
-
-def _truncate(recs: list, page: int, n: int) -> None:
-    """Keep the certification of slots ``0..n-1`` of ``page`` only."""
-    r = recs[page]
-    if r is None or len(r.tokens) <= n:
-        return
-    recs[page] = PageRecord(page, r.index, r.tokens[:n], r.key, r.prev) if n > 0 else None
 
 
 def _mark(table: dict, key: int, q) -> None:
@@ -418,6 +529,15 @@ def _raced(table: dict, keys: Iterable[int], q, writes: bool) -> bool:
         if w is not None and (w is _MANY or (not writes and w is not q)):
             return True
     return False
+
+
+def _reads_raced(table: dict, keys: np.ndarray, q) -> bool:
+    """``_raced(table, keys, q, False)``; for a context longer than the pages the batch
+    writes, looked up the other way round (those written by another queue, or several)."""
+    if len(keys) <= len(table):
+        return _raced(table, keys.tolist(), q, False)
+    others = [k for k, w in table.items() if w is not q]  # (_MANY is not q either)
+    return bool(others) and not set(others).isdisjoint(keys.tolist())
 
 
 def _race_free(calls: Sequence[tuple[Any, Any]]) -> bool:
