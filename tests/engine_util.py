@@ -113,3 +113,31 @@ def hf_model(path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def hf_checkpoint(src, path, config_cls, model_cls, **overrides):
+    """A random-weight checkpoint written by transformers itself in ``path``: the tiny llama
+    ``src``'s shapes (hidden 64, 2 layers, 4 heads, 2 KV heads), vocabulary and tokenizer,
+    with ``overrides`` applied to the ``config_cls`` arguments."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    src, path = Path(src), Path(path)
+    cfg = config_cls(
+        **{
+            "vocab_size": json.loads((src / "config.json").read_text())["vocab_size"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            **overrides,
+        }
+    )
+    torch.manual_seed(0)
+    model_cls(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, path / name)
+    return path

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_util import Pages, Seq, dense, hf_model
+from engine_util import Pages, Seq, dense, hf_checkpoint, hf_model
 from pastry.engine.calls import (
     EmbedTxt,
     Forward,
@@ -73,27 +73,30 @@ def test_greedy_and_logits_match_transformers(llama):
     np.testing.assert_allclose(np.stack(ours), ref_logits[11:-1], atol=1e-5)
 
 
+def mixed_batches(eng: Engine, steps: int, first_page: int = 0, first_embed: int = 0) -> np.ndarray:
+    """Next-token distributions of decode batches of 1, 3 and 5 sequences whose contexts
+    have different lengths (3 + 7 i prompt tokens), ``steps`` rounds."""
+    vocab = eng.info.vocab_size
+    alloc = Pages(eng, first_page=first_page, first_embed=first_embed)
+    seqs = [Seq(alloc) for _ in range(5)]
+    out = []
+    for i, s in enumerate(seqs):
+        s.step(prompt(3 + 7 * i, vocab, seed=i))
+    for step in range(steps):
+        for b in (1, 3, 5):  # a batch of 1 and two symbolic-size batches
+            calls, outs = batch(
+                [s.forward_calls([(step * 7 + i) % vocab]) for i, s in enumerate(seqs[:b])]
+            )
+            res = eng.execute([*calls, *(NextDist(o, k=vocab) for o in outs)])
+            out += [dense(d, vocab) for d in res[len(calls) :]]
+    return np.stack(out)
+
+
 def test_batches_of_mixed_lengths_equal_eager(llama):
     """Decode batches whose items have different context lengths (padding and masks), at
     several batch sizes, agree with the eager engine to float32 rounding."""
     _, comp, eager = llama
-    vocab = comp.info.vocab_size
-    results = {}
-    for name, eng in (("compiled", comp), ("eager", eager)):
-        alloc = Pages(eng, first_page=0, first_embed=0)
-        seqs = [Seq(alloc) for _ in range(5)]
-        out = []
-        for i, s in enumerate(seqs):
-            s.step(prompt(3 + 7 * i, vocab, seed=i))
-        for step in range(4):
-            for b in (1, 3, 5):  # a batch of 1 and two symbolic-size batches
-                calls, outs = batch(
-                    [s.forward_calls([(step * 7 + i) % vocab]) for i, s in enumerate(seqs[:b])]
-                )
-                res = eng.execute([*calls, *(NextDist(o, k=vocab) for o in outs)])
-                out += [dense(d, vocab) for d in res[len(calls) :]]
-        results[name] = np.stack(out)
-    np.testing.assert_allclose(results["compiled"], results["eager"], atol=1e-6)
+    np.testing.assert_allclose(mixed_batches(comp, 4), mixed_batches(eager, 4), atol=1e-6)
 
 
 def test_no_recompiles_after_warm_up(llama):
@@ -157,27 +160,12 @@ def test_masked_kv_and_item_masks_equal_eager(llama):
 @pytest.fixture(scope="module")
 def mistral(make_tiny, tmp_path_factory):
     """llama tiny's shapes (so the graphs are shared) with a sliding window of 8."""
-    import shutil
-
     from transformers import MistralConfig, MistralForCausalLM
 
-    src = make_tiny("llama")
     path = tmp_path_factory.mktemp("mistral-window")
-    cfg = MistralConfig(
-        vocab_size=Engine.load(src, EngineConfig(**POOLS)).info.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=8,
+    return hf_checkpoint(
+        make_tiny("llama"), path, MistralConfig, MistralForCausalLM, sliding_window=8
     )
-    torch.manual_seed(0)
-    MistralForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, path / name)
-    return path
 
 
 def test_sliding_window_matches_transformers(mistral, llama):
@@ -202,28 +190,12 @@ def test_attention_without_grouped_queries_equals_eager(make_tiny, tmp_path_fact
     products have a single query row, which inductor would lower to a slow multiply-sum;
     the padded form computes the same thing. Mixed lengths, batches of 1, 3 and 5, against
     the eager engine and transformers."""
-    import shutil
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    src = make_tiny("llama")
     path = tmp_path_factory.mktemp("llama-mha")
-    cfg = LlamaConfig(
-        vocab_size=Engine.load(src, EngineConfig(**POOLS)).info.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, path / name)
+    hf_checkpoint(make_tiny("llama"), path, LlamaConfig, LlamaForCausalLM, num_key_value_heads=4)
     comp, eager = load(path, compile=True), load(path)
-    vocab = comp.info.vocab_size
-    toks = prompt(9, vocab, seed=4)
+    toks = prompt(9, comp.info.vocab_size, seed=4)
     with torch.no_grad():
         ref = (
             hf_model(path)
@@ -234,22 +206,9 @@ def test_attention_without_grouped_queries_equals_eager(make_tiny, tmp_path_fact
         )
     assert Seq(Pages(comp)).greedy(toks, 12) == ref
     assert comp.compiled.steps == 11
-    results = {}
-    for name, eng in (("compiled", comp), ("eager", eager)):
-        alloc = Pages(eng, first_page=100, first_embed=1000)
-        seqs = [Seq(alloc) for _ in range(5)]
-        for i, s in enumerate(seqs):
-            s.step(prompt(2 + 5 * i, vocab, seed=10 + i))
-        out = []
-        for step in range(3):
-            for b in (1, 3, 5):
-                calls, outs = batch(
-                    [s.forward_calls([(step * 5 + i) % vocab]) for i, s in enumerate(seqs[:b])]
-                )
-                res = eng.execute([*calls, *(NextDist(o, k=vocab) for o in outs)])
-                out += [dense(d, vocab) for d in res[len(calls) :]]
-        results[name] = np.stack(out)
-    np.testing.assert_allclose(results["compiled"], results["eager"], atol=1e-6)
+    np.testing.assert_allclose(
+        mixed_batches(comp, 3, 100, 1000), mixed_batches(eager, 3, 100, 1000), atol=1e-6
+    )
     assert comp.compiled.steps > 11  # the batches ran compiled
 
 

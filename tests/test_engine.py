@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_util import Pages, Seq, dense, hf_model
+from engine_util import Pages, Seq, dense, hf_checkpoint, hf_model
 from pastry.engine.calls import (
     CopyKv,
     EmbedTxt,
@@ -28,8 +28,6 @@ SMALL_POOLS = dict(num_pages=256, num_embeds=2048, num_host_pages=16, page_size=
 @pytest.fixture(scope="session")
 def make_mistral(make_tiny, tmp_path_factory):
     """A mistral checkpoint written by transformers itself, with a short sliding window."""
-    import shutil
-
     from transformers import MistralConfig, MistralForCausalLM
 
     path = tmp_path_factory.mktemp("mistral")
@@ -37,31 +35,11 @@ def make_mistral(make_tiny, tmp_path_factory):
     def make():
         if (path / "config.json").exists():
             return path
-        src = make_tiny("llama")
-        vocab = json_load(src / "config.json")["vocab_size"]
-        cfg = MistralConfig(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            sliding_window=8,
+        return hf_checkpoint(
+            make_tiny("llama"), path, MistralConfig, MistralForCausalLM, sliding_window=8
         )
-        torch.manual_seed(0)
-        MistralForCausalLM(cfg).save_pretrained(path)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(src / name, path / name)
-        return path
 
     return make
-
-
-def json_load(path):
-    import json
-
-    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="module", params=ARCHS)
