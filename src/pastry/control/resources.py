@@ -400,10 +400,20 @@ class _Table:
     def _window(self) -> np.ndarray:
         return self._slots.array[self.base : self.base + self.end - self.lo]
 
-    def _bound(self) -> tuple[np.ndarray, np.ndarray]:
+    def _bound(self) -> tuple[list[int], list[int]]:
+        """The bound handles and their ids (Python loops for small windows)."""
+        span = self.end - self.lo
+        if span <= _SMALL:
+            lo, store = self.lo, self._slots.store
+            pairs = [
+                (lo + i, v)
+                for i, v in enumerate(store[self.base : self.base + span])
+                if v > _RESERVED
+            ]
+            return [h for h, _ in pairs], [v for _, v in pairs]
         w = self._window()
         at = np.flatnonzero(w > _RESERVED)
-        return at + self.lo, w[at]
+        return (at + self.lo).tolist(), w[at].tolist()
 
     # -- the dict view of the bound handles
 
@@ -426,15 +436,17 @@ class _Table:
         return v
 
     def keys(self) -> list[int]:
-        return self._bound()[0].tolist()
+        return self._bound()[0]
 
     def values(self) -> list[int]:
+        span = self.end - self.lo
+        if span <= _SMALL:
+            return [v for v in self._slots.store[self.base : self.base + span] if v > _RESERVED]
         w = self._window()
         return w[w > _RESERVED].tolist()
 
     def items(self) -> list[tuple[int, int]]:
-        hs, ids = self._bound()
-        return list(zip(hs.tolist(), ids.tolist(), strict=True))
+        return list(zip(*self._bound(), strict=True))
 
     def update(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Rebind bound handles to other ids (``(handle, id)`` pairs): swap's remapping."""
@@ -478,7 +490,7 @@ class _Slots:
     def drop(self, t: _Table) -> None:
         """Forget table ``t`` (its slots become dead; its key reads the null slot)."""
         if t.cap:
-            self.array[t.base - 1 : t.base - 1 + t.cap] = _NONE
+            self.store[t.base - 1 : t.base - 1 + t.cap] = _nones(t.cap)
             self.dead += t.cap
         del self.tables[t.serial]
         t.base = t.cap = 0
@@ -491,7 +503,7 @@ class _Slots:
         if n:
             self._room(t, n)
             at = t.base + start - t.lo
-            self.array[at : at + n] = values
+            self.store[at : at + n] = array("q", values)
             t.end = start + n
             _rekey(t)
         return start
@@ -531,30 +543,32 @@ class _Slots:
         span = t.end - t.lo
         if span + n + 2 <= t.cap:
             return
-        w = self.array[t.base : t.base + span]
-        used = np.flatnonzero(w != _NONE)
-        skip = int(used[0]) if len(used) else span  # freed handles before the first in use
-        keep = w[skip:].copy()
+        store, base, skip = self.store, t.base, 0
+        while skip < span and store[base + skip] == _NONE:  # freed before the first in use
+            skip += 1
+        keep = store[base + skip : base + span]
         if t.cap:
-            self.array[t.base - 1 : t.base - 1 + t.cap] = _NONE
+            store[base - 1 : base - 1 + t.cap] = _nones(t.cap)
             self.dead += t.cap
         t.base, t.cap, t.lo = 0, 0, t.lo + skip
         cap = max(_MIN_CAP, 2 * (len(keep) + n) + 2)
-        if self.top + cap > len(self.array):
+        if self.top + cap > len(store):
             self._rebuild(cap)  # (t has no region now: not copied)
         t.base, t.cap = self.top + 1, cap
         self.top += cap
-        self.array[t.base : t.base + len(keep)] = keep
+        if keep:  # (an empty slice assignment would resize the store: it must not)
+            self.store[t.base : t.base + len(keep)] = keep
 
     def _rebuild(self, extra: int) -> None:
         """New slots with every region packed and room for ``extra`` more slots."""
         live = [t for t in self.tables.values() if t.cap]
         used = 1 + sum(t.cap for t in live)
-        store, view = _new_slots(max(64, 2 * (used + extra)))
+        old, (store, view) = self.store, _new_slots(max(64, 2 * (used + extra)))
         at = 1
         for t in live:
             span = t.end - t.lo
-            view[at + 1 : at + 1 + span] = self.array[t.base : t.base + span]
+            if span:
+                store[at + 1 : at + 1 + span] = old[t.base : t.base + span]
             t.base = at + 1
             _rekey(t)
             at += t.cap
@@ -595,10 +609,14 @@ def _rekey(t: _Table) -> None:
     t.key = (t.base - t.lo, t.base - 1, t.base + t.end - t.lo)
 
 
+def _nones(n: int) -> array:
+    return array("q", [_NONE]) * n
+
+
 def _new_slots(size: int) -> tuple[array, np.ndarray]:
     """``size`` slots of ``_NONE``, as an ``array.array`` and a numpy view of it (never
     resized in place: the view holds its buffer)."""
-    store = array("q", [_NONE]) * size
+    store = _nones(size)
     return store, np.frombuffer(store, dtype=np.int64)
 
 
