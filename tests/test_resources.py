@@ -32,7 +32,7 @@ def snapshot(m: ResourceManager) -> tuple:
     return (
         m.instances(),
         tables,
-        {k: {i: t.end for i, t in v.items()} for k, v in m._handles.items()},
+        {k: dict(v) for k, v in m._next.items()},
         counts,
         m.usage("kv"),
         m.usage("embed"),
@@ -622,7 +622,7 @@ def test_random_ops_keep_integrity(seed: int) -> None:
                     del live[(inst, kind)][h]
             elif op == "bad":  # a freed, foreign or repeated handle among good ones
                 held = list(live[(inst, kind)])
-                bad = rng.choice([-1, m._handles[kind][inst].end, 10_000])
+                bad = rng.choice([-1, m._next[kind][inst], 10_000])
                 if held and rng.random() < 0.5:
                     bad = held[0]
                     held = [*held, bad]
@@ -631,7 +631,7 @@ def test_random_ops_keep_integrity(seed: int) -> None:
                 with pytest.raises(InvalidHandle):
                     m.free(inst, kind, held)
                 with pytest.raises(InvalidHandle):
-                    m.translate(inst, kind, [*held[:-1], m._handles[kind][inst].end + 1])
+                    m.translate(inst, kind, [*held[:-1], m._next[kind][inst] + 1])
                 assert snapshot(m) == before
             elif op == "export":
                 held = list(live[(inst, kind)])

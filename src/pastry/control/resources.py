@@ -9,14 +9,6 @@ The engine owns the memory: KV pages ``[0, num_pages)`` and embedding slots
   never alias a newer allocation. A handle maps to one physical id; several handles (of one
   or many instances) and the export registry may reference the same id, which returns to the
   free list only when its last reference goes.
-- Handle tables are arrays (:class:`_Slots`, :class:`_Table`): every instance's handles of
-  each kind are a window of one flat int64 array per manager, a slot per handle holding
-  its physical id (``-1 - host page`` when swapped), ``_RESERVED`` (reserved, not bound
-  yet) or ``_NONE`` (freed, never given out). A batch's handles of any instances and both
-  kinds translate with one numpy gather and one check
-  (:meth:`ResourceManager.translate_runs`); a few handles with a Python loop over the
-  same slots. A table that outgrows its region moves (leaving its leading freed handles
-  behind) and the array is packed when full: amortised O(1) per handle.
 - Export/import: ``export`` puts physical ids in a named registry entry that holds its own
   references; ``import_`` gives the importer new handles to the same ids. A non-persistent
   export ends with its exporter, a persistent one at ``unexport``. What an importer got stays
@@ -68,7 +60,7 @@ Each physical KV page is in exactly one of these states: free, referenced by inf
 handles' view — swapped to a host page; :meth:`ResourceManager.check_integrity` checks all
 of it.
 
-Used from the control loop only (no locks).
+Used from the control loop only (no locks). Pure Python; numpy only for ``translate_array``.
 """
 
 from __future__ import annotations
@@ -77,7 +69,6 @@ import heapq
 import itertools
 import logging
 import time
-from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -330,296 +321,6 @@ def _on_host(host_id: int) -> int:
     return -1 - host_id
 
 
-# ---------------------------------------------------------------------------------------------
-# Handle tables
-
-_NONE = -(1 << 63)  # the slot of no handle: never given out, freed, or a guard
-_RESERVED = _NONE + 1  # the slot of a reserved handle, not bound yet
-# A bound handle's slot holds its physical id (>= 0) or ``_on_host(host page)`` (< 0): a
-# handle translates exactly when its slot is above ``_RESERVED``.
-_MIN_CAP = 8  # slots of a table's first region
-_SMALL = 64  # handles up to which a Python loop translates faster than numpy's fixed cost
-_FEW_RUNS = 4  # runs up to which a gather takes from each table's window in turn
-
-
-class _Table:
-    """One instance's handles of one kind: a window of the manager's slots (:class:`_Slots`).
-
-    Handle ``h`` in ``[lo, end)`` is slot ``base + h - lo``. The table's *region* is the
-    ``cap`` slots from ``base - 1``: a guard, the window, a guard, and room to grow.
-    Handles below ``lo`` were all freed (a table that moves leaves them behind), from
-    ``end`` on were never given out. ``key`` is ``(base - lo, base - 1, base + end - lo)``:
-    a handle's slot is ``h + key[0]`` clamped to the guards ``[key[1], key[2]]``.
-    ``bound`` and ``reserved`` count the slots that hold an id and ``_RESERVED``. For the
-    paths that walk a table (accounting, swap, checks) it reads like a dict of its *bound*
-    handles, in handle order."""
-
-    __slots__ = ("_slots", "base", "bound", "cap", "end", "key", "lo", "reserved", "serial")
-
-    def __init__(self, slots: _Slots, serial: int, first: int) -> None:
-        self._slots, self.serial = slots, serial
-        self.base = self.cap = 0  # no region: every handle reads the null slot
-        self.lo = self.end = first
-        self.key = (0, 0, 0)
-        self.bound = self.reserved = 0
-
-    def lookup(self, handles: Sequence[int]) -> list[int]:
-        """The slot of every handle (``_NONE`` for anything outside the window or not an
-        integer), as Python ints."""
-        if len(handles) > _SMALL:
-            h = np.asarray(handles)
-            if h.dtype == np.int64:
-                return self._slots.gather(h, self.key, (len(h),)).tolist()
-        store, (off, low, high) = self._slots.store, self.key
-        out: list[int] = []
-        append = out.append
-        try:
-            for h in handles:  # (a loop: cheaper than a comprehension for a few)
-                s = h + off
-                append(store[s] if low < s < high else _NONE)
-        except TypeError:  # not all plain integers
-            return [self.slot(h) for h in handles]
-        return out
-
-    def slot(self, h: object) -> int:
-        """The slot of one handle, ``_NONE`` for anything but an integer in the window."""
-        if isinstance(h, int | np.integer) and self.lo <= h < self.end:
-            return self._slots.store[self.base + int(h) - self.lo]
-        return _NONE
-
-    def write(self, handles: Sequence[int], values: Sequence[int]) -> None:
-        """Set the slots of ``handles`` (in the window) to ``values``."""
-        off = self.base - self.lo
-        if len(handles) > _SMALL:
-            self._slots.array[np.asarray(handles, dtype=np.int64) + off] = values
-            return
-        store = self._slots.store
-        for h, v in zip(handles, values, strict=True):
-            store[off + h] = v
-
-    def _window(self) -> np.ndarray:
-        return self._slots.array[self.base : self.base + self.end - self.lo]
-
-    def _bound(self) -> tuple[list[int], list[int]]:
-        """The bound handles and their ids (Python loops for small windows)."""
-        span = self.end - self.lo
-        if span <= _SMALL:
-            lo, store = self.lo, self._slots.store
-            pairs = [
-                (lo + i, v)
-                for i, v in enumerate(store[self.base : self.base + span])
-                if v > _RESERVED
-            ]
-            return [h for h, _ in pairs], [v for _, v in pairs]
-        w = self._window()
-        at = np.flatnonzero(w > _RESERVED)
-        return (at + self.lo).tolist(), w[at].tolist()
-
-    # -- the dict view of the bound handles
-
-    def __len__(self) -> int:
-        return self.bound
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __reversed__(self):
-        return reversed(self.keys())
-
-    def __contains__(self, h: object) -> bool:
-        return self.slot(h) > _RESERVED
-
-    def __getitem__(self, h: int) -> int:
-        v = self.slot(h)
-        if v <= _RESERVED:
-            raise KeyError(h)
-        return v
-
-    def keys(self) -> list[int]:
-        return self._bound()[0]
-
-    def values(self) -> list[int]:
-        span = self.end - self.lo
-        if span <= _SMALL:
-            return [v for v in self._slots.store[self.base : self.base + span] if v > _RESERVED]
-        w = self._window()
-        return w[w > _RESERVED].tolist()
-
-    def items(self) -> list[tuple[int, int]]:
-        return list(zip(*self._bound(), strict=True))
-
-    def update(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Rebind bound handles to other ids (``(handle, id)`` pairs): swap's remapping."""
-        pairs = list(pairs)
-        if pairs:
-            hs, ids = zip(*pairs, strict=True)
-            assert min(self.lookup(hs)) > _RESERVED, "rebinding handles that are not bound"
-            self.write(hs, ids)
-
-
-class _Slots:
-    """Every handle table of one manager, in one flat array of int64 slots.
-
-    ``store`` (an ``array.array``: fast Python reads) and ``array`` (numpy) are the same
-    memory. Each table (:class:`_Table`) owns a region of it. Slot 0 (the *null slot*) and
-    every slot outside the tables' windows hold ``_NONE``, in particular the two *guards*
-    around each window. So a batch of handles of many tables translates in one gather
-    (:meth:`gather`): handle ``h`` of a table reads slot ``h + base - lo`` clamped to its
-    guards (any handle outside the window reads ``_NONE``), and translates exactly when
-    that slot is above ``_RESERVED``.
-
-    A table that outgrows its region moves to a fresh one at ``top``, twice the size it
-    needs, leaving its leading freed handles behind (its window starts at its first handle
-    still in use). When ``top`` reaches the end, the slots are rebuilt with every region
-    packed (the dead regions of moved and dropped tables gone) and as much room again:
-    amortised O(1) per handle, memory proportional to the tables' windows.
-    """
-
-    def __init__(self) -> None:
-        self.store, self.array = _new_slots(64)
-        self.top = 1  # regions and dead slots lie in [1, top); slot 0 is the null slot
-        self.dead = 0  # slots of [1, top) that no table owns
-        self.tables: dict[int, _Table] = {}  # by serial
-        self._serial = itertools.count()
-
-    def new_table(self, first: int) -> _Table:
-        t = _Table(self, next(self._serial), first)
-        self.tables[t.serial] = t
-        return t
-
-    def drop(self, t: _Table) -> None:
-        """Forget table ``t`` (its slots become dead; its key reads the null slot)."""
-        if t.cap:
-            self.store[t.base - 1 : t.base - 1 + t.cap] = _nones(t.cap)
-            self.dead += t.cap
-        del self.tables[t.serial]
-        t.base = t.cap = 0
-        t.lo = t.end
-        t.key = (0, 0, 0)
-
-    def append(self, t: _Table, values: Sequence[int]) -> int:
-        """Give ``t`` the next ``len(values)`` handles with these slots; returns the first."""
-        start, n = t.end, len(values)
-        if n:
-            self._room(t, n)
-            at = t.base + start - t.lo
-            self.store[at : at + n] = array("q", values)
-            t.end = start + n
-            _rekey(t)
-        return start
-
-    def gather(
-        self,
-        h: np.ndarray,
-        keys: Sequence[int],
-        counts: Sequence[int],
-        out: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """The slots of the int64 handles ``h``: runs of ``counts[i]`` handles of the table
-        whose key is ``keys[3 * i : 3 * i + 3]`` each (a handle outside its table's window
-        reads a guard: ``_NONE``). Into ``out`` if given."""
-        h = h.ravel()
-        if len(counts) > _FEW_RUNS:  # one gather: each handle's slot, clamped to its guards
-            r = np.repeat(np.array(keys).reshape(-1, 3), counts, axis=0)
-            idx = h + r[:, 0]
-            np.maximum(idx, r[:, 1], out=idx)
-            np.minimum(idx, r[:, 2], out=idx)
-            return self.array.take(idx, out=out, mode="clip")
-        # a few runs: each a take from its window and guards (clipped: outside, a guard)
-        if out is None:
-            out = np.empty(len(h), dtype=np.int64)
-        at = k = 0
-        for n in counts:
-            off, low, high = keys[k], keys[k + 1], keys[k + 2]
-            self.array[low : high + 1].take(
-                h[at : at + n] + (off - low), out=out[at : at + n], mode="clip"
-            )
-            at += n
-            k += 3
-        return out
-
-    def _room(self, t: _Table, n: int) -> None:
-        """Make room in ``t``'s region for ``n`` more handles and its guards."""
-        span = t.end - t.lo
-        if span + n + 2 <= t.cap:
-            return
-        store, base, skip = self.store, t.base, 0
-        while skip < span and store[base + skip] == _NONE:  # freed before the first in use
-            skip += 1
-        keep = store[base + skip : base + span]
-        if t.cap:
-            store[base - 1 : base - 1 + t.cap] = _nones(t.cap)
-            self.dead += t.cap
-        t.base, t.cap, t.lo = 0, 0, t.lo + skip
-        cap = max(_MIN_CAP, 2 * (len(keep) + n) + 2)
-        if self.top + cap > len(store):
-            self._rebuild(cap)  # (t has no region now: not copied)
-        t.base, t.cap = self.top + 1, cap
-        self.top += cap
-        if keep:  # (an empty slice assignment would resize the store: it must not)
-            self.store[t.base : t.base + len(keep)] = keep
-
-    def _rebuild(self, extra: int) -> None:
-        """New slots with every region packed and room for ``extra`` more slots."""
-        live = [t for t in self.tables.values() if t.cap]
-        used = 1 + sum(t.cap for t in live)
-        old, (store, view) = self.store, _new_slots(max(64, 2 * (used + extra)))
-        at = 1
-        for t in live:
-            span = t.end - t.lo
-            if span:
-                store[at + 1 : at + 1 + span] = old[t.base : t.base + span]
-            t.base = at + 1
-            _rekey(t)
-            at += t.cap
-        self.store, self.array, self.top, self.dead = store, view, at, 0
-
-    def check_integrity(self, tables: Iterable[_Table]) -> None:
-        """Assert that ``tables`` are exactly the registered ones and that regions, guards,
-        counts and keys agree with the slots."""
-        tables = list(tables)
-        assert sorted(t.serial for t in tables) == sorted(self.tables), "unknown tables"
-        a = self.array
-        assert len(self.store) == len(a) and np.shares_memory(a, np.frombuffer(self.store))
-        owned = np.zeros(len(a), dtype=bool)  # slots of some region
-        inside = np.zeros(len(a), dtype=bool)  # slots of some window
-        for t in tables:
-            assert self.tables[t.serial] is t, f"table {t.serial} registered twice"
-            span = t.end - t.lo
-            assert span >= 0, (t.lo, t.end)
-            if t.cap == 0:
-                assert t.base == span == t.bound == t.reserved == 0, "handles without a region"
-                assert t.key == (0, 0, 0), f"table {t.serial}: key out of date"
-                continue
-            assert t.key == (t.base - t.lo, t.base - 1, t.base + span), f"{t.serial}: key"
-            start = t.base - 1
-            assert start >= 1 and start + t.cap <= self.top, "region outside [1, top)"
-            assert span + 2 <= t.cap, "no room for the guards in the region"
-            assert not owned[start : start + t.cap].any(), "regions overlap"
-            owned[start : start + t.cap] = True
-            inside[t.base : t.base + span] = True
-            w = a[t.base : t.base + span]
-            assert t.bound == int((w > _RESERVED).sum()), f"table {t.serial}: bound count"
-            assert t.reserved == int((w == _RESERVED).sum()), f"table {t.serial}: reserved"
-        assert (a[~inside] == _NONE).all(), "slots outside every window are not _NONE"
-        assert self.dead == self.top - 1 - sum(t.cap for t in tables), "dead slots miscounted"
-
-
-def _rekey(t: _Table) -> None:
-    t.key = (t.base - t.lo, t.base - 1, t.base + t.end - t.lo)
-
-
-def _nones(n: int) -> array:
-    return array("q", [_NONE]) * n
-
-
-def _new_slots(size: int) -> tuple[array, np.ndarray]:
-    """``size`` slots of ``_NONE``, as an ``array.array`` and a numpy view of it (never
-    resized in place: the view holds its buffer)."""
-    store = _nones(size)
-    return store, np.frombuffer(store, dtype=np.int64)
-
-
 class ResourceManager:
     """Virtual handles of every inferlet instance over the engine's KV pages and embeds.
 
@@ -657,11 +358,10 @@ class ResourceManager:
         }
         self.policy: EvictionPolicy = policy if policy is not None else TerminateNewest()
         self.on_terminate = on_terminate
-        # kind -> instance -> its handle table (a window of the slot array)
-        self._slots = _Slots()
-        self._handles: dict[Kind, dict[int, _Table]] = {k: {} for k in KINDS}
-        # instance -> its (kv, embed) tables, for translate_runs (read, never change them)
-        self.handle_tables: dict[int, tuple[_Table, _Table]] = {}
+        # kind -> instance -> handle -> physical id (the hot-path table)
+        self._handles: dict[Kind, dict[int, dict[int, int]]] = {k: {} for k in KINDS}
+        # kind -> instance -> next handle
+        self._next: dict[Kind, dict[int, int]] = {k: {} for k in KINDS}
         # instance -> keys of its non-persistent exports; insertion order = creation order
         self._instances: dict[int, set[tuple[object, str]]] = {}
         self._users: dict[int, object] = {}  # instance -> its user
@@ -684,6 +384,8 @@ class ResourceManager:
         self._arriving: set[int] = set()  # device pages that _moves_in fill
         self._held: list[int] = []  # host references released while moves are unsent
         self.defer_when_short = False  # set by the swapper: short allocs start on host
+        # kind -> instance -> handles reserved but not bound yet
+        self._reserved: dict[Kind, dict[int, set[int]]] = {k: {} for k in KINDS}
         self.cache = cache
         self.provenance = provenance
         self.cache_seconds = 0.0
@@ -698,12 +400,10 @@ class ResourceManager:
         self._instances[instance_id] = set()
         self._users[instance_id] = user
         for kind in KINDS:
-            self._handles[kind][instance_id] = self._slots.new_table(self.first_handle)
+            self._handles[kind][instance_id] = {}
+            self._next[kind][instance_id] = self.first_handle
             self._charge[kind][instance_id] = Counter()
-        self.handle_tables[instance_id] = (
-            self._handles["kv"][instance_id],
-            self._handles["embed"][instance_id],
-        )
+            self._reserved[kind][instance_id] = set()
 
     def remove_instance(self, instance_id: int) -> None:
         """Release everything the instance holds: its handles' references and its
@@ -717,14 +417,13 @@ class ResourceManager:
             exp = self._exports.pop(key)
             self._uncharge_user(exp.kind, user, exp.ids)
             self._drop(exp.kind, exp.ids, user)
-        del self.handle_tables[instance_id]
         for kind in KINDS:
             table = self._handles[kind].pop(instance_id)
+            del self._next[kind][instance_id]
             del self._charge[kind][instance_id]
-            ids = table.values()
-            self._slots.drop(table)
-            self._uncharge_user(kind, user, ids)
-            self._release(kind, ids, user)
+            del self._reserved[kind][instance_id]
+            self._uncharge_user(kind, user, table.values())
+            self._release(kind, table.values(), user)
         self._handles_on_host.pop(instance_id, None)
 
     def instances(self) -> list[int]:
@@ -785,7 +484,7 @@ class ResourceManager:
         table = self._table(instance, kind)
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of {_PLURAL[kind]} ({n})")
-        self._check_limit(instance, kind, n + table.reserved)
+        self._check_limit(instance, kind, n + len(self._reserved[kind][instance]))
         pool = self._pools[kind]
         if pool.free < n and kind == "kv" and self.cache is not None:
             self._evict(n - pool.free)  # the prefix cache's unused pages go first
@@ -806,13 +505,13 @@ class ResourceManager:
         nothing changes."""
         table = self._table(instance, kind)
         handles = list(handles)
-        slots = table.lookup(handles)
-        if len(set(handles)) != len(handles) or _NONE in slots:
+        reserved = self._reserved[kind][instance]
+        if len(set(handles)) != len(handles) or not all(
+            h in table or h in reserved for h in handles
+        ):
             raise self._invalid(instance, kind, handles, twice_is_bad=True)
-        table.write(handles, [_NONE] * len(handles))
-        ids = [pid for pid in slots if pid > _RESERVED]
-        table.reserved -= len(slots) - len(ids)
-        table.bound -= len(ids)
+        reserved.difference_update(handles)
+        ids = [table.pop(h) for h in handles if h in table]
         on_host = sum(1 for pid in ids if pid < 0)
         if on_host:
             self._handles_on_host[instance] -= on_host
@@ -822,72 +521,40 @@ class ResourceManager:
     def check(self, instance: int, kind: Kind, handles: Sequence[int]) -> None:
         """Raise :class:`InvalidHandle` unless every handle is the instance's (bound or
         reserved)."""
-        handles = list(handles)
-        if _NONE in self._table(instance, kind).lookup(handles):
+        table = self._table(instance, kind)
+        reserved = self._reserved[kind][instance]
+        if not all(h in table or h in reserved for h in handles):
             raise self._invalid(instance, kind, handles)
 
     def translate(self, instance: int, kind: Kind, handles: Sequence[int]) -> list[int]:
-        """Physical ids of ``handles`` (a host page's is negative: ``-1 - host page``)."""
+        """Physical ids of ``handles`` (hot path: one dict lookup per handle)."""
         try:
-            ids = self._handles[kind][instance].lookup(handles)
+            table = self._handles[kind][instance]
+            return [table[h] for h in handles]
         except KeyError:
             raise self._lookup_error(instance, kind, handles) from None
-        if ids and min(ids) <= _RESERVED:
-            raise self._lookup_error(instance, kind, handles)
-        return ids
+
+    def tables(self, instance: int) -> tuple[dict[int, int], dict[int, int]]:
+        """The instance's KV and embedding handle tables (handle -> physical id), for the
+        batch scheduler's one-pass translation of a batch (:mod:`pastry.control.steps`):
+        read them, never change them. A missing handle is a ``KeyError`` (:meth:`translate`
+        names what is wrong with it); an unknown instance raises :class:`ResourceError`."""
+        handles = self._handles
+        try:
+            return handles["kv"][instance], handles["embed"][instance]
+        except KeyError:
+            raise self._lookup_error(instance, "kv", ()) from None
 
     def translate_array(self, instance: int, kind: Kind, handles: np.ndarray) -> np.ndarray:
         """:meth:`translate` for an integer array of any shape; returns int64 of that shape."""
         arr = np.asarray(handles)
-        table = self._handles.get(kind, {}).get(instance)
-        if table is None or arr.dtype.kind not in "biu":
-            raise self._lookup_error(instance, kind, arr.ravel().tolist())
-        ids = self._slots.gather(arr.astype(np.int64, copy=False), table.key, (arr.size,))
-        if ids.size and ids.min() <= _RESERVED:
-            raise self._lookup_error(instance, kind, arr.ravel().tolist())
-        return ids.reshape(arr.shape)
-
-    def translate_runs(
-        self, handles: list[int], keys: list[int], counts: list[int], ints: list[int]
-    ) -> tuple[np.ndarray, list[int]]:
-        """Translate a batch's handles at once (:mod:`pastry.control.steps`): ``handles``
-        holds runs of ``counts[i]`` handles of one table each, any instances' and kinds'
-        (:attr:`handle_tables`), whose ``key`` is ``keys[3 * i : 3 * i + 3]``. Returns one
-        int64 array, ``ints`` (the batch's other integers) then the physical ids, and the
-        indices of the runs holding a handle that does not translate, ascending (their ids
-        are meaningless; :meth:`translate` names what is wrong). One gather over every
-        handle and one check, or a Python loop when there are few."""
-        j = len(ints)
-        if len(handles) > _SMALL:
-            arr = np.array(ints + handles)
-            if arr.dtype == np.int64:
-                ids = arr[j:]
-                self._slots.gather(ids, keys, counts, out=ids)
-                if _min(ids) > _RESERVED:
-                    return arr, []
-                return arr, _bad_runs(ids, counts)
-        store, flat, at, k = self._slots.store, list(ints), 0, 0
-        append = flat.append
+        flat = arr.ravel().tolist()
         try:
-            for n in counts:  # (loops: cheaper than comprehensions for a few)
-                off, low, high = keys[k], keys[k + 1], keys[k + 2]
-                for h in handles[at : at + n]:
-                    s = h + off
-                    append(store[s] if low < s < high else _NONE)
-                at += n
-                k += 3
-        except TypeError:  # not all plain integers (those do not translate)
-            flat, at = list(ints), 0
-            for i, n in enumerate(counts):
-                off, low, high = keys[3 * i : 3 * i + 3]
-                for h in handles[at : at + n]:
-                    s = int(h) + off if isinstance(h, int | np.integer) else low
-                    flat.append(store[s] if low < s < high else _NONE)
-                at += n
-        arr = np.array(flat, dtype=np.int64)
-        if not flat or min(flat) > _RESERVED:
-            return arr, []
-        return arr, _bad_runs(arr[len(ints) :], counts)
+            get = self._handles[kind][instance].__getitem__
+            out = np.fromiter(map(get, flat), dtype=np.int64, count=len(flat))
+        except KeyError:
+            raise self._lookup_error(instance, kind, flat) from None
+        return out.reshape(arr.shape)
 
     # ------------------------------------------------------------------ export / import
 
@@ -907,8 +574,7 @@ class ResourceManager:
         never an inferlet's) and counts as its user's. The handles stay the exporter's."""
         table = self._table(instance, kind)
         handles = list(handles)
-        ids = tuple(table.lookup(handles))
-        if ids and min(ids) <= _RESERVED:
+        if not all(h in table for h in handles):
             raise self._invalid(instance, kind, handles)
         if not isinstance(name, str) or not name:
             raise ExportError(f"export name must be a non-empty string, got {name!r}")
@@ -918,6 +584,7 @@ class ResourceManager:
             raise ExportError(
                 f"export name {name!r} is already taken; unexport it first or choose another name"
             )
+        ids = tuple(table[h] for h in handles)
         if any(pid < 0 for pid in ids):
             raise ResourceError(
                 f"inferlet {instance}: cannot export pages that are swapped out to host memory "
@@ -990,23 +657,22 @@ class ResourceManager:
         """``n`` new handles of ``kind`` bound to nothing yet (a queued call binds them:
         :meth:`bind_cached`, :meth:`bind_fresh`). They count against the instance's limit
         as fresh ids; using one before it is bound is an :class:`InvalidHandle` error."""
-        table = self._table(instance, kind)
+        self._table(instance, kind)
         if n < 0:
             raise ValueError(f"cannot reserve a negative number of {_PLURAL[kind]} ({n})")
-        self._check_limit(instance, kind, n + table.reserved)
-        start = self._slots.append(table, [_RESERVED] * n)
-        table.reserved += n
-        return list(range(start, start + n))
+        reserved = self._reserved[kind][instance]
+        self._check_limit(instance, kind, n + len(reserved))
+        start = self._next[kind][instance]
+        handles = list(range(start, start + n))
+        self._next[kind][instance] = start + n
+        reserved.update(handles)
+        return handles
 
     def unreserve(self, instance: int, kind: Kind, handles: Iterable[int]) -> None:
         """Give up reserved handles that were never bound (a no-op for any other)."""
-        table = self._handles[kind].get(instance)
-        if table is None:
-            return
-        handles = list(dict.fromkeys(handles))
-        mine = [h for h, v in zip(handles, table.lookup(handles), strict=True) if v == _RESERVED]
-        table.write(mine, [_NONE] * len(mine))
-        table.reserved -= len(mine)
+        mine = self._reserved[kind].get(instance)
+        if mine is not None:
+            mine.difference_update(handles)
 
     def bind_cached(self, instance: int, handles: Sequence[int], pages: Sequence[int]) -> None:
         """Bind reserved KV handles to pages held by the prefix cache (borrowed: each takes a
@@ -1033,13 +699,10 @@ class ResourceManager:
     def unbind(self, instance: int, kind: Kind, handles: Sequence[int]) -> None:
         """Make bound handles reserved again (their references are dropped)."""
         table = self._table(instance, kind)
-        handles = list(handles)
-        ids = table.lookup(handles)
-        if len(set(handles)) != len(handles) or (ids and min(ids) <= _RESERVED):
-            raise self._invalid(instance, kind, handles, twice_is_bad=True)
-        table.write(handles, [_RESERVED] * len(handles))
-        table.bound -= len(ids)
-        table.reserved += len(ids)
+        if not all(h in table for h in handles):
+            raise self._invalid(instance, kind, handles)
+        ids = [table.pop(h) for h in handles]
+        self._reserved[kind][instance].update(handles)
         self._uncharge(kind, instance, ids)
         self._drop(kind, ids, self._users[instance])
 
@@ -1047,17 +710,15 @@ class ResourceManager:
         self, instance: int, kind: Kind, handles: Sequence[int], ids: Sequence[int]
     ) -> None:
         table = self._table(instance, kind)
-        handles = list(handles)
-        slots = table.lookup(handles)
-        missing = [h for h, v in zip(handles, slots, strict=True) if v != _RESERVED]
-        if missing or len(handles) != len(ids) or len(set(handles)) != len(handles):
+        mine = self._reserved[kind][instance]
+        missing = [h for h in handles if h not in mine]
+        if missing or len(handles) != len(ids):
             raise InvalidHandle(
-                f"inferlet {instance}: {_NOUN[kind]} handles {missing or handles} are not "
-                "reserved (freed or bound already)"
+                f"inferlet {instance}: {_NOUN[kind]} handles {missing} are not reserved "
+                "(freed or bound already)"
             )
-        table.write(handles, ids)
-        table.reserved -= len(handles)
-        table.bound += len(handles)
+        mine.difference_update(handles)
+        table.update(zip(handles, ids, strict=True))
         self._charge_ids(kind, instance, ids)
 
     # ------------------------------------------------------------------ prefix cache
@@ -1291,23 +952,15 @@ class ResourceManager:
         return sum(1 for pid, k in refs.items() if pool.refcount(pid) == k)
 
     def check_integrity(self) -> None:
-        """Assert that the handle tables are consistent (:meth:`_Slots.check_integrity`;
-        every bound slot holds an id of its pool, or a host page), that the pools are, that
-        every physical id's count equals the references to it from handles and exports, and
-        that the pages the pool holds for the prefix cache are exactly the tree's (borrowed
-        exactly when referenced)."""
+        """Assert that the pools are consistent, that every physical id's count equals the
+        references to it from handles and exports, and that the pages the pool holds for
+        the prefix cache are exactly the tree's (borrowed exactly when referenced)."""
         assert self._instances.keys() == self._handles["kv"].keys() == self._handles["embed"].keys()
-        assert self.handle_tables.keys() == self._instances.keys(), "handle_tables out of date"
-        for i, (kv, embed) in self.handle_tables.items():
-            assert kv is self._handles["kv"][i] and embed is self._handles["embed"][i], i
-        self._slots.check_integrity(t for kind in KINDS for t in self._handles[kind].values())
         for kind in KINDS:
-            size = self._pools[kind].size
-            low = -self._host.size if kind == "kv" else 0
-            for inst, table in self._handles[kind].items():
-                assert table.lo >= self.first_handle, (inst, kind, "handles below the first")
-                bad = [p for p in table.values() if not low <= p < size]
-                assert not bad, f"inferlet {inst}: {kind} handles bound to ids {bad}"
+            assert self._reserved[kind].keys() == self._instances.keys(), kind
+            for inst, res in self._reserved[kind].items():
+                assert not res & self._handles[kind][inst].keys(), (inst, "bound and reserved")
+                assert all(self.first_handle <= h < self._next[kind][inst] for h in res), inst
         kv = self._pools["kv"]
         if self.cache is None:
             assert kv.held == 0, "pages held without a prefix cache"
@@ -1322,8 +975,12 @@ class ResourceManager:
         for kind in KINDS:
             pool = self._pools[kind]
             pool.check_integrity()
+            assert self._next[kind].keys() == self._instances.keys(), kind
             refs: Counter[int] = Counter()
-            for table in self._handles[kind].values():
+            for inst, table in self._handles[kind].items():
+                nxt = self._next[kind][inst]
+                bad = [h for h in table if not self.first_handle <= h < nxt]
+                assert not bad, f"inferlet {inst} has {kind} handles {bad} outside [.., {nxt})"
                 refs.update(pid for pid in table.values() if pid >= 0)
             for exp in self._exports.values():
                 if exp.kind == kind:
@@ -1411,13 +1068,11 @@ class ResourceManager:
         where = dict(zip(pages, hosts, strict=True))
         refs: Counter[int] = Counter()
         moved: list[tuple[int, int]] = []
-        remap: list[tuple[int, int]] = []
         for h, pid in table.items():
             if pid in where:
-                remap.append((h, _on_host(where[pid])))
+                table[h] = _on_host(where[pid])
                 refs[pid] += 1
-                moved.append((pid, remap[-1][1]))
-        table.update(remap)
+                moved.append((pid, table[h]))
         self._recharge(instance, moved)
         for pid, host in where.items():
             self._host.incref([host] * (refs[pid] - 1))
@@ -1443,12 +1098,10 @@ class ResourceManager:
         if self.provenance is not None:  # the swap-in overwrites them (observed or not)
             self.provenance.forget(where.values())
         moved: list[tuple[int, int]] = []
-        remap: list[tuple[int, int]] = []
         for h, pid in table.items():
             if pid < 0:
-                remap.append((h, where[-1 - pid]))
-                moved.append((pid, remap[-1][1]))
-        table.update(remap)
+                table[h] = where[-1 - pid]
+                moved.append((pid, table[h]))
         self._recharge(instance, moved)
         for host, dev in where.items():
             pool.incref([dev] * (refs[host] - 1))
@@ -1485,7 +1138,8 @@ class ResourceManager:
         refs: Counter[int] = Counter()
         order: dict[int, None] = {}
         cache = self.cache if self.cache is not None else ()
-        for pid in reversed(table.values()):  # newest handles first
+        for h in reversed(table):  # newest handles first
+            pid = table[h]
             if pid >= 0 and pid not in self._arriving and pid not in cache:
                 refs[pid] += 1
                 order[pid] = None
@@ -1540,16 +1194,18 @@ class ResourceManager:
                 f"inferlet {instance} is not registered (it has ended or was never added)"
             )
 
-    def _table(self, instance: int, kind: Kind) -> _Table:
+    def _table(self, instance: int, kind: Kind) -> dict[int, int]:
         self._pool(kind)
         self._require(instance)
         return self._handles[kind][instance]
 
-    def _bind(self, instance: int, kind: Kind, table: _Table, ids: list[int]) -> list[int]:
-        start = self._slots.append(table, ids)
-        table.bound += len(ids)
+    def _bind(self, instance: int, kind: Kind, table: dict[int, int], ids: list[int]) -> list[int]:
+        start = self._next[kind][instance]
+        handles = list(range(start, start + len(ids)))
+        table.update(zip(handles, ids, strict=True))
+        self._next[kind][instance] = start + len(ids)
         self._charge_ids(kind, instance, ids)
-        return list(range(start, start + len(ids)))
+        return handles
 
     # -- charges (what each instance and user holds)
 
@@ -1790,25 +1446,25 @@ class ResourceManager:
     ) -> InvalidHandle:
         """An error naming every bad handle of ``handles`` and why it is bad."""
         table = self._handles[kind][instance]
+        nxt = self._next[kind][instance]
         other = "embed" if kind == "kv" else "kv"
         problems: dict[str, None] = {}  # ordered set of messages
         seen: set[int] = set()
         for h in handles:
             is_int = isinstance(h, (int, np.integer)) and not isinstance(h, bool)
             what = f"{_NOUN[kind]} handle {int(h) if is_int else repr(h)}"
-            slot = table.slot(h)
-            if slot > _RESERVED:
+            if h in table:
                 if twice_is_bad and h in seen:
                     problems[f"{what} is listed twice"] = None
                 seen.add(h)
-            elif slot == _RESERVED:
+            elif h in self._reserved[kind].get(instance, ()):
                 problems[
                     f"{what} is not filled yet (a queued prefill fills it: use it on that "
                     f"queue, or synchronize the queue first)"
                 ] = None
             elif not is_int:
                 problems[f"{what} is not an integer handle"] = None
-            elif self.first_handle <= h < table.end:
+            elif self.first_handle <= h < nxt:
                 problems[f"{what} was freed"] = None
             else:
                 hint = ""
@@ -1818,15 +1474,6 @@ class ResourceManager:
                     None
                 )
         return InvalidHandle(f"inferlet {instance}: " + "; ".join(problems))
-
-
-_min = np.minimum.reduce  # (ndarray.min without its Python wrapper)
-
-
-def _bad_runs(ids: np.ndarray, counts: list[int]) -> list[int]:
-    """The indices of the runs (of ``counts``) of ``ids`` with a slot that is not bound."""
-    bad = np.flatnonzero(ids <= _RESERVED)
-    return sorted(set(np.searchsorted(np.cumsum(counts), bad, side="right").tolist()))
 
 
 def _subtract(counter: Counter[int], ids: Iterable[int]) -> None:

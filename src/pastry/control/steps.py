@@ -6,13 +6,12 @@ instead of a closure; an :class:`Embed` is one ``embed_txt``. The batch schedule
 (:mod:`pastry.control.scheduler`) collects the steps (embeds) it takes into a batch and
 prepares them together with :meth:`Step.prepare_batch` (:meth:`Embed.prepare_batch`):
 
-- the handles of every step (any instances, KV and embedding) are translated together:
-  one gather over the manager's array-backed handle tables and one validity check
-  (:meth:`~pastry.control.resources.ResourceManager.translate_runs`), no lookup per handle;
+- every step's handles are translated against its instance's tables in one pass;
 - the integers of every call of every step (tokens, positions, translated embedding slots
   and KV pages) go into *one* int64 array per batch; each call's fields are views of it,
   not arrays of their own;
-- the write claims on the prefix cache's pages are made in the order the steps were taken.
+- the write claims on the prefix cache's pages are made in the same pass, in the order the
+  steps were taken.
 
 A step whose handles do not translate is prepared alone (:meth:`Step.prepare`, the same
 work for one step), which raises the error its caller sees, exactly as before.
@@ -21,6 +20,8 @@ work for one step), which raises the error its caller sees, exactly as before.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from pastry.api import ApiError
 from pastry.control.quotas import QuotaError
@@ -113,63 +114,54 @@ class Step:
         pass: sets each command's ``call``, or its future's exception when its write claim
         is refused. Returns the commands whose handles did not translate, for
         :meth:`prepare` one by one (in order; nothing was done for them)."""
-        res = commands[0].batched.res
-        tables = res.handle_tables
-        taken: list[tuple[Command, Step]] = []
-        others: list[Command] = []  # another model's steps, or an ended instance's
-        ints: list[int] = []  # every step's tokens and positions
-        handles: list[int] = []  # every step's KV and embedding handles
-        keys: list[int] = []  # the keys of their tables
-        counts: list[int] = []
+        failed: list[Command] = []
+        done: list[tuple[Command, Step, int]] = []  # (command, step, its phys embed)
+        flat: list[int] = []  # every integer of the batch's calls, step after step
         for cmd in commands:
             s: Step = cmd.batched
-            t = tables.get(s.instance) if s.res is res else None
-            if t is None:
-                others.append(cmd)
+            res, inst = s.res, s.instance
+            try:  # translate: one dict lookup per handle, no closure
+                kv_table, embed_table = res.tables(inst)
+                phys_e = [embed_table[h] for h in s.embeds]
+                phys_kv = [kv_table[h] for h in s.kv]
+            except Exception:  # the single path raises the right error
+                failed.append(cmd)
                 continue
-            ints += s.tokens
-            ints += s.positions
-            handles += s.kv
-            handles += s.embeds
-            keys += t[0].key
-            keys += t[1].key
-            counts += (len(s.kv), len(s.embeds))
-            taken.append((cmd, s))
-        if not taken:
-            return others
-        # one array: the tokens and positions, then the physical ids (one gather)
-        arr, bad = res.translate_runs(handles, keys, counts, ints)
-        failed = {id(taken[r >> 1][0]) for r in bad}  # (two runs per step)
-        cached = res.cache is not None
-        at, kv = 0, len(ints)  # where the step's fields start in arr
-        for cmd, s in taken:
-            n = len(s.tokens)
-            tok, pos = arr[at : at + n], arr[at + n : at + 2 * n]
-            ctx, e = kv + s.n_ctx, kv + len(s.kv)  # its written pages, its embeds
-            at = at + 2 * n
-            h, kv = kv, e + n + 1  # (kv: the next step's)
-            if failed and id(cmd) in failed:
-                continue
-            if cached:
+            if res.cache is not None:
                 try:
-                    claim(res, s.instance, arr[ctx:e].tolist())
-                except ApiError as err:
+                    claim(res, inst, phys_kv[s.n_ctx :])
+                except ApiError as e:
                     if not cmd.future.done():
-                        cmd.future.set_exception(err)
+                        cmd.future.set_exception(e)
                     continue
+            flat += s.tokens
+            flat += s.positions
+            flat += phys_e
+            flat += phys_kv
+            done.append((cmd, s, phys_e[-1]))
+        if not done:
+            return failed
+        arr = np.array(flat, dtype=np.int64)
+        at = 0
+        for cmd, s, out in done:
+            n = len(s.tokens)
+            tok = arr[at : at + n]
+            pos = arr[at + n : at + 2 * n]
+            e = at + 2 * n
             ins = arr[e : e + n]
+            kv = e + n + 1
+            ctx = kv + s.n_ctx
+            at = kv + len(s.kv)
             cmd.call = (
                 EmbedTxt(tok, pos, ins),
                 Forward(
-                    in_embeds=ins, ctx_pages=arr[h:ctx], ctx_last_len=s.last_len,
-                    out_pages=arr[ctx:e], out_offset=s.offset, out_embeds=arr[e + n : kv],
+                    in_embeds=ins, ctx_pages=arr[kv:ctx], ctx_last_len=s.last_len,
+                    out_pages=arr[ctx:at], out_offset=s.offset, out_embeds=arr[e + n : kv],
                     out_indices=_LAST[n] if n < len(_LAST) else ids([n - 1]),
                 ),
-                Sample(arr.item(e + n), *s.sampling, **s.proc),
+                Sample(out, *s.sampling, **s.proc),
             )  # fmt: skip
-        if failed or others:
-            return _in_order(commands, others, [c for c, _ in taken if id(c) in failed])
-        return []
+        return failed
 
 
 class Embed:
@@ -199,44 +191,31 @@ class Embed:
 
     @staticmethod
     def prepare_batch(commands: list[Command]) -> list[Command]:
-        """:meth:`Step.prepare_batch` for embeds: one gather, one array."""
-        res = commands[0].batched.res
-        tables = res.handle_tables
-        taken: list[tuple[Command, int]] = []  # (command, its number of tokens)
-        others: list[Command] = []
-        ints: list[int] = []
-        handles: list[int] = []
-        keys: list[int] = []
+        """:meth:`Step.prepare_batch` for embeds: one translation pass, one array."""
+        failed: list[Command] = []
+        done: list[tuple[Command, int]] = []  # (command, its number of tokens)
+        flat: list[int] = []
         for cmd in commands:
             e: Embed = cmd.batched
-            t = tables.get(e.instance) if e.res is res else None
-            if t is None:
-                others.append(cmd)
+            try:
+                table = e.res.tables(e.instance)[1]
+                phys = [table[h] for h in e.embeds]
+            except Exception:  # the single path raises the right error
+                failed.append(cmd)
                 continue
-            ints += e.tokens
-            ints += e.positions
-            handles += e.embeds
-            keys += t[1].key
-            taken.append((cmd, len(e.embeds)))
-        if not taken:
-            return others
-        arr, bad = res.translate_runs(handles, keys, [n for _, n in taken], ints)
-        at, h = 0, len(ints)
-        for cmd, n in taken:
-            cmd.call = EmbedTxt(arr[at : at + n], arr[at + n : at + 2 * n], arr[h : h + n])
-            at += 2 * n
-            h += n
-        if bad or others:
-            for i in bad:
-                taken[i][0].call = None
-            return _in_order(commands, others, [taken[i][0] for i in bad])
-        return []
-
-
-def _in_order(commands: list[Command], *failed: list[Command]) -> list[Command]:
-    """The commands of the ``failed`` lists, in the order of ``commands``."""
-    chosen = {id(c) for f in failed for c in f}
-    return [c for c in commands if id(c) in chosen]
+            flat += e.tokens
+            flat += e.positions
+            flat += phys
+            done.append((cmd, len(phys)))
+        if done:
+            arr = np.array(flat, dtype=np.int64)
+            at = 0
+            for cmd, n in done:
+                cmd.call = EmbedTxt(
+                    arr[at : at + n], arr[at + n : at + 2 * n], arr[at + 2 * n : at + 3 * n]
+                )
+                at += 3 * n
+        return failed
 
 
 # ``out_indices`` of a step of n tokens ([n - 1]), shared read-only for the small n
