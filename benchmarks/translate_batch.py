@@ -13,9 +13,8 @@ three-call API and the prefill translate them) of 1 to 512 handles. No prefix ca
 write claims' cost is the same whatever the tables).
 
 The script runs unchanged against an older checkout (its ``src`` first on
-``PYTHONPATH``), for before/after comparisons. Run it under the shared lock:
-``/work/tools/quiet python benchmarks/translate_batch.py --quick``. Prints tables, then
-one JSON line.
+``PYTHONPATH``), for before/after comparisons. Run it on an otherwise idle machine
+(``python benchmarks/translate_batch.py --quick``). Prints tables, then one JSON line.
 """
 
 from __future__ import annotations

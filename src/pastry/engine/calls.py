@@ -20,6 +20,12 @@ space). The control layer translates an inferlet's virtual handles into these.
 
 Integer arrays are ``np.int64`` (build them with :func:`ids`), masks are ``np.bool_``; the
 engine validates dtypes and ranges of every call it receives.
+
+Calls and results are values: nothing changes one after it is built. They are plain slotted
+dataclasses, not frozen ones, because they are built on the per-step path (a decode step is
+an ``EmbedTxt``, a ``Forward`` and a ``Sample``, built for every inferlet in every batch): a
+frozen dataclass sets each field through ``object.__setattr__``, which made a ``Forward``
+3x and a ``Sample`` 4x as costly to build (``benchmarks/translate_batch.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class EmbedTxt:
     """Embed token ids into embedding slots: ``out_embeds[i] = E[tokens[i]]`` at ``positions[i]``."""
 
@@ -61,7 +67,7 @@ class EmbedTxt:
     out_embeds: np.ndarray
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Forward:
     """Run the model over ``n`` input embeddings on top of a paged KV context.
 
@@ -109,7 +115,7 @@ class Forward:
         return len(self.in_embeds)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class NextDist:
     """Top-``k`` next-token distribution from the hidden state in embed slot ``embed``.
 
@@ -129,7 +135,7 @@ class NextDist:
     presence_penalty: float = 0.0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Sample:
     """Sample one token on the device from the hidden state in embed slot ``embed``.
 
@@ -174,7 +180,7 @@ class Sample:
     logprobs: int = -1
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class CopyKv:
     """Copy ``length`` token slots of K/V (and their mask bits) between pages."""
 
@@ -185,7 +191,7 @@ class CopyKv:
     length: int = 0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class MaskKv:
     """Set the mask of a page: ``masked[i]`` True makes slot ``i`` not attendable."""
 
@@ -193,7 +199,7 @@ class MaskKv:
     masked: np.ndarray
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class SwapOut:
     """Copy device pages to host pages (``pages[i] -> host_pages[i]``)."""
 
@@ -201,7 +207,7 @@ class SwapOut:
     host_pages: np.ndarray
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class SwapIn:
     """Copy host pages back to device pages (``host_pages[i] -> pages[i]``)."""
 
@@ -209,7 +215,7 @@ class SwapIn:
     pages: np.ndarray
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class SendKv:
     """Write K/V into another engine's pages, one-sided (microserving's ``remote_send``).
 
@@ -244,7 +250,7 @@ CALL_TYPES: tuple[type, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Dist:
     """A top-k distribution: token ``ids`` by decreasing probability ``probs``."""
 
@@ -252,7 +258,7 @@ class Dist:
     probs: np.ndarray
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Sampled:
     """A sampled token with log-probabilities (:class:`Sample` with ``logprobs >= 0``):
     the token's, and the ``n`` most likely tokens' by decreasing log-probability."""
@@ -263,7 +269,7 @@ class Sampled:
     top_logprobs: np.ndarray
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Logprobs:
     """Prompt log-probabilities of a :class:`Forward` (``logprob_targets``): per input,
     the target's log-probability (NaN where the target was -1), and the ``logprob_top``
