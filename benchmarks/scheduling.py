@@ -52,10 +52,11 @@ choice; ATLAS equals PLAS on single-threaded programs).
     step), and Pastry's control layer (programs keep their KV between calls, forks share
     pages, a workload's system prompt is shared; preemption swaps to host) under FCFS,
     MLFQ, PLAS, ATLAS (not run on the single-threaded sharegpt and bfcl, where it is PLAS)
-    and the clairvoyant SRPT. The systems' sweeps are spread over ``--jobs``
-    processes; simulated time does not depend on the machine. ``--sim-log FILE`` appends
-    every run (its latencies) to a file, ``--sim-from FILE`` prints the tables and keys
-    of such a file again without running anything. ``--sim-only`` runs this
+    and the clairvoyant SRPT (up to the last rate Autellix ran). The systems' sweeps are
+    spread over ``--jobs`` processes; simulated time does not depend on the machine.
+    ``--sim-log FILE`` appends every run (its latencies) to a file, and reuses the runs
+    already there (a study stopped half-way resumes); ``--sim-from FILE`` prints the
+    tables and keys of such a file without running anything. ``--sim-only`` runs this
     section alone (``--sections sim``).
 
 Throughput at equal latency, as the paper reads it off its latency-rate curves (Fig. 12:
@@ -338,6 +339,9 @@ def sim_one(task: tuple[str, float, int, str]) -> Run:
     """One steady-state run: ``workload`` at ``rate`` programs/s (seed ``rep``) on
     ``system`` (in a worker process: the data sets come from the parent, ``_SOURCES``)."""
     w, rate, rep, name = task
+    logged = _SIM_DONE.get((w, rate, name, rep))
+    if logged is not None:  # the same run (same code and seed) is in the --sim-log file
+        return Run(name, rate, logged["latencies"], logged["programs"], logged["extra"])
     specs = workloads.make(w, round(rate * SIM_ARRIVALS_S), rate, seed=rep, sources=_SOURCES)
     t0 = time.perf_counter()
     r = simulate(sim_system(name), specs, sim_config(KvMemory.a100_llama8b()))
@@ -367,15 +371,22 @@ def broke_down(run: Run, floor: float) -> bool:
     return not run.completed or not math.isfinite(avg) or avg > SIM_BLOWUP * floor
 
 
-def sim_chain(task: tuple[str, int, str, tuple[float, ...]]) -> list[Run]:
-    """One system's sweep of a workload (one seed): the rates in increasing order, up to
-    and including the first where it broke down (:func:`broke_down`)."""
-    w, rep, name, rates = task
+def sim_chain(task: tuple[str, int, tuple[str, ...], tuple[float, ...]]) -> list[Run]:
+    """Systems' sweeps of a workload (one seed), one after the other: each runs the rates
+    in increasing order, up to and including the first where it broke down
+    (:func:`broke_down`); the clairvoyant SRPT, the yardstick, only up to the last rate the
+    system before it ran (Autellix's)."""
+    w, rep, names, rates = task
     runs: list[Run] = []
-    for rate in rates:
-        runs.append(sim_one((w, rate, rep, name)))
-        if broke_down(runs[-1], runs[0].stat("avg")):
-            break
+    for name in names:
+        mine: list[Run] = []
+        for rate in rates:
+            mine.append(sim_one((w, rate, rep, name)))
+            if broke_down(mine[-1], mine[0].stat("avg")):
+                break
+        if name != "srpt":
+            rates = rates[: len(mine)]
+        runs += mine
     return runs
 
 
@@ -386,6 +397,7 @@ def not_run(name: str, rate: float, rep: int) -> Run:
 
 _SOURCES: workloads.Sources | None = None
 _SIM_LOG: str | None = None  # --sim-log
+_SIM_DONE: dict[tuple, dict] = {}  # the runs already in the --sim-log file
 
 
 def sim_from_log(path: str) -> dict:
@@ -443,17 +455,26 @@ def section_sim(sources: workloads.Sources, reps: int, jobs: int) -> dict:
         rates = tuple(round(f * base, 4) for f in SIM_RATES)
         results[w] = {rate: {p: [] for p in SIM_SYSTEMS} for rate in rates}
         for name in SIM_SYSTEMS:
-            if not (name == "atlas" and w in SINGLE_THREADED):
-                tasks += [(w, rep, name, rates) for rep in range(reps)]
+            if name == AUTELLIX[w]:  # SRPT up to Autellix's last rate (its yardstick)
+                tasks += [(w, rep, (name, "srpt"), rates) for rep in range(reps)]
+            elif name != "srpt" and not (name == "atlas" and w in SINGLE_THREADED):
+                tasks += [(w, rep, (name,), rates) for rep in range(reps)]
     # The longest chains first, so that the workers end together: Pastry's on the
     # memory-bound workloads, vLLM's (cheap steps) last
-    tasks.sort(key=lambda t: (t[2] == "vllm", t[0] not in SINGLE_THREADED, t[2] == "srpt"))
+    tasks.sort(key=lambda t: ("vllm" in t[2], t[0] not in SINGLE_THREADED, len(t[2]) == 1))
+    if _SIM_LOG is not None and os.path.exists(_SIM_LOG):  # resume: reuse logged runs
+        with open(_SIM_LOG) as fh:
+            for line in fh:
+                d = json.loads(line)
+                _SIM_DONE[d["workload"], d["rate"], d["system"], d["seed"]] = d
+        print(f"({len(_SIM_DONE)} runs from {_SIM_LOG})")
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(jobs) as pool:
-        for (w, rep, name, rates), runs in zip(tasks, pool.imap(sim_chain, tasks), strict=True):
-            for rate in rates:
-                done = [r for r in runs if r.rate == rate]
-                results[w][rate][name].append(done[0] if done else not_run(name, rate, rep))
+        for (w, rep, names, rates), runs in zip(tasks, pool.imap(sim_chain, tasks), strict=True):
+            for name in names:
+                for rate in rates:
+                    done = [r for r in runs if r.policy == name and r.rate == rate]
+                    results[w][rate][name].append(done[0] if done else not_run(name, rate, rep))
     for w in SINGLE_THREADED:  # ATLAS = PLAS there (not run twice)
         for by_system in results[w].values():
             by_system["atlas"] = list(by_system["plas"])
