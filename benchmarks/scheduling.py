@@ -404,9 +404,14 @@ def sim_from_log(path: str) -> dict:
     """The simulator's tables and keys from the runs logged by ``--sim-log`` (rates
     above where a system broke down, or missing, count as not run)."""
     results: dict[str, dict[float, dict[str, list[Run]]]] = {}
+    seen = set()
     with open(path) as fh:
         for line in fh:
             d = json.loads(line)
+            key = (d["workload"], d["rate"], d["system"], d["seed"])
+            if key in seen:  # the same run logged twice (by two processes): identical
+                continue
+            seen.add(key)
             by_rate = results.setdefault(d["workload"], {})
             by_system = by_rate.setdefault(d["rate"], {p: [] for p in SIM_SYSTEMS})
             by_system[d["system"]].append(Run(d["system"], d["rate"], d["latencies"],
