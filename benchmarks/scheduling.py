@@ -390,9 +390,11 @@ def sim_chain(task: tuple[str, int, tuple[str, ...], tuple[float, ...]]) -> list
     return runs
 
 
-def not_run(name: str, rate: float, rep: int) -> Run:
-    """A rate above the one where ``name`` broke down: not run, counted as not completed."""
-    return Run(name, rate, [], 1, {"seed": rep, "not_run": True})
+def not_run(name: str, rate: float, rep: int, cut: bool = False) -> Run:
+    """A rate above the one where ``name`` broke down: not run, counted as not completed.
+    ``cut``: not reached because the study was stopped before ``name`` broke down (its
+    curve ends before this rate: :func:`curve`)."""
+    return Run(name, rate, [], 1, {"seed": rep, "not_run": True, "cut": cut})
 
 
 _SOURCES: workloads.Sources | None = None
@@ -426,10 +428,20 @@ def sim_from_log(path: str) -> dict:
         if w in SINGLE_THREADED:
             for by_system in by_rate.values():
                 by_system["atlas"] = list(by_system["plas"])
-        for rate, by_system in by_rate.items():
-            for name, runs in by_system.items():
-                have = {r.extra["seed"] for r in runs}
-                runs += [not_run(name, rate, s) for s in seeds if s not in have]
+        for name in SIM_SYSTEMS:  # the rates each sweep did not reach
+            for seed in seeds:
+                mine = [runs for by_system in by_rate.values() for runs in [by_system[name]]
+                        if any(r.extra["seed"] == seed for r in runs)]  # fmt: skip
+                chain = [r for runs in mine for r in runs if r.extra["seed"] == seed]
+                # broke down at its last rate: the rates above are not run; else the
+                # study stopped before it broke down: they are unknown (cut)
+                cut = not chain or not broke_down(chain[-1], chain[0].stat("avg"))
+                for rate, by_system in by_rate.items():
+                    runs = by_system[name]
+                    if not any(r.extra["seed"] == seed for r in runs):
+                        runs.append(not_run(name, rate, seed, cut))
+        for by_system in by_rate.values():
+            for runs in by_system.values():
                 runs.sort(key=lambda r: r.extra["seed"])
         out[w] = by_rate
     return table_and_keys("sim", out, "sim_")
@@ -528,9 +540,14 @@ def ratio(a: float, b: float) -> float | None:
 
 
 def curve(by_rate: dict, policy: str) -> list[tuple[float, float, bool]]:
-    """(rate, mean average latency, every run completed) over the swept rates."""
-    return [(r, mean_stat(runs[policy], "avg"), all(x.completed for x in runs[policy]))
-            for r, runs in by_rate.items()]  # fmt: skip
+    """(rate, mean average latency, every run completed) over the swept rates, up to the
+    first that a stopped study did not reach (``cut``: the curve is unknown past it)."""
+    out = []
+    for r, runs in by_rate.items():
+        if any(x.extra.get("cut") for x in runs[policy]):
+            break
+        out.append((r, mean_stat(runs[policy], "avg"), all(x.completed for x in runs[policy])))
+    return out
 
 
 def latency_ratios(by_rate: dict, base: str, auto: str, at: float, key: str) -> dict:
@@ -560,7 +577,10 @@ def throughput_ratio_up_to(
     the lowest swept rate — the levels where either curve has a point (both throughputs are
     piecewise linear in between) — returns the largest ratio, its level, whether that ratio
     is a lower bound (``auto`` never went above the level), and every (level, ratio)."""
-    floor = curve(by_rate, levels_of or base)[0][1]
+    points = curve(by_rate, levels_of or base)
+    if not points:
+        return None, math.nan, False, []
+    floor = points[0][1]
     levels = sorted({lat for name in (levels_of or base, auto)
                      for _, lat, done in curve(by_rate, name)
                      if done and math.isfinite(lat) and lat > floor})  # fmt: skip
@@ -594,8 +614,8 @@ def sustained_rate(by_rate: dict, name: str) -> float:
     ``SIM_BLOWUP`` x its own at the lowest rate (0 if not even there)."""
     best = 0.0
     floor = SIM_BLOWUP * mean_stat(next(iter(by_rate.values()))[name], "avg")
-    for rate, runs in by_rate.items():
-        if not completes(runs[name]) or not mean_stat(runs[name], "avg") <= floor:
+    for rate, avg, done in curve(by_rate, name):
+        if not done or not avg <= floor:
             break
         best = rate
     return best
@@ -606,7 +626,8 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
     for w, by_rate in results.items():
         policies = list(next(iter(by_rate.values())))
         print(f"\n{label} / {w}: token latency s/token (avg / p95 / p99), completed runs "
-              f"('-': not run, the system broke down at a lower rate)")  # fmt: skip
+              f"('-': not run, the system broke down at a lower rate; 'cut': not reached, "
+              f"the study was stopped first)")  # fmt: skip
         print("| rate (programs/s) | " + " | ".join(policies) + " |")
         print("|---|" + "---|" * len(policies))
         for rate, by_policy in by_rate.items():
@@ -614,7 +635,7 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
             for p in policies:
                 runs = by_policy[p]
                 if not was_run(runs):
-                    cells.append("-")
+                    cells.append("cut" if any(r.extra.get("cut") for r in runs) else "-")
                     continue
                 done = sum(r.completed for r in runs)
                 cells.append(f"{mean_stat(runs, 'avg'):.4f} / {mean_stat(runs, 'p95'):.4f} / "
