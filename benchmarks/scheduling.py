@@ -40,14 +40,23 @@ choice; ATLAS equals PLAS on single-threaded programs).
     counts measured programs still running when the arrivals stopped (they finished as
     the load drained: long LATS and ShareGPT programs run for many minutes under load).
     Past the rate the engine sustains, queues grow for as long as programs arrive, so the
-    latencies there also depend on the run's length. Rates are multiples of the simulated capacity estimate (max batch x step
-    rate, divided by the workload's mean decode tokens per program). Systems: the
+    latencies there also depend on the run's length. Rates are multiples of the simulated
+    capacity estimate (max batch x step rate, divided by the workload's mean decode tokens
+    per program), ``SIM_RATES``: from 1/32, where every system is unloaded (vLLM too), to
+    3x; each system runs them in increasing order and stops after the first rate where it
+    *broke down* (did not complete, or its average latency passed ``SIM_BLOWUP`` = 10x its
+    own at the lowest rate): the higher rates count as not completed for it, so every
+    curve runs until it blows up, as the paper's do. Systems: the
     paper's vLLM v0.6.1 baseline (``pastry.sched.vllm``: FCFS, no prefix cache, every call
     prefills its program's whole context, preemption by recomputation, a schedule every
     step), and Pastry's control layer (programs keep their KV between calls, forks share
     pages, a workload's system prompt is shared; preemption swaps to host) under FCFS,
-    MLFQ, PLAS, ATLAS and the clairvoyant SRPT. The runs are spread over ``--jobs``
-    processes; simulated time does not depend on the machine. ``--sim-only`` runs this
+    MLFQ, PLAS, ATLAS (not run on the single-threaded sharegpt and bfcl, where it is PLAS)
+    and the clairvoyant SRPT (up to the last rate Autellix ran). The systems' sweeps are
+    spread over ``--jobs`` processes; simulated time does not depend on the machine.
+    ``--sim-log FILE`` appends every run (its latencies) to a file, and reuses the runs
+    already there (a study stopped half-way resumes); ``--sim-from FILE`` prints the
+    tables and keys of such a file without running anything. ``--sim-only`` runs this
     section alone (``--sections sim``).
 
 Throughput at equal latency, as the paper reads it off its latency-rate curves (Fig. 12:
@@ -60,14 +69,13 @@ is the largest ratio over the levels above the baseline's latency at the lowest 
 (where all systems are alike) at which either curve has a point, i.e. the paper's "up to";
 ``throughput_at_slo_*`` is the ratio at one fixed SLO, 1.5 x the baseline's average at the
 lowest swept rate (the definition used before; near the unloaded latency, where queues
-have not formed, it is ~1 for every policy). Ratios are against FCFS (and MLFQ, at FCFS's
-levels) and against vLLM (at vLLM's levels); "(>=)": Autellix stays under the level
+have not formed, it is ~1 for every policy). Ratios are against FCFS, MLFQ and vLLM (each at
+its own levels); "(>=)": Autellix stays under the level
 within the sweep, so its throughput there is a lower bound; null when undefined. The
-latency ratios are taken at the highest rate where the baseline (FCFS; vLLM for the vLLM
-ratios) completes.
+latency ratios are taken at the highest rate where the baseline (FCFS, MLFQ, vLLM)
+completes and Autellix was run.
 
-``--quick`` runs the same shapes with one repetition (seed) instead of two (the
-simulator's runs are 120 per seed). Prints tables,
+``--quick`` runs the same shapes with one repetition (seed) instead of two. Prints tables,
 then one JSON line.
 """
 
@@ -111,18 +119,23 @@ PAGE_SIZE, NUM_PAGES, HOST_PAGES, MAX_BATCH = 16, 128, 4096, 8
 CPU_SCALE = workloads.Scale(tokens=16, time=0.25, max_calls=60, max_context=1500)
 N_REAL = {"sharegpt": 60, "bfcl": 60, "lats": 16, "mixed": 40}
 REAL_RATES = (0.6, 1.2, 1.8)  # x the engine's estimated capacity in programs/s
-# x the capacity estimate (programs/s), from light load into saturation: ShareGPT and
-# BFCL saturate the device's KV memory (long conversations, many programs) before its batch
-SIM_RATES = {
-    "sharegpt": (0.125, 0.25, 0.5, 0.625, 0.75),
-    "bfcl": (0.125, 0.25, 0.5, 0.625, 0.75),
-    "lats": (0.25, 0.5, 0.75, 1.0, 1.25),
-    "mixed": (0.25, 0.5, 0.75, 1.0, 1.25),
-}
+# x the capacity estimate (programs/s), every workload alike: from a light load where
+# every system is unloaded (vLLM included, whose recomputed prefills saturate it at a
+# fraction of Pastry's load) to past the rate where every system broke down (ShareGPT
+# and BFCL saturate the device's KV memory before its batch). Each system runs the rates
+# in order and stops after the first where it broke down (SIM_BLOWUP).
+SIM_RATES = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1.0, 1.25, 1.5, 2.0, 3.0)
+# A system has broken down at a rate where it did not complete, or where its average
+# latency passed SIM_BLOWUP x its own at the lowest rate (unloaded): its latency grows
+# without bound there; higher rates are not run for it (they count as not completed)
+SIM_BLOWUP = 10.0
 SIM_WARMUP_S, SIM_MEASURE_S, SIM_ARRIVALS_S = 120.0, 240.0, 600.0  # simulated seconds
 SIM_DRAIN_S = 3600.0  # after the last arrival: programs still running then never finish
 SIM_STEPS_PER_SCHEDULE = 8  # multi-step scheduling (Autellix §4.2.3, which leaves N open)
 SIM_SYSTEMS = ("vllm", *POLICIES, "srpt")
+# ATLAS is PLAS on single-threaded programs (the same decisions, bit-identical results:
+# docs/scheduling.md): not run twice there
+SINGLE_THREADED = ("sharegpt", "bfcl")
 SLO = 1.5  # latency target for throughput at equal latency: x FCFS's at the lowest rate
 
 
@@ -326,6 +339,9 @@ def sim_one(task: tuple[str, float, int, str]) -> Run:
     """One steady-state run: ``workload`` at ``rate`` programs/s (seed ``rep``) on
     ``system`` (in a worker process: the data sets come from the parent, ``_SOURCES``)."""
     w, rate, rep, name = task
+    logged = _SIM_DONE.get((w, rate, name, rep))
+    if logged is not None:  # the same run (same code and seed) is in the --sim-log file
+        return Run(name, rate, logged["latencies"], logged["programs"], logged["extra"])
     specs = workloads.make(w, round(rate * SIM_ARRIVALS_S), rate, seed=rep, sources=_SOURCES)
     t0 = time.perf_counter()
     r = simulate(sim_system(name), specs, sim_config(KvMemory.a100_llama8b()))
@@ -335,10 +351,100 @@ def sim_one(task: tuple[str, float, int, str]) -> Run:
     extra["late"] = sum(p.finish is None or p.finish > SIM_ARRIVALS_S for p in measured)
     extra["wall_s"] = round(time.perf_counter() - t0, 1)
     extra["seed"] = rep
-    return Run(name, rate, list(r.latencies()), len(measured), extra)
+    run = Run(name, rate, list(r.latencies()), len(measured), extra)
+    if _SIM_LOG is not None:  # one line per run (O_APPEND: whole lines from each worker)
+        line = json.dumps({"workload": w, "rate": rate, "system": name, "seed": rep,
+                           "programs": run.programs, "latencies": run.latencies,
+                           "extra": extra})  # fmt: skip
+        with open(_SIM_LOG, "a") as fh:
+            fh.write(line + "\n")
+    print(f"  {w} rate {rate} rep {rep} {name}: avg {run.stat('avg'):.4f} "
+          f"p99 {run.stat('p99'):.4f} done {len(run.latencies)}/{run.programs} "
+          f"{run.extra}", flush=True)  # fmt: skip
+    return run
+
+
+def broke_down(run: Run, floor: float) -> bool:
+    """Whether ``run``'s system broke down at its rate: it did not complete, or its average
+    latency passed ``SIM_BLOWUP`` x ``floor`` (its own at the lowest rate)."""
+    avg = run.stat("avg")
+    return not run.completed or not math.isfinite(avg) or avg > SIM_BLOWUP * floor
+
+
+def sim_chain(task: tuple[str, int, tuple[str, ...], tuple[float, ...]]) -> list[Run]:
+    """Systems' sweeps of a workload (one seed), one after the other: each runs the rates
+    in increasing order, up to and including the first where it broke down
+    (:func:`broke_down`); the clairvoyant SRPT, the yardstick, only up to the last rate the
+    system before it ran (Autellix's)."""
+    w, rep, names, rates = task
+    runs: list[Run] = []
+    for name in names:
+        mine: list[Run] = []
+        for rate in rates:
+            mine.append(sim_one((w, rate, rep, name)))
+            if broke_down(mine[-1], mine[0].stat("avg")):
+                break
+        if name != "srpt":
+            rates = rates[: len(mine)]
+        runs += mine
+    return runs
+
+
+def not_run(name: str, rate: float, rep: int, cut: bool = False) -> Run:
+    """A rate above the one where ``name`` broke down: not run, counted as not completed.
+    ``cut``: not reached because the study was stopped before ``name`` broke down (its
+    curve ends before this rate: :func:`curve`)."""
+    return Run(name, rate, [], 1, {"seed": rep, "not_run": True, "cut": cut})
 
 
 _SOURCES: workloads.Sources | None = None
+_SIM_LOG: str | None = None  # --sim-log
+_SIM_DONE: dict[tuple, dict] = {}  # the runs already in the --sim-log file
+
+
+def sim_from_log(path: str) -> dict:
+    """The simulator's tables and keys from the runs logged by ``--sim-log`` (rates
+    above where a system broke down, or missing, count as not run)."""
+    results: dict[str, dict[float, dict[str, list[Run]]]] = {}
+    seen = set()
+    with open(path) as fh:
+        for line in fh:
+            d = json.loads(line)
+            key = (d["workload"], d["rate"], d["system"], d["seed"])
+            if key in seen:  # the same run logged twice (by two processes): identical
+                continue
+            seen.add(key)
+            by_rate = results.setdefault(d["workload"], {})
+            by_system = by_rate.setdefault(d["rate"], {p: [] for p in SIM_SYSTEMS})
+            by_system[d["system"]].append(Run(d["system"], d["rate"], d["latencies"],
+                                              d["programs"], d["extra"]))  # fmt: skip
+    seeds = sorted({r.extra["seed"] for br in results.values() for bs in br.values()
+                    for runs in bs.values() for r in runs})  # fmt: skip
+    out = {}
+    for w in workloads.WORKLOADS:
+        if w not in results:
+            continue
+        by_rate = {r: results[w][r] for r in sorted(results[w])}
+        if w in SINGLE_THREADED:
+            for by_system in by_rate.values():
+                by_system["atlas"] = list(by_system["plas"])
+        for name in SIM_SYSTEMS:  # the rates each sweep did not reach
+            for seed in seeds:
+                mine = [runs for by_system in by_rate.values() for runs in [by_system[name]]
+                        if any(r.extra["seed"] == seed for r in runs)]  # fmt: skip
+                chain = [r for runs in mine for r in runs if r.extra["seed"] == seed]
+                # broke down at its last rate: the rates above are not run; else the
+                # study stopped before it broke down: they are unknown (cut)
+                cut = not chain or not broke_down(chain[-1], chain[0].stat("avg"))
+                for rate, by_system in by_rate.items():
+                    runs = by_system[name]
+                    if not any(r.extra["seed"] == seed for r in runs):
+                        runs.append(not_run(name, rate, seed, cut))
+        for by_system in by_rate.values():
+            for runs in by_system.values():
+                runs.sort(key=lambda r: r.extra["seed"])
+        out[w] = by_rate
+    return table_and_keys("sim", out, "sim_")
 
 
 def section_sim(sources: workloads.Sources, reps: int, jobs: int) -> dict:
@@ -353,28 +459,42 @@ def section_sim(sources: workloads.Sources, reps: int, jobs: int) -> dict:
         f"tok/s (decode, empty contexts), {memory.pages} KV pages of {memory.page_size}, "
         f"{memory.host_pages} host pages; Poisson arrivals for {SIM_ARRIVALS_S:.0f} s, "
         f"measured: those arriving in [{SIM_WARMUP_S:.0f}, "
-        f"{SIM_WARMUP_S + SIM_MEASURE_S:.0f}) s; {jobs} worker processes"
+        f"{SIM_WARMUP_S + SIM_MEASURE_S:.0f}) s; rates x the capacity estimate "
+        f"{[round(f, 4) for f in SIM_RATES]}, each system until it broke down (did not "
+        f"complete, or average latency > {SIM_BLOWUP:g} x its own at the lowest rate); "
+        f"{jobs} worker processes"
     )
-    tasks, load = [], {}
+    tasks = []
     results: dict[str, dict[float, dict[str, list[Run]]]] = {}
     for w in workloads.WORKLOADS:
         probe = workloads.make(w, 400, 1.0, seed=99, sources=sources)
         base = cap / np.mean([p.decode_tokens for p in probe])
-        results[w] = {}
-        for f in SIM_RATES[w]:
-            rate = round(f * base, 4)
-            results[w][rate] = {p: [] for p in SIM_SYSTEMS}
-            load[w, rate] = f
-            tasks += [(w, rate, rep, name) for rep in range(reps) for name in SIM_SYSTEMS]
-    tasks.sort(key=lambda t: -load[t[0], t[1]])  # the slowest first: the workers end together
+        rates = tuple(round(f * base, 4) for f in SIM_RATES)
+        results[w] = {rate: {p: [] for p in SIM_SYSTEMS} for rate in rates}
+        for name in SIM_SYSTEMS:
+            if name == AUTELLIX[w]:  # SRPT up to Autellix's last rate (its yardstick)
+                tasks += [(w, rep, (name, "srpt"), rates) for rep in range(reps)]
+            elif name != "srpt" and not (name == "atlas" and w in SINGLE_THREADED):
+                tasks += [(w, rep, (name,), rates) for rep in range(reps)]
+    # The longest chains first, so that the workers end together: Pastry's on the
+    # memory-bound workloads, vLLM's (cheap steps) last
+    tasks.sort(key=lambda t: ("vllm" in t[2], t[0] not in SINGLE_THREADED, len(t[2]) == 1))
+    if _SIM_LOG is not None and os.path.exists(_SIM_LOG):  # resume: reuse logged runs
+        with open(_SIM_LOG) as fh:
+            for line in fh:
+                d = json.loads(line)
+                _SIM_DONE[d["workload"], d["rate"], d["system"], d["seed"]] = d
+        print(f"({len(_SIM_DONE)} runs from {_SIM_LOG})")
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(jobs) as pool:
-        for task, run in zip(tasks, pool.imap(sim_one, tasks), strict=True):
-            w, rate, rep, name = task
-            results[w][rate][name].append(run)
-            print(f"  {w} rate {rate} rep {rep} {name}: avg {run.stat('avg'):.4f} "
-                  f"p99 {run.stat('p99'):.4f} done {len(run.latencies)}/{run.programs} "
-                  f"{run.extra}", flush=True)  # fmt: skip
+        for (w, rep, names, rates), runs in zip(tasks, pool.imap(sim_chain, tasks), strict=True):
+            for name in names:
+                for rate in rates:
+                    done = [r for r in runs if r.policy == name and r.rate == rate]
+                    results[w][rate][name].append(done[0] if done else not_run(name, rate, rep))
+    for w in SINGLE_THREADED:  # ATLAS = PLAS there (not run twice)
+        for by_system in results[w].values():
+            by_system["atlas"] = list(by_system["plas"])
     for by_rate in results.values():  # repetitions in seed order
         for by_system in by_rate.values():
             for runs in by_system.values():
@@ -409,15 +529,25 @@ def throughput_at(curve: list[tuple[float, float, bool]], target: float) -> tupl
     return r0 + frac * (r1 - r0), True
 
 
+def rounded(x: float) -> float | None:
+    """``x`` rounded, or None (JSON null) when not a number."""
+    return round(float(x), 4) if math.isfinite(x) else None
+
+
 def ratio(a: float, b: float) -> float | None:
     """``a / b`` rounded, or None (JSON null) when undefined."""
-    return round(a / b, 3) if b and math.isfinite(a) and math.isfinite(b) else None
+    return round(float(a / b), 3) if b and math.isfinite(a) and math.isfinite(b) else None
 
 
 def curve(by_rate: dict, policy: str) -> list[tuple[float, float, bool]]:
-    """(rate, mean average latency, every run completed) over the swept rates."""
-    return [(r, mean_stat(runs[policy], "avg"), all(x.completed for x in runs[policy]))
-            for r, runs in by_rate.items()]  # fmt: skip
+    """(rate, mean average latency, every run completed) over the swept rates, up to the
+    first that a stopped study did not reach (``cut``: the curve is unknown past it)."""
+    out = []
+    for r, runs in by_rate.items():
+        if any(x.extra.get("cut") for x in runs[policy]):
+            break
+        out.append((r, mean_stat(runs[policy], "avg"), all(x.completed for x in runs[policy])))
+    return out
 
 
 def latency_ratios(by_rate: dict, base: str, auto: str, at: float, key: str) -> dict:
@@ -447,7 +577,10 @@ def throughput_ratio_up_to(
     the lowest swept rate — the levels where either curve has a point (both throughputs are
     piecewise linear in between) — returns the largest ratio, its level, whether that ratio
     is a lower bound (``auto`` never went above the level), and every (level, ratio)."""
-    floor = curve(by_rate, levels_of or base)[0][1]
+    points = curve(by_rate, levels_of or base)
+    if not points:
+        return None, math.nan, False, []
+    floor = points[0][1]
     levels = sorted({lat for name in (levels_of or base, auto)
                      for _, lat, done in curve(by_rate, name)
                      if done and math.isfinite(lat) and lat > floor})  # fmt: skip
@@ -455,31 +588,62 @@ def throughput_ratio_up_to(
     every = []
     for level in levels:
         r, crossed = throughput_ratio(by_rate, auto, base, level)
-        every.append((round(level, 4), r))
+        every.append((round(float(level), 4), r))
         if r is not None and (best[0] is None or r > best[0]):
             best = (r, level, not crossed)
     return best[0], best[1], best[2], every
+
+
+def completes(runs: list[Run]) -> bool:
+    return all(r.completed for r in runs)
+
+
+def was_run(runs: list[Run]) -> bool:
+    return not any(r.extra.get("not_run") for r in runs)
+
+
+def compared_rate(by_rate: dict, base: str, auto: str) -> float:
+    """The highest rate where ``base`` completes (every repetition) and ``auto`` was run
+    (a system is not run above the rate where it broke down); the lowest rate if none."""
+    ok = [r for r, runs in by_rate.items() if completes(runs[base]) and was_run(runs[auto])]
+    return ok[-1] if ok else next(iter(by_rate))
+
+
+def sustained_rate(by_rate: dict, name: str) -> float:
+    """The highest rate up to which ``name`` completes with an average latency at most
+    ``SIM_BLOWUP`` x its own at the lowest rate (0 if not even there)."""
+    best = 0.0
+    floor = SIM_BLOWUP * mean_stat(next(iter(by_rate.values()))[name], "avg")
+    for rate, avg, done in curve(by_rate, name):
+        if not done or not avg <= floor:
+            break
+        best = rate
+    return best
 
 
 def table_and_keys(label: str, results: dict, prefix: str) -> dict:
     out: dict[str, object] = {}
     for w, by_rate in results.items():
         policies = list(next(iter(by_rate.values())))
-        print(f"\n{label} / {w}: token latency s/token (avg / p95 / p99), completed runs")
+        print(f"\n{label} / {w}: token latency s/token (avg / p95 / p99), completed runs "
+              f"('-': not run, the system broke down at a lower rate; 'cut': not reached, "
+              f"the study was stopped first)")  # fmt: skip
         print("| rate (programs/s) | " + " | ".join(policies) + " |")
         print("|---|" + "---|" * len(policies))
         for rate, by_policy in by_rate.items():
             cells = []
             for p in policies:
                 runs = by_policy[p]
+                if not was_run(runs):
+                    cells.append("cut" if any(r.extra.get("cut") for r in runs) else "-")
+                    continue
                 done = sum(r.completed for r in runs)
                 cells.append(f"{mean_stat(runs, 'avg'):.4f} / {mean_stat(runs, 'p95'):.4f} / "
                              f"{mean_stat(runs, 'p99'):.4f} ({done}/{len(runs)})")  # fmt: skip
             print(f"| {rate} | " + " | ".join(cells) + " |")
         auto = AUTELLIX[w]
         rates = list(by_rate)
-        fcfs_ok = [r for r in rates if all(x.completed for x in by_rate[r]["fcfs"])]
-        at = fcfs_ok[-1] if fcfs_ok else rates[0]
+        at = compared_rate(by_rate, "fcfs", auto)
         key = f"{prefix}{{}}_latency_fcfs_over_autellix_{w}"
         out.update(latency_ratios(by_rate, "fcfs", auto, at, key))
         out[f"{prefix}rate_compared_{w}"] = at
@@ -490,12 +654,7 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
         up, level, bound_up, every = throughput_ratio_up_to(by_rate, auto, "fcfs")
         out[f"{prefix}throughput_at_equal_latency_autellix_over_fcfs_{w}"] = up
         out[f"{prefix}throughput_ratio_is_lower_bound_{w}"] = bound_up
-        out[f"{prefix}throughput_at_equal_latency_level_{w}"] = round(level, 4)
-        out[f"{prefix}throughput_at_equal_latency_autellix_over_mlfq_{w}"] = (
-            throughput_ratio_up_to(by_rate, auto, "mlfq", levels_of="fcfs")[0])  # fmt: skip
-        if "srpt" in policies:
-            a, o = mean_stat(by_rate[at][auto], "avg"), mean_stat(by_rate[at]["srpt"], "avg")
-            out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = ratio(a, o)
+        out[f"{prefix}throughput_at_equal_latency_level_{w}"] = rounded(level)
         shown = "unresolved (FCFS stays under it)" if over_fcfs is None else f"{over_fcfs}x"
         bound = " (>=)" if not crossed and over_fcfs is not None else ""
         print(f"at {at} programs/s (FCFS's highest completing rate): FCFS / {auto} avg "
@@ -506,29 +665,36 @@ def table_and_keys(label: str, results: dict, prefix: str) -> dict:
             f"throughput at equal latency, {auto} / FCFS at the latencies of either curve "
             f"(level s/token: ratio): {every}; up to {up}x{' (>=)' if bound_up else ''}"
         )
-        if "vllm" not in policies:
-            continue
-        ok = [r for r in rates if all(x.completed for x in by_rate[r]["vllm"])]
-        at_v = ok[-1] if ok else rates[0]
-        key = f"{prefix}{{}}_latency_vllm_over_autellix_{w}"
-        out.update(latency_ratios(by_rate, "vllm", auto, at_v, key))
-        out[f"{prefix}rate_compared_vllm_{w}"] = at_v
-        target_v = SLO * mean_stat(by_rate[rates[0]]["vllm"], "avg")
-        over_vllm, crossed_v = throughput_ratio(by_rate, auto, "vllm", target_v)
-        out[f"{prefix}throughput_at_slo_autellix_over_vllm_{w}"] = over_vllm
-        up_v, _, bound_v, every_v = throughput_ratio_up_to(by_rate, auto, "vllm")
-        out[f"{prefix}throughput_at_equal_latency_autellix_over_vllm_{w}"] = up_v
-        out[f"{prefix}throughput_ratio_over_vllm_is_lower_bound_{w}"] = bound_v
-        shown = "unresolved (vLLM stays under it)" if over_vllm is None else f"{over_vllm}x"
-        bound = " (>=)" if not crossed_v and over_vllm is not None else ""
-        print(f"at {at_v} programs/s (vLLM's highest completing rate): vLLM / {auto} avg "
-              f"{out[f'{prefix}avg_latency_vllm_over_autellix_{w}']}x, p99 "
-              f"{out[f'{prefix}p99_latency_vllm_over_autellix_{w}']}x; throughput at the latency "
-              f"SLO ({target_v:.4f} s/token): {auto} / vLLM {shown}{bound}")  # fmt: skip
-        print(
-            f"throughput at equal latency, {auto} / vLLM at the latencies of either curve "
-            f"(level s/token: ratio): {every_v}; up to {up_v}x{' (>=)' if bound_v else ''}"
-        )
+        if "srpt" in policies and was_run(by_rate[at]["srpt"]):
+            a, o = mean_stat(by_rate[at][auto], "avg"), mean_stat(by_rate[at]["srpt"], "avg")
+            out[f"{prefix}avg_latency_autellix_over_srpt_{w}"] = ratio(a, o)
+        for base in ("mlfq", "vllm"):
+            if base not in policies:
+                continue
+            at_b = compared_rate(by_rate, base, auto)
+            key = f"{prefix}{{}}_latency_{base}_over_autellix_{w}"
+            out.update(latency_ratios(by_rate, base, auto, at_b, key))
+            out[f"{prefix}rate_compared_{base}_{w}"] = at_b
+            up_b, level_b, bound_b, every_b = throughput_ratio_up_to(by_rate, auto, base)
+            out[f"{prefix}throughput_at_equal_latency_autellix_over_{base}_{w}"] = up_b
+            out[f"{prefix}throughput_ratio_over_{base}_is_lower_bound_{w}"] = bound_b
+            out[f"{prefix}throughput_at_equal_latency_level_{base}_{w}"] = rounded(level_b)
+            name = {"mlfq": "MLFQ", "vllm": "vLLM"}[base]
+            print(f"at {at_b} programs/s ({name}'s highest completing rate): {name} / {auto} "
+                  f"avg {out[f'{prefix}avg_latency_{base}_over_autellix_{w}']}x, p99 "
+                  f"{out[f'{prefix}p99_latency_{base}_over_autellix_{w}']}x; throughput at "
+                  f"equal latency, {auto} / {name} (level s/token: ratio): {every_b}; up to "
+                  f"{up_b}x{' (>=)' if bound_b else ''}")  # fmt: skip
+        if "vllm" in policies:
+            target_v = SLO * mean_stat(by_rate[rates[0]]["vllm"], "avg")
+            over_vllm, _ = throughput_ratio(by_rate, auto, "vllm", target_v)
+            out[f"{prefix}throughput_at_slo_autellix_over_vllm_{w}"] = over_vllm
+        if label == "sim":
+            sustained = {p: float(sustained_rate(by_rate, p)) for p in policies}
+            for p, r in sustained.items():
+                out[f"{prefix}sustained_rate_{p}_{w}"] = float(r)
+            print(f"highest rate sustained (completes, average latency <= {SIM_BLOWUP:g} x "
+                  f"its own at the lowest rate), programs/s: {sustained}")  # fmt: skip
     return out
 
 
@@ -544,7 +710,14 @@ def main() -> None:
     ap.add_argument("--sim-only", action="store_true", help="the simulator section alone")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                     help="simulator runs in parallel (processes; default 2)")  # fmt: skip
+    ap.add_argument("--sim-log", help="append each simulator run to this file (JSON lines)")
+    ap.add_argument("--sim-from", help="the simulator's tables from a --sim-log file (no runs)")
     args = ap.parse_args()
+    if args.sim_from:
+        print(json.dumps(sim_from_log(args.sim_from)))
+        return
+    global _SIM_LOG
+    _SIM_LOG = args.sim_log
     sections = {"sim"} if args.sim_only else set(args.sections.split(","))
     args.workloads = args.workloads.split(",")
     if unknown := set(args.workloads) - set(workloads.WORKLOADS):

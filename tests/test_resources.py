@@ -658,3 +658,27 @@ def test_random_ops_keep_integrity(seed: int) -> None:
             assert m.translate(i, k, list(table)) == list(table.values())
     assert rec.calls, "the run should have exercised eviction"
     assert errors > 0
+
+
+def test_unused_persistent_exports_are_dropped_after_the_exports_changed() -> None:
+    # The manager keeps the exports' reference counts between shortages while the set of
+    # exports is the same: a drop followed by a new export must not reuse the old counts
+    rm = ResourceManager(4, 0)
+    for inst in (1, 2):
+        rm.add_instance(inst)
+    a = rm.alloc(1, "kv", 2)  # pages 0, 1
+    rm.export(1, "kv", a, "a", persistent=True)
+    rm.free(1, "kv", a)  # held by the export alone
+    imported = rm.import_(2, "kv", "a")
+    c = rm.alloc(2, "kv", 2)  # pages 2, 3: the device is full
+    with pytest.raises(OutOfResources):  # "a" is in use: nothing to drop
+        rm.alloc(2, "kv", 1)
+    rm.free(2, "kv", imported)
+    assert rm.translate(2, "kv", rm.alloc(2, "kv", 1)) == [0]  # "a" dropped for it
+    assert [name for name, *_ in rm.list_exports()] == []
+    rm.export(2, "kv", c, "b", persistent=True)  # one persistent export again (pages 2, 3)
+    rm.free(2, "kv", c)
+    got = rm.alloc(2, "kv", 3)  # 1 free page: "b" gives the other two
+    assert sorted(rm.translate(2, "kv", got)) == [1, 2, 3]
+    assert rm.list_exports() == []
+    rm.check_integrity()

@@ -390,3 +390,20 @@ def test_the_scheduler_admits_by_memory_instead_of_pushing_out_a_waiting_program
 
     assert asyncio.run(go(MemoryAdmission())) == ([1], 2, [])
     assert asyncio.run(go(None)) == ([2], 0, [SwapOut])
+
+
+def test_a_page_with_several_handles_of_one_program_moves_once():
+    res = manager()
+    a = res.alloc(1, "kv", 2)  # pages 0, 1
+    res.export(1, "kv", [a[0]], "self")
+    again = res.import_(1, "kv", "self")  # a second handle of page 0
+    assert res.swappable(1) == 1  # page 0 is also the export's
+    res.unexport(1, "self")
+    assert res.swappable(1) == 2  # both of page 0's references are instance 1's
+    assert res.swap_out(1, 1) == 1  # newest handles first: page 0
+    assert res.translate(1, "kv", [a[0], *again, a[1]]) == [-1, -1, 1]
+    assert res.handles_on_host(1) == 2 and res.pages_on_host(1) == 1
+    res.check_integrity()
+    assert res.swap_in(1) == 1
+    assert len(set(res.translate(1, "kv", [a[0], *again]))) == 1
+    res.check_integrity()

@@ -1133,17 +1133,22 @@ class ResourceManager:
             self._reclaim(requester, kind, needed)
 
     def _swappable(self, instance: int) -> list[int]:
+        """``instance``'s device pages that only its handles reference (not exported, not
+        shared, not held by the prefix cache, not being filled by a pending swap-in),
+        newest handles first. Hot (the swapper asks for every program that may give way
+        or come in): one pass over the table, counting references only when a page has
+        several handles."""
         table = self._handles["kv"][instance]
-        pool = self._pools["kv"]
-        refs: Counter[int] = Counter()
-        order: dict[int, None] = {}
-        cache = self.cache if self.cache is not None else ()
-        for h in reversed(table):  # newest handles first
-            pid = table[h]
-            if pid >= 0 and pid not in self._arriving and pid not in cache:
-                refs[pid] += 1
-                order[pid] = None
-        return [pid for pid in order if pool.refcount(pid) == refs[pid]]
+        rc = self._pools["kv"]._refcount
+        pids = [pid for pid in reversed(table.values()) if pid >= 0]  # newest handles first
+        cache = self.cache
+        if self._arriving or cache is not None:
+            arriving = self._arriving
+            pids = [p for p in pids if p not in arriving and (cache is None or p not in cache)]
+        if len(set(pids)) == len(pids):  # one handle per page (the usual case)
+            return [pid for pid in pids if rc[pid] == 1]
+        refs = Counter(pids)
+        return [pid for pid in dict.fromkeys(pids) if rc[pid] == refs[pid]]
 
     def _release(self, kind: Kind, ids: Iterable[int], user: object = None) -> None:
         """Drop one reference per id: device ids at once (offered to ``user``'s prefix
@@ -1299,6 +1304,10 @@ class ResourceManager:
             self._drop_export(key)
         return True
 
+    # _export_gain's references of the persistent exports, and the drops that date them
+    _export_refs: tuple[tuple, Counter[int]] | None = None
+    _export_drops = 0
+
     def _lru_exports(self, kind: Kind, user: object = _SAME) -> list[tuple[object, str]]:
         """Persistent exports of ``kind`` (of ``user``, or everyone's), least recently
         imported first."""
@@ -1311,6 +1320,7 @@ class ResourceManager:
 
     def _drop_export(self, key: tuple[object, str]) -> None:
         exp = self._exports.pop(key)
+        self._export_drops += 1  # (exports only join otherwise: see _export_gain)
         if exp.persistent:
             del self._last_import[key]
             self._uncharge_user(exp.kind, exp.user, exp.ids)
@@ -1324,16 +1334,22 @@ class ResourceManager:
         ids (all that free anything if that is not enough), and how many ids they free.
         Exports whose ids are all held by something else (or by the prefix cache) are never
         chosen."""
-        pool = self._pools[kind]
+        rc = self._pools[kind]._refcount
         lru = self._lru_exports(kind)
-        total: Counter[int] = Counter()
-        for key in lru:
-            total.update(self._exports[key].ids)
-        cache = self.cache if kind == "kv" and self.cache is not None else ()
+        # The references the persistent exports hold per id: kept while the set of
+        # exports is the same (exports only join, so drops and the count identify it);
+        # this runs at every allocation short of memory
+        stamp = (kind, self._export_drops, len(self._last_import))
+        if self._export_refs is None or self._export_refs[0] != stamp:
+            total: Counter[int] = Counter()
+            for key in lru:
+                total.update(self._exports[key].ids)
+            self._export_refs = (stamp, total)
+        total = self._export_refs[1]
         # (a page the prefix cache holds stays there, maybe in use by what is cached after it)
-        cache_only = {
-            pid for pid, k in total.items() if pool.refcount(pid) == k and pid not in cache
-        }
+        cache_only = {pid for pid, k in total.items() if rc[pid] == k}
+        if kind == "kv" and self.cache is not None:
+            cache_only = {pid for pid in cache_only if pid not in self.cache}
         dropped: Counter[int] = Counter()
         gain, chosen = 0, []
         for key in lru:

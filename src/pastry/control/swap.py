@@ -52,7 +52,6 @@ from pastry.control.policies.memory import MemoryAdmission
 from pastry.engine.calls import Call, SwapIn, SwapOut, ids
 
 if TYPE_CHECKING:
-    from pastry.control.programs import Program
     from pastry.control.resources import ResourceManager
     from pastry.control.scheduler import BatchScheduler
 
@@ -94,6 +93,11 @@ class KvSwapper:
         self._victims: list[tuple[tuple[float, ...], int]] | None = None
         self._ranks: dict[int, tuple[float, ...]] = {}
         self._taken: set[int] = set()
+        # ... of them, those idle (admission by memory: they give way to out programs),
+        # whether each program is idle, and the candidates dropped from both lists
+        self._idle_victims: list[tuple[tuple[float, ...], int]] | None = None
+        self._idle: dict[int, bool] = {}
+        self._gone: set[int] = set()
         self._held_back = False  # an out program waits for memory in this pass
         self._idle_total: int | None = None  # this pass's idle programs' swappable pages
         self._in_pass = False
@@ -102,15 +106,20 @@ class KvSwapper:
 
     def new_pass(self) -> None:
         """The scheduler starts a pass over the ready queues (one ``form_batch``): ranks,
-        and which programs are busy or too recently back to give way, are taken once per
-        pass (at its first shortage), so that a pass costs O(programs) however many
-        programs it swaps. Programs made resident during the pass count as busy. The pass
-        lasts until the batch's copies are taken (:meth:`take_calls`); outside a pass
-        every shortage takes them afresh."""
+        which programs are busy or too recently back to give way, and which are idle
+        (admission by memory) are taken once per pass (at its first shortage), so that a
+        pass costs O(programs) however many programs it swaps. Programs made resident
+        during the pass count as busy. The pass lasts until the batch's copies are taken
+        (:meth:`take_calls`); outside a pass every shortage takes them afresh."""
         self._in_pass = True
-        self._victims = None
+        alive = self.resources.instances()
+        if len(self._back_at) > 2 * len(alive) + 64:  # forget ended instances
+            alive = set(alive)
+            self._back_at = {i: b for i, b in self._back_at.items() if i in alive}
+        self._forget_candidates()
         self._ranks.clear()
         self._taken.clear()
+        self._idle.clear()
         self._held_back, self._idle_total = False, None
 
     def ensure_resident(self, instance: int, force: bool = False) -> bool:
@@ -199,35 +208,44 @@ class KvSwapper:
                 if n := res.swap_out(inst, needed):
                     needed -= n
                     self.stats.swap_outs += 1
-            self._victims = None  # taken afresh
+            self._forget_candidates()  # taken afresh
             return
-        victims = self._candidates()
+        # Admission by memory: only idle programs give way, so walk only them (the same
+        # order: a sublist of the candidates, by rank)
+        victims = self._idle_candidates() if idle_only else self._candidates()
         mine = self._ranks.get(requester) or self._rank(requester)
-        programs, now = self.scheduler.programs, self.scheduler.programs.clock()
+        taken, gone = self._taken, self._gone
         i = len(victims) - 1
         while needed > 0 and i >= 0:  # the last-ranked first
             rank, inst = victims[i]
             if not rank > mine:
                 break  # (sorted: nobody before it ranks after the requester)
-            if inst in self._taken:  # made resident in this pass: it is in the batch
+            if inst in gone or inst in taken:  # (taken: made resident in this pass, it is
+                gone.add(inst)  # in the batch; gone: dropped from the other list)
                 del victims[i]
-            elif idle_only and not self._gives_way(programs.program_of(inst), now):
-                pass  # admission by memory: only idle programs give way
             elif inst != requester:
                 n = res.swap_out(inst, needed)
                 if n:
                     self.stats.swap_outs += 1
                 if n < needed:  # nothing left to move: never a candidate again this pass
+                    gone.add(inst)
                     del victims[i]
                 needed -= n
             i -= 1
-        if len(self._back_at) > 2 * len(res.instances()) + 64:  # forget ended instances
-            alive = set(res.instances())
-            self._back_at = {i: b for i, b in self._back_at.items() if i in alive}
 
-    def _gives_way(self, program: Program | None, now: float) -> bool:
-        adm = self.admission
-        return program is not None and adm is not None and adm.gives_way(program, now)
+    def _gives_way(self, instance: int) -> bool:
+        """Whether ``instance``'s program is idle (admission by memory), taken once per
+        pass."""
+        idle = self._idle.get(instance)
+        if idle is None:
+            programs, adm = self.scheduler.programs, self.admission
+            program = programs.program_of(instance)
+            idle = (
+                program is not None and adm is not None and adm.gives_way(program, programs.clock())
+            )
+            if self._in_pass:
+                self._idle[instance] = idle
+        return idle
 
     def _idle_pages(self) -> int:
         """Device pages that this pass's idle candidates could give, counted once per pass
@@ -235,13 +253,23 @@ class KvSwapper:
         after waiting ones under every built-in policy; with a policy whose ranks mix them,
         :meth:`_make_room` may find fewer that rank after the requester."""
         if self._idle_total is None or not self._in_pass:
-            programs, now = self.scheduler.programs, self.scheduler.programs.clock()
             self._idle_total = sum(
-                self.resources.swappable(inst)
-                for _, inst in self._candidates()
-                if self._gives_way(programs.program_of(inst), now)
+                self.resources.swappable(inst) for _, inst in self._idle_candidates()
             )
         return self._idle_total
+
+    def _idle_candidates(self) -> list[tuple[tuple[float, ...], int]]:
+        """This pass's candidates whose programs are idle, by rank (the last-ranked last)."""
+        if self._idle_victims is None or not self._in_pass:
+            gone = self._gone
+            self._idle_victims = [
+                v for v in self._candidates() if v[1] not in gone and self._gives_way(v[1])
+            ]
+        return self._idle_victims
+
+    def _forget_candidates(self) -> None:
+        self._victims = self._idle_victims = None
+        self._gone.clear()
 
     def _candidates(self) -> list[tuple[tuple[float, ...], int]]:
         """This pass's programs that may give way, by rank (the last-ranked last): not in
