@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pastry.engine import native
 from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
 from pastry.engine.calls import (
     MAX_LOGPROBS,
@@ -804,4 +805,6 @@ def build_model(
             model.quantize(quantize)
         model.eval()
         model.prepack()
+    if any(lin.blocked_kp is not None for lin in model.linears()):
+        native.load()  # the few-row product over the packed weights (engine/native.py)
     return model
