@@ -23,6 +23,7 @@ from pastry.engine import native
 from pastry.engine.layers import Linear
 from pastry.engine.quant import (
     INT4_DENSE_FROM_M,
+    INT4_EXPAND_FROM_M,
     INT8_DENSE_FROM_M,
     Int4Weight,
     Int8Codes,
@@ -114,8 +115,9 @@ def test_blocked_layout_rejects_a_different_weight():
 
 
 def linears_of_every_kind() -> list[Linear]:
-    """A float32 dense Linear, a bf16 packed one with a bias, an int4 one (with a dense
-    copy for large batches), an int8 one, each 64 x 96."""
+    """A float32 dense Linear, a bf16 packed one with a bias, an int4 one with a dense copy
+    for large batches (int4-hybrid), an int8 one, and an int4 one without a copy (expanded
+    for large batches), each 64 x 96."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 96, generator=g) / 10
     dense = Linear(96, 64, bias=True)
@@ -127,7 +129,10 @@ def linears_of_every_kind() -> list[Linear]:
     int4.quantized.keep_dense()
     int8 = Linear(96, 64).to(torch.bfloat16)
     int8.set_quantized(pack(Int8Codes.from_dense(w), torch.bfloat16))
-    return [dense, packed, int4, int8]
+    plain4 = Linear(96, 64, bias=True).to(torch.bfloat16)
+    plain4.bias.data.copy_(torch.randn(64, generator=g).to(torch.bfloat16))
+    plain4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16))
+    return [dense, packed, int4, int8, plain4]
 
 
 def test_projections_multiply_as_linear_forward(lib):
@@ -138,9 +143,35 @@ def test_projections_multiply_as_linear_forward(lib):
     assert p.size() == len(lins)
     for i, lin in enumerate(lins):
         dtype = torch.float32 if lin.kind == "dense" else torch.bfloat16
-        for m in (1, 3, native.SMALL_M, INT4_DENSE_FROM_M + 1, INT8_DENSE_FROM_M):
+        rows = (1, 3, native.SMALL_M, INT4_DENSE_FROM_M + 1, INT4_EXPAND_FROM_M)
+        for m in (*rows, INT8_DENSE_FROM_M):
             x = torch.randn(m, 96).to(dtype)
             assert torch.equal(torch.ops.pastry_native.call(p, i, x), lin(x)), (lin.kind, m)
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 64), (960, 576), (4096 + 192, 96)])
+def test_int4_expanded_from_many_rows_equals_the_dense_copy(lib, n, k):
+    """From INT4_EXPAND_FROM_M rows a plain int4 weight is expanded per call: exactly the
+    weight int4-hybrid keeps (dequantize()), multiplied by the same packed product, in
+    chunks of 4096 rows for tall weights."""
+    if not native.ready:
+        pytest.skip("no AVX512_BF16")
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g) / 10
+    q = Int4Weight(quantize_int4(w), torch.bfloat16)
+    assert q.expandable
+    dense = q.dequantize()
+    assert torch.equal(torch.ops.pastry_native.int4_expand(q.packed, q.scale_zeros), dense)
+    packed = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
+    x = torch.randn(INT4_EXPAND_FROM_M + 5, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    assert torch.equal(q.matmul(x), want)
+    with_bias = torch.ops.pastry_native.int4_expanded(x, q.packed, q.scale_zeros, bias)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    assert torch.equal(with_bias, want)
+    # below the threshold: PyTorch's int4 kernel, as before
+    assert torch.equal(q.matmul(x[:3]), q._kernel(x[:3]))
 
 
 def test_pastry_linear_resolves_the_thread_s_projections(lib):

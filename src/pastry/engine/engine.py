@@ -791,6 +791,10 @@ def build_model(
             f"quantized weights run on the CPU only (device is {device}); use --quantize none "
             "to expand them"
         )
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        # bf16 products of few rows over the packed weights, int4 expanded for many rows
+        # (engine/native.py; built once, before the weights are packed, which checks them)
+        native.load()
     # the weights stream once per decode step: on huge pages, fewer TLB misses (hugepages.py)
     with huge_pages() if device.type == "cpu" else contextlib.nullcontext():
         previous = torch.get_default_dtype()
@@ -805,6 +809,4 @@ def build_model(
             model.quantize(quantize)
         model.eval()
         model.prepack()
-    if any(lin.blocked_kp is not None for lin in model.linears()):
-        native.load()  # the few-row product over the packed weights (engine/native.py)
     return model

@@ -134,24 +134,44 @@ def blocked_layout(w: torch.Tensor, packed: torch.Tensor) -> int | None:
     return kp
 
 
+def int4_layout(q: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether ``packed`` (``_convert_weight_to_int4pack_for_cpu`` of the codes ``q [N, K]``,
+    values 0..15) is laid out as the native int4 kernel reads it: ``[N/64][K][32]`` bytes,
+    byte ``i`` of (block, k) holding row ``i``'s code (low nibble) and row ``i + 32``'s
+    (high). Checked on every byte; False for other shapes and layouts."""
+    n, k = q.shape
+    if n % BLOCK or k % 32 or packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+        return False
+    halves = q.view(n // BLOCK, 2, BLOCK // 2, k)  # rows i and i + 32 of each block
+    want = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2)  # [N/64, K, 32]
+    return torch.equal(packed.reshape(n // BLOCK, k, BLOCK // 2), want)
+
+
 def projections(linears: list[Linear]) -> torch.ScriptObject:
     """A ``pastry_native.Projections`` over ``linears`` (in ``pastry::linear``'s index
     order) that multiplies as each :meth:`Linear.forward` does (requires :func:`load`)."""
-    from pastry.engine.quant import INT4_DENSE_FROM_M, INT8_DENSE_FROM_M, Int4Weight, Int8Weight
+    from pastry.engine.quant import (
+        INT4_DENSE_FROM_M,
+        INT4_EXPAND_FROM_M,
+        INT8_DENSE_FROM_M,
+        Int4Weight,
+        Int8Weight,
+    )
 
     p = torch.classes.pastry_native.Projections()
     for lin in linears:
-        q = lin.quantized
+        q, bias = lin.quantized, lin.bias
         if q is None and lin.packed is not None and lin.blocked_kp is not None and ready:
             kp = lin.blocked_kp
-            p.add(BLOCKED, lin.packed, None, None, lin.bias, SMALL_M, lin.out_features, kp)
+            p.add(BLOCKED, lin.packed, None, None, bias, SMALL_M, 0, lin.out_features, kp)
         elif q is None:
             w = lin.packed if lin.packed is not None else lin.weight
-            p.add(DENSE, w, None, None, lin.bias, 0, 0, 0)
+            p.add(DENSE, w, None, None, bias, 0, 0, 0, 0)
         elif isinstance(q, Int4Weight):
-            p.add(INT4, q.packed, q.scale_zeros, q.dense, lin.bias, INT4_DENSE_FROM_M, 0, 0)
+            expand = INT4_EXPAND_FROM_M if q.expandable and ready else 0
+            p.add(INT4, q.packed, q.scale_zeros, q.dense, bias, INT4_DENSE_FROM_M, expand, 0, 0)
         elif isinstance(q, Int8Weight):
-            p.add(INT8, q.q, q.scale, None, lin.bias, INT8_DENSE_FROM_M, 0, 0)
+            p.add(INT8, q.q, q.scale, None, bias, INT8_DENSE_FROM_M, 0, 0, 0)
         else:
             raise TypeError(f"no native kernel for {type(q).__name__}")
     return p

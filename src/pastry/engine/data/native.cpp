@@ -53,6 +53,19 @@ const uint16_t* mkldnn_data(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(op.call(t));
 }
 
+// oneDNN's product over its packed weight (what Linear.forward runs from SMALL_M rows).
+at::Tensor packed_linear(
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(
+              const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+              std::string_view, c10::List<std::optional<at::Scalar>>,
+              std::optional<std::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
 // Rows [m0, m0 + MT) of y = x W^T (+ bias) for blocks [b0, b1) of the packed weight.
 template <int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void blocked_rows(
@@ -163,6 +176,183 @@ at::Tensor blocked_linear(
 
 bool supported() { return cpu_has_bf16(); }
 
+// ------------------------------------------------------------------ int4, many rows
+
+// int4 weights as _convert_weight_to_int4pack_for_cpu packs them on this CPU (checked per
+// weight by pastry/engine/native.py): [N/64][K][32] bytes, byte i of (block, k) holding
+// the codes of rows i (low nibble) and i + 32 (high nibble) of the block; scale and zero
+// per 32 inputs as scale_zeros [K/32][N][2], w = (q - 8) * scale + zero.
+//
+// PyTorch's int4 kernel is fast for a few rows but its cost grows ~3x faster per row than
+// a dense bf16 product's: at a prefill chunk it is ~5x slower than bf16. From some rows on
+// it pays to expand the weight to bf16 (into a per-thread scratch buffer, which stays in
+// the last-level cache for the product that follows) and multiply densely.
+
+constexpr int64_t kGroup = 32;  // inputs per scale and zero
+constexpr int64_t kChunkRows = 4096;  // rows expanded at a time (bounds the scratch)
+
+// Weight rows [b0 * 64, b1 * 64) (64-row blocks b of the packed int4 weight), expanded to
+// bf16 in oneDNN's packed layout (the one blocked_product reads): block b - b0 of `out`
+// holds, for each pair of inputs, the 64 rows' two weights. `kp` is the layout's padded K.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void int4_expand_blocked(
+    const uint8_t* w, const uint16_t* sz, int64_t n, int64_t k, int64_t kp, uint16_t* out,
+    int64_t b0, int64_t b1) {
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  // interleaves the two halves' words: [a0, b0, a1, b1, ...]
+  alignas(64) static const uint16_t kZip[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i zip = _mm512_load_si512(kZip);
+  for (int64_t b = b0; b < b1; b++) {
+    uint16_t* ob = out + (b - b0) * kp * kBlock;
+    for (int64_t g = 0; g < k / kGroup; g++) {
+      __m512 scale[4], zero[4];
+      for (int j = 0; j < 4; j++) {
+        __m512i raw = _mm512_loadu_si512(sz + (g * n + b * 64 + 16 * j) * 2);
+        scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        zero[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+      }
+      for (int64_t kk = g * kGroup; kk < (g + 1) * kGroup; kk += 2) {
+        __m512 v[2][4];  // [input kk, kk + 1][rows 16j .. 16j + 15]
+        for (int t = 0; t < 2; t++) {
+          const uint8_t* src = w + (b * k + kk + t) * 32;
+          __m512i lo16 =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+          __m512i hi16 =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+          // rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles)
+          __m512i q[4] = {
+              _mm512_and_si512(lo16, low), _mm512_and_si512(hi16, low),
+              _mm512_srli_epi32(lo16, 4), _mm512_srli_epi32(hi16, 4)};
+          for (int j = 0; j < 4; j++) {
+            __m512 c = _mm512_sub_ps(_mm512_cvtepi32_ps(q[j]), eight);  // exact
+            v[t][j] = _mm512_fmadd_ps(c, scale[j], zero[j]);
+          }
+        }
+        uint16_t* dst = ob + kk * kBlock;  // the pair kk / 2: 64 rows x 2
+        for (int j = 0; j < 4; j++) {
+          __m512i both = (__m512i)_mm512_cvtne2ps_pbh(v[1][j], v[0][j]);
+          _mm512_storeu_si512(dst + 32 * j, _mm512_permutexvar_epi16(zip, both));
+        }
+      }
+    }
+  }
+}
+
+// A oneDNN-packed bf16 weight of `rows` x `k`, the calling thread's, whose bytes the
+// expansion overwrites: created once per shape, its layout checked against the one the
+// expansion writes (nullopt if oneDNN packs this shape otherwise).
+struct Scratch {
+  at::Tensor packed;
+  uint16_t* data;
+  int64_t kp;
+};
+
+std::optional<Scratch> scratch(int64_t rows, int64_t k) {
+  thread_local std::vector<std::pair<std::pair<int64_t, int64_t>, std::optional<Scratch>>> cache;
+  for (auto& entry : cache) {
+    if (entry.first == std::make_pair(rows, k)) {
+      return entry.second;
+    }
+  }
+  static auto reorder = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                            .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
+  static auto nbytes = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_nbytes", "")
+                           .typed<int64_t(const at::Tensor&)>();
+  // a weight whose every element says where it is
+  at::Tensor probe = (at::arange(rows * k, at::TensorOptions().dtype(at::kFloat)) % 251)
+                         .view({rows, k})
+                         .to(at::kBFloat16);
+  at::Tensor packed = reorder.call(probe, 1);
+  std::optional<Scratch> found;
+  int64_t bytes = nbytes.call(packed);
+  if (bytes % (rows * 2 * 2) == 0) {
+    int64_t kp = bytes / (rows * 2);
+    uint16_t* data = const_cast<uint16_t*>(mkldnn_data(packed));
+    const uint16_t* want = reinterpret_cast<const uint16_t*>(probe.const_data_ptr());
+    bool same = kp >= k && kp % 2 == 0;
+    for (int64_t r = 0; same && r < rows; r++) {
+      for (int64_t c = 0; c < k; c++) {
+        int64_t at = ((r / kBlock) * (kp / 2) + c / 2) * 2 * kBlock + (r % kBlock) * 2 + c % 2;
+        if (data[at] != want[r * k + c]) {
+          same = false;
+          break;
+        }
+      }
+    }
+    if (same) {
+      found = Scratch{packed, data, kp};
+    }
+  }
+  cache.emplace_back(std::make_pair(rows, k), found);
+  return found;
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) for an int4 weight (packed [N, K/2] uint8, scale_zeros
+// [K/32, N, 2] bf16; N a multiple of 64, K of 32), through W expanded to bf16 and oneDNN's
+// packed product, at most kChunkRows rows at a time. Each chunk is expanded into a scratch
+// that stays in the last-level cache for the product that follows.
+at::Tensor int4_expanded(
+    const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
+    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be 2-D bfloat16");
+  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.is_contiguous());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous());
+  at::Tensor x = x_in.contiguous();
+  int64_t m = x.size(0), k = x.size(1), n = scale_zeros.size(1);
+  TORCH_CHECK(n % 64 == 0 && k % kGroup == 0 && packed.numel() == n * k / 2);
+  TORCH_CHECK(scale_zeros.size(0) == k / kGroup && scale_zeros.size(2) == 2);
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const uint16_t* szp = reinterpret_cast<const uint16_t*>(scale_zeros.const_data_ptr());
+  at::Tensor y;
+  for (int64_t r0 = 0; r0 < n; r0 += kChunkRows) {
+    int64_t rows = std::min(kChunkRows, n - r0);
+    std::optional<Scratch> s = scratch(rows, k);
+    TORCH_CHECK(s.has_value(), "oneDNN packs a ", rows, "x", k, " weight in another layout");
+    at::parallel_for(r0 / 64, (r0 + rows) / 64, 1, [&](int64_t b0, int64_t b1) {
+      int4_expand_blocked(wp, szp, n, k, s->kp, s->data + (b0 - r0 / 64) * s->kp * kBlock, b0, b1);
+    });
+    std::optional<at::Tensor> b;
+    if (bias.has_value()) {
+      b = rows == n ? *bias : bias->narrow(0, r0, rows).contiguous();
+    }
+    at::Tensor part = packed_linear(x, s->packed, b);
+    if (rows == n) {
+      y = part;
+    } else {
+      if (!y.defined()) {
+        y = at::empty({m, n}, x.options());
+      }
+      y.narrow(1, r0, rows).copy_(part);
+    }
+  }
+  return y;
+}
+
+// Whether int4_expanded runs for weights of `k` inputs (oneDNN's layout, checked).
+bool int4_expandable(int64_t k) {
+  return cpu_has_bf16() && scratch(std::min<int64_t>(kChunkRows, 64), k).has_value();
+}
+
+// The expanded weight itself, [N, K] (tests compare it with Int4Weight.dequantize()).
+at::Tensor int4_expand(const at::Tensor& packed, const at::Tensor& scale_zeros) {
+  TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+  int64_t n = scale_zeros.size(1), k = scale_zeros.size(0) * kGroup;
+  TORCH_CHECK(n % 64 == 0 && packed.numel() == n * k / 2);
+  // blocked [N/64][K/2][64][2] -> [N, K]
+  at::Tensor out = at::empty({n / 64, k / 2, 64, 2}, at::TensorOptions().dtype(at::kBFloat16));
+  int4_expand_blocked(
+      packed.const_data_ptr<uint8_t>(),
+      reinterpret_cast<const uint16_t*>(scale_zeros.const_data_ptr()), n, k, k,
+      reinterpret_cast<uint16_t*>(out.mutable_data_ptr()), 0, n / 64);
+  return out.permute({0, 2, 1, 3}).reshape({n, k});
+}
+
 // ------------------------------------------------------------------ pastry::linear
 
 // How a projection multiplies (pastry.engine.native.DENSE / BLOCKED / INT4 / INT8).
@@ -170,18 +360,6 @@ constexpr int64_t kDense = 0;    // oneDNN-packed (mkldnn layout) or a plain [N,
 constexpr int64_t kBlocked = 1;  // oneDNN-packed, read in place below `small_m` rows
 constexpr int64_t kInt4 = 2;     // _weight_int4pack_mm_for_cpu, groups of 32
 constexpr int64_t kInt8 = 3;     // _weight_int8pack_mm, per-channel scales
-
-at::Tensor packed_linear(
-    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(
-              const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-              std::string_view, c10::List<std::optional<at::Scalar>>,
-              std::optional<std::string_view>)>();
-  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
-}
 
 // Linear.forward of a dense weight: oneDNN's packed product, or F.linear.
 at::Tensor dense_linear(
@@ -204,6 +382,7 @@ struct Projection {
   std::optional<at::Tensor> bias;
   int64_t threshold;  // blocked: rows below which it runs; int4: rows from which `dense`
                       // runs; int8: rows from which the weight is expanded
+  int64_t expand_from;  // int4 without `dense`: rows from which it is expanded (0: never)
   int64_t n, kp;      // blocked: output rows, padded inputs
   const uint16_t* data;  // blocked: the packed bytes
 };
@@ -211,11 +390,11 @@ struct Projection {
 struct Projections : torch::CustomClassHolder {
   std::vector<Projection> items;
 
-  // kind, weight, scales, dense copy, bias, threshold, n, kp (see Projection)
+  // kind, weight, scales, dense copy, bias, threshold, expand_from, n, kp (see Projection)
   void add(
       int64_t kind, at::Tensor weight, std::optional<at::Tensor> scales,
       std::optional<at::Tensor> dense, std::optional<at::Tensor> bias, int64_t threshold,
-      int64_t n, int64_t kp) {
+      int64_t expand_from, int64_t n, int64_t kp) {
     TORCH_CHECK(kind >= kDense && kind <= kInt8, "unknown projection kind ", kind);
     TORCH_CHECK(kind < kInt4 || scales.has_value(), "a quantized projection needs its scales");
     const uint16_t* data = nullptr;
@@ -224,9 +403,10 @@ struct Projections : torch::CustomClassHolder {
       TORCH_CHECK(weight.is_mkldnn(), "a blocked projection needs a oneDNN-packed weight");
       data = mkldnn_data(weight);
     }
+    TORCH_CHECK(expand_from == 0 || (kind == kInt4 && cpu_has_bf16()), "cannot expand");
     items.push_back(Projection{
         kind, std::move(weight), std::move(scales), std::move(dense), std::move(bias),
-        threshold, n, kp, data});
+        threshold, expand_from, n, kp, data});
   }
 
   int64_t size() const { return static_cast<int64_t>(items.size()); }
@@ -245,6 +425,9 @@ struct Projections : torch::CustomClassHolder {
       case kInt4:
         if (p.dense.has_value() && x.size(0) >= p.threshold) {
           return add_bias(dense_linear(x, *p.dense, std::nullopt), p.bias);
+        }
+        if (p.expand_from > 0 && x.size(0) >= p.expand_from) {
+          return add_bias(int4_expanded(x, p.weight, *p.scales, std::nullopt), p.bias);
         }
         return add_bias(
             at::_weight_int4pack_mm_for_cpu(x.contiguous(), p.weight, 32, *p.scales), p.bias);
@@ -294,6 +477,9 @@ TORCH_LIBRARY(pastry_native, m) {
   m.def("call", &call);
   m.def("supported", &supported);
   m.def("blocked_linear", &blocked_linear);
+  m.def("int4_expanded", &int4_expanded);
+  m.def("int4_expand", &int4_expand);
+  m.def("int4_expandable", &int4_expandable);
 }
 
 TORCH_LIBRARY_IMPL(pastry, CPU, m) { m.impl("linear", &linear); }
