@@ -174,6 +174,47 @@ def test_int4_expanded_from_many_rows_equals_the_dense_copy(lib, n, k):
     assert torch.equal(q.matmul(x[:3]), q._kernel(x[:3]))
 
 
+def attention_reference(q, pool, k_layer, v_layer, kv, allow, scale):
+    """The compiled step's formulation: gathered rows, masked float32 softmax, products."""
+    b, hq, d = q.shape
+    hkv, slots = pool.shape[1], pool.shape[2]
+    rep = hq // hkv
+    k = pool[k_layer].reshape(hkv * slots, d)[kv].float()  # [Hkv, B, L, D]
+    v = pool[v_layer].reshape(hkv * slots, d)[kv].float()
+    qg = q.view(b, hkv, rep, d).transpose(0, 1).float()  # [Hkv, B, rep, D]
+    scores = (qg @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allow.view(1, b, 1, -1), float("-inf"))
+    o = scores.softmax(-1) @ v  # [Hkv, B, rep, D]
+    return o.transpose(0, 1).reshape(b, hq, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
+def test_decode_attention_equals_the_gathered_softmax(lib, dtype, hq, hkv, d):
+    """Per item its own rows and mask (masked rows may hold anything, even NaN: they do
+    not count), grouped and ungrouped heads, the head dims the kernel takes."""
+    if not native.attention(d):
+        pytest.skip("no AVX512_BF16")
+    g = torch.Generator().manual_seed(hq * d)
+    layers, slots, b, length = 3, 256, 5, 37
+    pool = torch.randn(2 * layers, hkv, slots, d, generator=g).to(dtype)
+    # distinct slots for every (item, key), head-major rows
+    kv = torch.stack([torch.randperm(slots, generator=g)[: b * length] for _ in range(hkv)])
+    kv = kv.view(hkv, b, length) + torch.arange(hkv).view(hkv, 1, 1) * slots
+    allow = torch.rand(b, length, generator=g) < 0.7
+    allow[:, -1] = True
+    pool[1].view(-1, d)[kv[:, ~allow]] = float("nan")  # K rows only masked keys use
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    ours = torch.ops.pastry_native.decode_attention(q, pool, 1, layers + 1, kv, allow, d**-0.5)
+    pool[1].view(-1, d)[kv[:, ~allow]] = 0.0
+    want = attention_reference(q, pool, 1, layers + 1, kv, allow, d**-0.5)
+    assert ours.dtype == dtype and ours.shape == (b, hq, d) and not ours.isnan().any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)
+    else:  # the float32 result rounded once to bf16 (a relative 2^-8), summed in another order
+        assert ((ours.float() - want).abs() <= 2**-8 * want.abs() + 1e-5).all()
+
+
 def test_pastry_linear_resolves_the_thread_s_projections(lib):
     """Outside a step pastry::linear has no projections to call; inside, the current ones."""
     from pastry.engine import compiled

@@ -136,6 +136,8 @@ class Spec:
     intermediate_size: int
     eps: float
     qk_norm: bool
+    # attention by the native kernel (engine/native.py) instead of gathers and bmm calls
+    native_attention: bool = False
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,9 +163,10 @@ def decode_layer(
     mask: torch.Tensor,
     norms: list[torch.Tensor],
     layer: int,
+    kv_rows: torch.Tensor,
 ) -> torch.Tensor:
     """Decoder layer ``layer`` of a decode step (see :func:`decode_step`); ``store`` and
-    ``kv`` as (head, slot) index pairs into the pool."""
+    ``kv`` as (head, slot) index pairs into the pool, ``kv_rows`` as flat head-major rows."""
     b, hq, hkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     inter = spec.intermediate_size
     qkv = torch.ops.pastry.linear(_rms(x, norms[0], spec.eps), 4 * layer + QKV, (hq + 2 * hkv) * d)
@@ -179,6 +182,16 @@ def decode_layer(
     k_at, v_at = torch.full_like(store[0], layer), torch.full_like(store[0], n + layer)
     pool.index_put_((k_at, *store), k.transpose(0, 1))
     pool.index_put_((v_at, *store), v.transpose(0, 1))
+    if spec.native_attention:
+        # one opaque kernel per layer: it reads the K/V rows in place (no gathered copies)
+        # and computes the masked float32 softmax and both products (engine/native.py)
+        o = torch.ops.pastry_native.decode_attention(
+            q, pool, layer, n + layer, kv_rows, mask, d**-0.5
+        )
+        x = x + torch.ops.pastry.linear(o.reshape(b, hq * d), 4 * layer + OUT, spec.hidden_size)
+        h = torch.ops.pastry.linear(_rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        return x + torch.ops.pastry.linear(h, 4 * layer + DOWN, spec.hidden_size)
     k_at, v_at = torch.full_like(kv[0], layer), torch.full_like(kv[0], n + layer)
     # Each query head against its KV head's rows of the pool ([Hkv, B, L, D], gathered and
     # widened in one fused pass), in float32: [Hkv, B, rep, L] scores. Batched matrix
@@ -234,7 +247,7 @@ def decode_step(
     kv_at = (kv // slots, kv % slots)
     for i in range(spec.num_layers):
         w = norms[i * per_layer : (i + 1) * per_layer]
-        x = decode_layer(spec, x, cos, sin, pool, store_at, kv_at, mask, w, i)
+        x = decode_layer(spec, x, cos, sin, pool, store_at, kv_at, mask, w, i, kv)
     return _rms(x, norms[-1], spec.eps)
 
 
@@ -281,6 +294,7 @@ class CompiledDecode:
         """``pool``: the engine's KV pool tensor, ``[2 * layers, kv_heads, slots, head_dim]``
         (``KvPool.data``)."""
         cfg = model.cfg
+        self.kernel = _kernel()  # pastry::linear's: native or python
         self.spec = Spec(
             num_layers=cfg.num_layers,
             num_heads=cfg.num_heads,
@@ -290,6 +304,7 @@ class CompiledDecode:
             intermediate_size=cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
             qk_norm=cfg.qk_norm,
+            native_attention=pool.device.type == "cpu" and native.attention(cfg.head_dim),
         )
         self.model = model
         assert pool.shape == (2 * cfg.num_layers, cfg.num_kv_heads, pool.shape[2], cfg.head_dim)
@@ -308,7 +323,6 @@ class CompiledDecode:
             )
         ]
         # the projections as pastry::linear's kernel reads them
-        self.kernel = _kernel()
         self.native = native.projections(linears) if self.kernel == "native" else None
         self.forwards = [_projection(lin) for lin in linears]
         norms = []

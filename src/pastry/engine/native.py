@@ -89,6 +89,7 @@ def load() -> bool:
                 verbose=False,
             )
             log.info("native CPU kernels ready in %.1fs", time.perf_counter() - t)
+            torch.library.register_fake("pastry_native::decode_attention", _attention_fake)
             _state["loaded"] = True
             ready = bool(torch.ops.pastry_native.supported())
             if not ready:
@@ -99,6 +100,16 @@ def load() -> bool:
             _state["loaded"] = False
             log.warning("Pastry's native CPU kernels are unavailable (%s)", _state["error"])
         return bool(_state["loaded"])
+
+
+def _attention_fake(q, pool, k_layer, v_layer, kv, allow, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def attention(head_dim: int) -> bool:
+    """Whether the compiled decode step's attention runs natively for this head dim
+    (``pastry_native::decode_attention``; requires :func:`load`)."""
+    return ready and bool(torch.ops.pastry_native.attention_head_dim(head_dim))
 
 
 def error() -> str | None:

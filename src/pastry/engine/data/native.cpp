@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -353,6 +354,174 @@ at::Tensor int4_expand(const at::Tensor& packed, const at::Tensor& scale_zeros) 
   return out.permute({0, 2, 1, 3}).reshape({n, k});
 }
 
+// ------------------------------------------------------------------ decode attention
+
+// exp of x <= 0 (Cephes' expf: ~1 ulp), 16 at a time
+__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One query head of one item: o = softmax(q K^T * scale, over the allowed keys) V, in
+// float32, K/V rows `rows[0..length)` of the pool layers `kc` / `vc` ([rows, D]).
+template <typename T, int D16>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void attend_one(
+    const T* q, const T* kc, const T* vc, const int64_t* rows, const bool* allow,
+    int64_t length, float scale, float* scores, T* out) {
+  constexpr int64_t d = D16 * 16;
+  __m512 qv[D16];
+  for (int i = 0; i < D16; i++) {
+    qv[i] = _mm512_mul_ps(load16(q + 16 * i), _mm512_set1_ps(scale));
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < length; j++) {
+    if (!allow[j]) {
+      scores[j] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const T* kr = kc + rows[j] * d;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kr));
+    for (int i = 1; i < D16; i++) {
+      acc = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), acc);
+    }
+    float sj = _mm512_reduce_add_ps(acc);
+    scores[j] = sj;
+    best = std::max(best, sj);
+  }
+  // exp(s - max); masked keys (-inf) give exactly 0
+  __m512 total = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(best);
+  int64_t j = 0;
+  for (; j + 16 <= length; j += 16) {
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j), top));
+    _mm512_storeu_ps(scores + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (j < length) {
+    __mmask16 tail = (__mmask16)((1u << (length - j)) - 1);
+    __m512 v = _mm512_mask_loadu_ps(top, tail, scores + j);  // padding: exp(0), masked out
+    __m512 e = exp_nonpositive(_mm512_sub_ps(v, top));
+    _mm512_mask_storeu_ps(scores + j, tail, e);
+    total = _mm512_mask_add_ps(total, tail, total, e);
+  }
+  float inv = 1.0f / _mm512_reduce_add_ps(total);
+  __m512 o[D16];
+  for (int i = 0; i < D16; i++) {
+    o[i] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < length; t++) {
+    if (!allow[t]) {
+      continue;
+    }
+    const T* vr = vc + rows[t] * d;
+    __m512 p = _mm512_set1_ps(scores[t]);
+    for (int i = 0; i < D16; i++) {
+      o[i] = _mm512_fmadd_ps(p, load16(vr + 16 * i), o[i]);
+    }
+  }
+  float res[d];
+  for (int i = 0; i < D16; i++) {
+    _mm512_storeu_ps(res + 16 * i, _mm512_mul_ps(o[i], _mm512_set1_ps(inv)));
+  }
+  for (int64_t c = 0; c < d; c++) {
+    out[c] = static_cast<T>(res[c]);
+  }
+}
+
+// pastry_native::decode_attention: one new token per item. q [B, Hq, D] (after RoPE);
+// pool [2 * layers, Hkv, S, D] (the KV pool, new K/V already stored); K of layer
+// `k_layer`, V of `v_layer`; kv [Hkv, B, L] the rows of each item's keys in a layer viewed
+// as [Hkv * S, D]; allow [B, L]. Returns o [B, Hq, D] in q's dtype: what the compiled
+// step's gather, masked float32 softmax and products compute, without materialising the
+// gathered K/V (fewer passes over them, one parallel region instead of a dozen kernels).
+template <typename T, int D16>
+void decode_attention_impl(
+    const at::Tensor& q, const at::Tensor& pool, int64_t k_layer, int64_t v_layer,
+    const at::Tensor& kv, const at::Tensor& allow, double scale, at::Tensor& out) {
+  int64_t b = q.size(0), hq = q.size(1), hkv = pool.size(1), slots = pool.size(2);
+  int64_t length = kv.size(2), rep = hq / hkv, d = D16 * 16;
+  const T* qp = q.const_data_ptr<T>();
+  const T* base = pool.const_data_ptr<T>();
+  const T* kc = base + k_layer * hkv * slots * d;
+  const T* vc = base + v_layer * hkv * slots * d;
+  const int64_t* rows = kv.const_data_ptr<int64_t>();
+  const bool* mask = allow.const_data_ptr<bool>();
+  T* op = out.mutable_data_ptr<T>();
+  at::parallel_for(0, b * hq, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(length + 16);
+    for (int64_t t = t0; t < t1; t++) {
+      int64_t i = t / hq, h = t % hq, g = h / rep;
+      attend_one<T, D16>(
+          qp + (i * hq + h) * d, kc, vc, rows + (g * b + i) * length, mask + i * length,
+          length, static_cast<float>(scale), scores.data(), op + (i * hq + h) * d);
+    }
+  });
+}
+
+at::Tensor decode_attention(
+    const at::Tensor& q_in, const at::Tensor& pool, int64_t k_layer, int64_t v_layer,
+    const at::Tensor& kv_in, const at::Tensor& allow_in, double scale) {
+  TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+  TORCH_CHECK(q_in.dim() == 3 && pool.dim() == 4 && kv_in.dim() == 3 && allow_in.dim() == 2);
+  TORCH_CHECK(pool.is_contiguous() && pool.scalar_type() == q_in.scalar_type());
+  at::Tensor q = q_in.contiguous(), kv = kv_in.contiguous(), allow = allow_in.contiguous();
+  int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = pool.size(1);
+  TORCH_CHECK(pool.size(3) == d && hq % hkv == 0, "shapes of q and the pool disagree");
+  TORCH_CHECK(kv.size(0) == hkv && kv.size(1) == b && allow.size(0) == b);
+  TORCH_CHECK(allow.size(1) == kv.size(2) && kv.scalar_type() == at::kLong);
+  TORCH_CHECK(allow.scalar_type() == at::kBool);
+  at::Tensor out = at::empty_like(q);
+  bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "decode_attention runs bf16 and float32");
+  switch (d) {
+#define PASTRY_ATTEND(D16)                                                                  \
+  case D16 * 16:                                                                            \
+    if (bf16) {                                                                             \
+      decode_attention_impl<at::BFloat16, D16>(q, pool, k_layer, v_layer, kv, allow, scale, \
+                                               out);                                        \
+    } else {                                                                                \
+      decode_attention_impl<float, D16>(q, pool, k_layer, v_layer, kv, allow, scale, out);  \
+    }                                                                                       \
+    break;
+    PASTRY_ATTEND(1)
+    PASTRY_ATTEND(2)
+    PASTRY_ATTEND(4)
+    PASTRY_ATTEND(5)
+    PASTRY_ATTEND(6)
+    PASTRY_ATTEND(8)
+    PASTRY_ATTEND(16)
+#undef PASTRY_ATTEND
+    default:
+      TORCH_CHECK(false, "decode_attention takes head dims 16 to 128 in 16s and 256, not ", d);
+  }
+  return out;
+}
+
+// Whether decode_attention takes this head dim.
+bool attention_head_dim(int64_t d) {
+  return cpu_has_bf16() && d % 16 == 0 && (d <= 128 ? d != 48 && d != 112 : d == 256);
+}
+
 // ------------------------------------------------------------------ pastry::linear
 
 // How a projection multiplies (pastry.engine.native.DENSE / BLOCKED / INT4 / INT8).
@@ -480,6 +649,13 @@ TORCH_LIBRARY(pastry_native, m) {
   m.def("int4_expanded", &int4_expanded);
   m.def("int4_expand", &int4_expand);
   m.def("int4_expandable", &int4_expandable);
+  m.def("attention_head_dim", &attention_head_dim);
+  // a CPU kernel (not a composite one), so that the compiler keeps it opaque
+  m.def(
+      "decode_attention(Tensor q, Tensor pool, int k_layer, int v_layer, Tensor kv, "
+      "Tensor allow, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pastry, CPU, m) { m.impl("linear", &linear); }
+
+TORCH_LIBRARY_IMPL(pastry_native, CPU, m) { m.impl("decode_attention", &decode_attention); }
