@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -75,6 +76,7 @@ def load() -> bool:
                 raise RuntimeError("turned off by PASTRY_NATIVE=0")
             from torch.utils import cpp_extension
 
+            _find_ninja()
             out = build_dir()
             out.mkdir(parents=True, exist_ok=True)
             t = time.perf_counter()
@@ -100,6 +102,19 @@ def load() -> bool:
             _state["loaded"] = False
             log.warning("Pastry's native CPU kernels are unavailable (%s)", _state["error"])
         return bool(_state["loaded"])
+
+
+def _find_ninja() -> None:
+    """Put the ``ninja`` of the PyPI package (a dependency) on ``PATH`` when none is there:
+    ``cpp_extension`` runs ``ninja`` by name, and a virtual environment's ``bin`` is not on
+    ``PATH`` unless activated (``.venv/bin/pastry serve``)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # cpp_extension then says that ninja is missing
+    os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, os.environ.get("PATH"))))
 
 
 def _attention_fake(q, pool, k_layer, v_layer, kv, allow, scale):
