@@ -35,3 +35,6 @@ python -m pastry.runtime.build_pyrt
 if command -v npm >/dev/null 2>&1; then
   python -m pastry.runtime.build_js --install
 fi
+# Pastry's native CPU kernels (engine/native.py): built once (about 15 s) into
+# $PASTRY_HOME/native; without a C++ compiler the engine runs without them (and says so).
+python -c "import sys; from pastry.engine import native; native.load() or print('setup:', native.error(), file=sys.stderr)"

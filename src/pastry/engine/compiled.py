@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pastry.engine import native
 from pastry.engine.attention import AttnMetadata
 from pastry.engine.layers import Linear
 from pastry.engine.model import LlamaModel
@@ -60,18 +61,27 @@ _local = _Local()
 
 
 @contextmanager
-def _running(forwards: list[Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[None]:
+def _running(
+    forwards: list[Callable[[torch.Tensor], torch.Tensor]], projections: torch.ScriptObject | None
+) -> Iterator[None]:
+    """The projections ``pastry::linear`` resolves on this thread: ``projections`` for the
+    native kernel, ``forwards`` for the Python one."""
     _local.forwards = forwards
+    if projections is not None:
+        projections.use()
     try:
         yield
     finally:
         _local.forwards = None
+        if projections is not None:
+            projections.release()
 
 
 # pastry::linear(x, index, out_features): projection ``index`` (4 per layer, in layer order:
 # q/k/v, o, gate/up, down) of the model being run. An opaque operator to the compiler, defined
-# with the low-level library API, which costs a few microseconds less per call than
-# torch.library.custom_op (120 calls a step).
+# with the low-level library API. Its CPU kernel is C++ (engine/native.py: the graph's C++
+# wrapper then calls it without entering Python, 120 calls a step) or, where the native
+# library cannot be built, the Python function below (_kernel() chooses, once).
 _lib = torch.library.Library("pastry", "DEF")
 _lib.define("linear(Tensor x, int index, int out_features) -> Tensor")
 
@@ -86,17 +96,29 @@ def _linear_fake(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor
     return x.new_empty(x.shape[0], out_features)
 
 
-_lib.impl("linear", _linear, "CPU")
 torch.library.register_fake("pastry::linear", _linear_fake, lib=_lib)
+_kernels: list[str] = []  # which kernel pastry::linear has: "native" or "python"
+
+
+def _kernel() -> str:
+    """Give ``pastry::linear`` its CPU kernel, once per process: the native one if the
+    library loads (it registers itself), else :func:`_linear`."""
+    if not _kernels:
+        if native.load():
+            _kernels.append("native")
+        else:
+            _lib.impl("linear", _linear, "CPU")
+            _kernels.append("python")
+    return _kernels[0]
 
 
 def _projection(lin: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What ``pastry::linear`` calls for ``lin``: for a oneDNN-packed weight without bias, the
-    packed product itself (one Python frame and no per-call checks instead of
-    ``Linear.forward``'s; 120 calls a step); otherwise the bound ``forward`` (which skips
-    ``nn.Module.__call__``'s hook handling). Taken when the engine starts: the model's
-    weights do not change afterwards."""
-    if lin.packed is not None and lin.bias is None:
+    """What the Python kernel of ``pastry::linear`` calls for ``lin``: for a oneDNN-packed
+    weight without bias and without the native kernel, the packed product itself (one
+    Python frame and no per-call checks instead of ``Linear.forward``'s); otherwise the
+    bound ``forward`` (which skips ``nn.Module.__call__``'s hook handling). Taken when the
+    engine starts: the model's weights do not change afterwards."""
+    if lin.packed is not None and lin.bias is None and not native.ready:
         op, w = torch.ops.mkldnn._linear_pointwise.default, lin.packed
         return lambda x: op(x, w, None, "none", [], "")
     return lin.forward
@@ -114,6 +136,8 @@ class Spec:
     intermediate_size: int
     eps: float
     qk_norm: bool
+    # attention by the native kernel (engine/native.py) instead of gathers and bmm calls
+    native_attention: bool = False
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,9 +163,10 @@ def decode_layer(
     mask: torch.Tensor,
     norms: list[torch.Tensor],
     layer: int,
+    kv_rows: torch.Tensor,
 ) -> torch.Tensor:
     """Decoder layer ``layer`` of a decode step (see :func:`decode_step`); ``store`` and
-    ``kv`` as (head, slot) index pairs into the pool."""
+    ``kv`` as (head, slot) index pairs into the pool, ``kv_rows`` as flat head-major rows."""
     b, hq, hkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     inter = spec.intermediate_size
     qkv = torch.ops.pastry.linear(_rms(x, norms[0], spec.eps), 4 * layer + QKV, (hq + 2 * hkv) * d)
@@ -157,6 +182,16 @@ def decode_layer(
     k_at, v_at = torch.full_like(store[0], layer), torch.full_like(store[0], n + layer)
     pool.index_put_((k_at, *store), k.transpose(0, 1))
     pool.index_put_((v_at, *store), v.transpose(0, 1))
+    if spec.native_attention:
+        # one opaque kernel per layer: it reads the K/V rows in place (no gathered copies)
+        # and computes the masked float32 softmax and both products (engine/native.py)
+        o = torch.ops.pastry_native.decode_attention(
+            q, pool, layer, n + layer, kv_rows, mask, d**-0.5
+        )
+        x = x + torch.ops.pastry.linear(o.reshape(b, hq * d), 4 * layer + OUT, spec.hidden_size)
+        h = torch.ops.pastry.linear(_rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        return x + torch.ops.pastry.linear(h, 4 * layer + DOWN, spec.hidden_size)
     k_at, v_at = torch.full_like(kv[0], layer), torch.full_like(kv[0], n + layer)
     # Each query head against its KV head's rows of the pool ([Hkv, B, L, D], gathered and
     # widened in one fused pass), in float32: [Hkv, B, rep, L] scores. Batched matrix
@@ -212,7 +247,7 @@ def decode_step(
     kv_at = (kv // slots, kv % slots)
     for i in range(spec.num_layers):
         w = norms[i * per_layer : (i + 1) * per_layer]
-        x = decode_layer(spec, x, cos, sin, pool, store_at, kv_at, mask, w, i)
+        x = decode_layer(spec, x, cos, sin, pool, store_at, kv_at, mask, w, i, kv)
     return _rms(x, norms[-1], spec.eps)
 
 
@@ -259,6 +294,7 @@ class CompiledDecode:
         """``pool``: the engine's KV pool tensor, ``[2 * layers, kv_heads, slots, head_dim]``
         (``KvPool.data``)."""
         cfg = model.cfg
+        self.kernel = _kernel()  # pastry::linear's: native or python
         self.spec = Spec(
             num_layers=cfg.num_layers,
             num_heads=cfg.num_heads,
@@ -268,6 +304,7 @@ class CompiledDecode:
             intermediate_size=cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
             qk_norm=cfg.qk_norm,
+            native_attention=pool.device.type == "cpu" and native.attention(cfg.head_dim),
         )
         self.model = model
         assert pool.shape == (2 * cfg.num_layers, cfg.num_kv_heads, pool.shape[2], cfg.head_dim)
@@ -275,8 +312,8 @@ class CompiledDecode:
         # pool sizes differ between starts (derived from free memory): keep the slot count
         # symbolic so that the cached graph serves any pool
         torch._dynamo.maybe_mark_dynamic(pool, 2)
-        self.forwards = [
-            _projection(lin)
+        linears = [
+            lin
             for m in model.layers
             for lin in (
                 m.self_attn.qkv_proj,
@@ -285,6 +322,9 @@ class CompiledDecode:
                 m.mlp.down_proj,
             )
         ]
+        # the projections as pastry::linear's kernel reads them
+        self.native = native.projections(linears) if self.kernel == "native" else None
+        self.forwards = [_projection(lin) for lin in linears]
         norms = []
         for layer in model.layers:
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -337,7 +377,7 @@ class CompiledDecode:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         torch._dynamo.maybe_mark_dynamic(kv, 2)
         torch._dynamo.maybe_mark_dynamic(mask, 1)
-        with _running(self.forwards):
+        with _running(self.forwards, self.native):
             return _compiled(x.shape[0] == 1)(
                 self.spec,
                 x,

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pastry.engine import native
 from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
 from pastry.engine.calls import (
     MAX_LOGPROBS,
@@ -790,6 +791,10 @@ def build_model(
             f"quantized weights run on the CPU only (device is {device}); use --quantize none "
             "to expand them"
         )
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        # bf16 products of few rows over the packed weights, int4 expanded for many rows
+        # (engine/native.py; built once, before the weights are packed, which checks them)
+        native.load()
     # the weights stream once per decode step: on huge pages, fewer TLB misses (hugepages.py)
     with huge_pages() if device.type == "cpu" else contextlib.nullcontext():
         previous = torch.get_default_dtype()

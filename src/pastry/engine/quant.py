@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pastry.engine import native
 from pastry.engine.config import CheckpointError
 
 if TYPE_CHECKING:
@@ -55,6 +56,13 @@ INT8_DENSE_FROM_M = 128
 # projections, oneDNN's bf16 by ~0.2 ms from a higher base; they cross between 12 and 16 rows
 # on the 2-core Zen 5 (benchmarks/quant_kernels.py).
 INT4_DENSE_FROM_M = 16
+# Batch sizes from which an int4 weight *without* a dense copy (plain ``--quantize int4``) is
+# expanded to bf16 on every call and multiplied by oneDNN's packed product
+# (``engine/native.py``: the expansion goes into a per-thread scratch that stays in the
+# last-level cache; the result equals int4-hybrid's). On the 2-core Zen 4, over SmolLM2-135M's
+# 120 projections: 32 rows 45.5 -> 29.3 ms, a 512-row prefill chunk 682 -> 327 ms; the int4
+# kernel still wins at 8 rows (11.3 vs 16.6), the two meet at ~16 (RESULTS, session 5).
+INT4_EXPAND_FROM_M = 24
 
 
 def check_mode(mode: str) -> str:
@@ -204,6 +212,13 @@ class Int4Weight(QuantizedWeight):
         self.scale_zeros = torch.stack((codes.scale.t(), codes.zero.t()), dim=-1).to(dtype)
         self.scale_zeros = self.scale_zeros.contiguous()
         self.dense: torch.Tensor | None = None  # see keep_dense
+        # the native kernels can expand it (bf16, a layout they read; engine/native.py)
+        self.expandable = (
+            dtype == torch.bfloat16
+            and native.ready
+            and native.int4_layout(codes.q, self.packed)
+            and bool(torch.ops.pastry_native.int4_expandable(k))
+        )
 
     def keep_dense(self) -> None:
         """Also hold the weight expanded (oneDNN-packed in bfloat16) and multiply by it from
@@ -230,6 +245,8 @@ class Int4Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= INT4_DENSE_FROM_M:
             return self._dense_mm(x, self.dense)
+        if self.expandable and x.shape[0] >= INT4_EXPAND_FROM_M:
+            return torch.ops.pastry_native.int4_expanded(x, self.packed, self.scale_zeros, None)
         return self._kernel(x)
 
     def dequantize(self) -> torch.Tensor:

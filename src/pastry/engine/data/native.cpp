@@ -1,0 +1,661 @@
+// Pastry's native CPU kernels (built and loaded by pastry/engine/native.py).
+//
+// 1. A bfloat16 product for few rows (decode) that reads oneDNN's packed weight in place.
+//    For a bf16 Linear prepacked for one row (mkldnn._reorder_linear_weight(w, 1)) on a CPU
+//    with AVX512_BF16, oneDNN lays the weight out as [ceil(N/64)][Kp/2][64][2]: blocks of
+//    64 output rows, and within a block, for each pair of inputs, the 64 rows' two weights
+//    (pastry/engine/native.py checks this layout byte for byte before using it). Each
+//    block is then one contiguous stream, and one vdpbf16ps multiplies 16 rows by a pair of
+//    inputs: the product streams the weight at memory bandwidth with a few microseconds of
+//    fixed cost, where oneDNN's M=1 path costs ~11 us a call and streams at ~2/3 of it on
+//    the 2-core Zen 4 (benchmarks/RESULTS.md). Sums run in float32 over the inputs in order,
+//    the result is rounded to bfloat16 once, as oneDNN does (the order of the float32 sums
+//    differs, so results differ from oneDNN's in the last bit of a few outputs).
+//
+// 2. The CPU kernel of pastry::linear, the compiled decode step's opaque projection call
+//    (pastry/engine/compiled.py). Inductor's C++ wrapper reaches it through the dispatcher;
+//    in C++ the call never enters Python. The projections of the model being run are a
+//    Projections object (a TorchScript custom class built once per engine); use() makes it
+//    the calling thread's for one step and release() clears it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <immintrin.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+// ------------------------------------------------------------------ the blocked product
+
+constexpr int64_t kBlock = 64;  // output rows per block of the packed layout
+
+bool cpu_has_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+// The raw bytes of an mkldnn (oneDNN) tensor.
+const uint16_t* mkldnn_data(const at::Tensor& t) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::data_ptr", "")
+                       .typed<int64_t(const at::Tensor&)>();
+  return reinterpret_cast<const uint16_t*>(op.call(t));
+}
+
+// oneDNN's product over its packed weight (what Linear.forward runs from SMALL_M rows).
+at::Tensor packed_linear(
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(
+              const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+              std::string_view, c10::List<std::optional<at::Scalar>>,
+              std::optional<std::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+// Rows [m0, m0 + MT) of y = x W^T (+ bias) for blocks [b0, b1) of the packed weight.
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void blocked_rows(
+    const uint16_t* w, int64_t pairs, int64_t block_elems, const uint16_t* x, int64_t xs,
+    const uint16_t* bias, uint16_t* y, int64_t ys, int64_t n, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; b++) {
+    const uint16_t* wb = w + b * block_elems;
+    __m512 acc[MT][4];
+    for (int m = 0; m < MT; m++) {
+      for (int j = 0; j < 4; j++) {
+        acc[m][j] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+      const uint16_t* wp = wb + p * 2 * kBlock;
+      __m512i w0 = _mm512_loadu_si512(wp);
+      __m512i w1 = _mm512_loadu_si512(wp + 32);
+      __m512i w2 = _mm512_loadu_si512(wp + 64);
+      __m512i w3 = _mm512_loadu_si512(wp + 96);
+      for (int m = 0; m < MT; m++) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * xs + 2 * p, sizeof(pair));
+        __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, xb);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, xb);
+        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, xb);
+        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, xb);
+      }
+    }
+    for (int j = 0; j < 4; j++) {
+      int64_t row = b * kBlock + j * 16;
+      if (row >= n) {
+        break;
+      }
+      __mmask16 mask = row + 16 <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - row)) - 1);
+      __m512 bv = _mm512_setzero_ps();
+      if (bias != nullptr) {
+        __m256i braw = _mm256_maskz_loadu_epi16(mask, bias + row);
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(braw), 16));
+      }
+      for (int m = 0; m < MT; m++) {
+        __m512 v = bias != nullptr ? _mm512_add_ps(acc[m][j], bv) : acc[m][j];
+        __m256i o = (__m256i)_mm512_cvtneps_pbh(v);
+        _mm256_mask_storeu_epi16(y + m * ys + row, mask, o);
+      }
+    }
+  }
+}
+
+// Rows per pass over the weight: each pass streams it once.
+constexpr int64_t kMaxRows = 4;
+
+void blocked_pass(
+    int64_t rows, const uint16_t* w, int64_t pairs, int64_t block_elems, const uint16_t* x,
+    int64_t xs, const uint16_t* bias, uint16_t* y, int64_t ys, int64_t n, int64_t b0,
+    int64_t b1) {
+  switch (rows) {
+    case 1:
+      return blocked_rows<1>(w, pairs, block_elems, x, xs, bias, y, ys, n, b0, b1);
+    case 2:
+      return blocked_rows<2>(w, pairs, block_elems, x, xs, bias, y, ys, n, b0, b1);
+    case 3:
+      return blocked_rows<3>(w, pairs, block_elems, x, xs, bias, y, ys, n, b0, b1);
+    default:
+      return blocked_rows<4>(w, pairs, block_elems, x, xs, bias, y, ys, n, b0, b1);
+  }
+}
+
+// y [M, N] = x [M, K] W^T (+ bias), W the packed weight at `w` (N x Kp, Kp >= K, K even).
+at::Tensor blocked_product(
+    const at::Tensor& x_in, const uint16_t* w, int64_t n, int64_t kp,
+    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be 2-D bfloat16");
+  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 2 == 0 && k <= kp, "x has ", k, " columns, the weight ", kp);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) {
+    return y;
+  }
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+  const uint16_t* bp = nullptr;
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == at::kBFloat16 && b.numel() == n, "bias must be bf16 [N]");
+    bp = reinterpret_cast<const uint16_t*>(b.const_data_ptr());
+  }
+  int64_t blocks = (n + kBlock - 1) / kBlock, pairs = k / 2, block_elems = kp * kBlock;
+  int64_t xs = x.stride(0);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t r = 0; r < m; r += kMaxRows) {
+      int64_t rows = std::min(kMaxRows, m - r);
+      blocked_pass(rows, w, pairs, block_elems, xp + r * xs, xs, bp, yp + r * n, n, n, b0, b1);
+    }
+  });
+  return y;
+}
+
+// pastry_native::blocked_linear: the product over a packed weight (Linear.forward's path).
+at::Tensor blocked_linear(
+    const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+    int64_t n, int64_t kp) {
+  TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+  return blocked_product(x, mkldnn_data(packed), n, kp, bias);
+}
+
+bool supported() { return cpu_has_bf16(); }
+
+// ------------------------------------------------------------------ int4, many rows
+
+// int4 weights as _convert_weight_to_int4pack_for_cpu packs them on this CPU (checked per
+// weight by pastry/engine/native.py): [N/64][K][32] bytes, byte i of (block, k) holding
+// the codes of rows i (low nibble) and i + 32 (high nibble) of the block; scale and zero
+// per 32 inputs as scale_zeros [K/32][N][2], w = (q - 8) * scale + zero.
+//
+// PyTorch's int4 kernel is fast for a few rows but its cost grows ~3x faster per row than
+// a dense bf16 product's: at a prefill chunk it is ~5x slower than bf16. From some rows on
+// it pays to expand the weight to bf16 (into a per-thread scratch buffer, which stays in
+// the last-level cache for the product that follows) and multiply densely.
+
+constexpr int64_t kGroup = 32;  // inputs per scale and zero
+constexpr int64_t kChunkRows = 4096;  // rows expanded at a time (bounds the scratch)
+
+// Weight rows [b0 * 64, b1 * 64) (64-row blocks b of the packed int4 weight), expanded to
+// bf16 in oneDNN's packed layout (the one blocked_product reads): block b - b0 of `out`
+// holds, for each pair of inputs, the 64 rows' two weights. `kp` is the layout's padded K.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void int4_expand_blocked(
+    const uint8_t* w, const uint16_t* sz, int64_t n, int64_t k, int64_t kp, uint16_t* out,
+    int64_t b0, int64_t b1) {
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  // interleaves the two halves' words: [a0, b0, a1, b1, ...]
+  alignas(64) static const uint16_t kZip[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i zip = _mm512_load_si512(kZip);
+  for (int64_t b = b0; b < b1; b++) {
+    uint16_t* ob = out + (b - b0) * kp * kBlock;
+    for (int64_t g = 0; g < k / kGroup; g++) {
+      __m512 scale[4], zero[4];
+      for (int j = 0; j < 4; j++) {
+        __m512i raw = _mm512_loadu_si512(sz + (g * n + b * 64 + 16 * j) * 2);
+        scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        zero[j] = _mm512_castsi512_ps(_mm512_and_si512(raw, high_half));
+      }
+      for (int64_t kk = g * kGroup; kk < (g + 1) * kGroup; kk += 2) {
+        __m512 v[2][4];  // [input kk, kk + 1][rows 16j .. 16j + 15]
+        for (int t = 0; t < 2; t++) {
+          const uint8_t* src = w + (b * k + kk + t) * 32;
+          __m512i lo16 =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+          __m512i hi16 =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)));
+          // rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles)
+          __m512i q[4] = {
+              _mm512_and_si512(lo16, low), _mm512_and_si512(hi16, low),
+              _mm512_srli_epi32(lo16, 4), _mm512_srli_epi32(hi16, 4)};
+          for (int j = 0; j < 4; j++) {
+            __m512 c = _mm512_sub_ps(_mm512_cvtepi32_ps(q[j]), eight);  // exact
+            v[t][j] = _mm512_fmadd_ps(c, scale[j], zero[j]);
+          }
+        }
+        uint16_t* dst = ob + kk * kBlock;  // the pair kk / 2: 64 rows x 2
+        for (int j = 0; j < 4; j++) {
+          __m512i both = (__m512i)_mm512_cvtne2ps_pbh(v[1][j], v[0][j]);
+          _mm512_storeu_si512(dst + 32 * j, _mm512_permutexvar_epi16(zip, both));
+        }
+      }
+    }
+  }
+}
+
+// A oneDNN-packed bf16 weight of `rows` x `k`, the calling thread's, whose bytes the
+// expansion overwrites: created once per shape, its layout checked against the one the
+// expansion writes (nullopt if oneDNN packs this shape otherwise).
+struct Scratch {
+  at::Tensor packed;
+  uint16_t* data;
+  int64_t kp;
+};
+
+std::optional<Scratch> scratch(int64_t rows, int64_t k) {
+  thread_local std::vector<std::pair<std::pair<int64_t, int64_t>, std::optional<Scratch>>> cache;
+  for (auto& entry : cache) {
+    if (entry.first == std::make_pair(rows, k)) {
+      return entry.second;
+    }
+  }
+  static auto reorder = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                            .typed<at::Tensor(const at::Tensor&, std::optional<int64_t>)>();
+  static auto nbytes = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_nbytes", "")
+                           .typed<int64_t(const at::Tensor&)>();
+  // a weight whose every element says where it is
+  at::Tensor probe = (at::arange(rows * k, at::TensorOptions().dtype(at::kFloat)) % 251)
+                         .view({rows, k})
+                         .to(at::kBFloat16);
+  at::Tensor packed = reorder.call(probe, 1);
+  std::optional<Scratch> found;
+  int64_t bytes = nbytes.call(packed);
+  if (bytes % (rows * 2 * 2) == 0) {
+    int64_t kp = bytes / (rows * 2);
+    uint16_t* data = const_cast<uint16_t*>(mkldnn_data(packed));
+    const uint16_t* want = reinterpret_cast<const uint16_t*>(probe.const_data_ptr());
+    bool same = kp >= k && kp % 2 == 0;
+    for (int64_t r = 0; same && r < rows; r++) {
+      for (int64_t c = 0; c < k; c++) {
+        int64_t at = ((r / kBlock) * (kp / 2) + c / 2) * 2 * kBlock + (r % kBlock) * 2 + c % 2;
+        if (data[at] != want[r * k + c]) {
+          same = false;
+          break;
+        }
+      }
+    }
+    if (same) {
+      found = Scratch{packed, data, kp};
+    }
+  }
+  cache.emplace_back(std::make_pair(rows, k), found);
+  return found;
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) for an int4 weight (packed [N, K/2] uint8, scale_zeros
+// [K/32, N, 2] bf16; N a multiple of 64, K of 32), through W expanded to bf16 and oneDNN's
+// packed product, at most kChunkRows rows at a time. Each chunk is expanded into a scratch
+// that stays in the last-level cache for the product that follows.
+at::Tensor int4_expanded(
+    const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
+    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be 2-D bfloat16");
+  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.is_contiguous());
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous());
+  at::Tensor x = x_in.contiguous();
+  int64_t m = x.size(0), k = x.size(1), n = scale_zeros.size(1);
+  TORCH_CHECK(n % 64 == 0 && k % kGroup == 0 && packed.numel() == n * k / 2);
+  TORCH_CHECK(scale_zeros.size(0) == k / kGroup && scale_zeros.size(2) == 2);
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const uint16_t* szp = reinterpret_cast<const uint16_t*>(scale_zeros.const_data_ptr());
+  at::Tensor y;
+  for (int64_t r0 = 0; r0 < n; r0 += kChunkRows) {
+    int64_t rows = std::min(kChunkRows, n - r0);
+    std::optional<Scratch> s = scratch(rows, k);
+    TORCH_CHECK(s.has_value(), "oneDNN packs a ", rows, "x", k, " weight in another layout");
+    at::parallel_for(r0 / 64, (r0 + rows) / 64, 1, [&](int64_t b0, int64_t b1) {
+      int4_expand_blocked(wp, szp, n, k, s->kp, s->data + (b0 - r0 / 64) * s->kp * kBlock, b0, b1);
+    });
+    std::optional<at::Tensor> b;
+    if (bias.has_value()) {
+      b = rows == n ? *bias : bias->narrow(0, r0, rows).contiguous();
+    }
+    at::Tensor part = packed_linear(x, s->packed, b);
+    if (rows == n) {
+      y = part;
+    } else {
+      if (!y.defined()) {
+        y = at::empty({m, n}, x.options());
+      }
+      y.narrow(1, r0, rows).copy_(part);
+    }
+  }
+  return y;
+}
+
+// Whether int4_expanded runs for weights of `k` inputs (oneDNN's layout, checked).
+bool int4_expandable(int64_t k) {
+  return cpu_has_bf16() && scratch(std::min<int64_t>(kChunkRows, 64), k).has_value();
+}
+
+// The expanded weight itself, [N, K] (tests compare it with Int4Weight.dequantize()).
+at::Tensor int4_expand(const at::Tensor& packed, const at::Tensor& scale_zeros) {
+  TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+  int64_t n = scale_zeros.size(1), k = scale_zeros.size(0) * kGroup;
+  TORCH_CHECK(n % 64 == 0 && packed.numel() == n * k / 2);
+  // blocked [N/64][K/2][64][2] -> [N, K]
+  at::Tensor out = at::empty({n / 64, k / 2, 64, 2}, at::TensorOptions().dtype(at::kBFloat16));
+  int4_expand_blocked(
+      packed.const_data_ptr<uint8_t>(),
+      reinterpret_cast<const uint16_t*>(scale_zeros.const_data_ptr()), n, k, k,
+      reinterpret_cast<uint16_t*>(out.mutable_data_ptr()), 0, n / 64);
+  return out.permute({0, 2, 1, 3}).reshape({n, k});
+}
+
+// ------------------------------------------------------------------ decode attention
+
+// exp of x <= 0 (Cephes' expf: ~1 ulp), 16 at a time
+__attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// One query head of one item: o = softmax(q K^T * scale, over the allowed keys) V, in
+// float32, K/V rows `rows[0..length)` of the pool layers `kc` / `vc` ([rows, D]).
+template <typename T, int D16>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void attend_one(
+    const T* q, const T* kc, const T* vc, const int64_t* rows, const bool* allow,
+    int64_t length, float scale, float* scores, T* out) {
+  constexpr int64_t d = D16 * 16;
+  __m512 qv[D16];
+  for (int i = 0; i < D16; i++) {
+    qv[i] = _mm512_mul_ps(load16(q + 16 * i), _mm512_set1_ps(scale));
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < length; j++) {
+    if (!allow[j]) {
+      scores[j] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const T* kr = kc + rows[j] * d;
+    __m512 acc = _mm512_mul_ps(qv[0], load16(kr));
+    for (int i = 1; i < D16; i++) {
+      acc = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), acc);
+    }
+    float sj = _mm512_reduce_add_ps(acc);
+    scores[j] = sj;
+    best = std::max(best, sj);
+  }
+  // exp(s - max); masked keys (-inf) give exactly 0
+  __m512 total = _mm512_setzero_ps();
+  const __m512 top = _mm512_set1_ps(best);
+  int64_t j = 0;
+  for (; j + 16 <= length; j += 16) {
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j), top));
+    _mm512_storeu_ps(scores + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (j < length) {
+    __mmask16 tail = (__mmask16)((1u << (length - j)) - 1);
+    __m512 v = _mm512_mask_loadu_ps(top, tail, scores + j);  // padding: exp(0), masked out
+    __m512 e = exp_nonpositive(_mm512_sub_ps(v, top));
+    _mm512_mask_storeu_ps(scores + j, tail, e);
+    total = _mm512_mask_add_ps(total, tail, total, e);
+  }
+  float inv = 1.0f / _mm512_reduce_add_ps(total);
+  __m512 o[D16];
+  for (int i = 0; i < D16; i++) {
+    o[i] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < length; t++) {
+    if (!allow[t]) {
+      continue;
+    }
+    const T* vr = vc + rows[t] * d;
+    __m512 p = _mm512_set1_ps(scores[t]);
+    for (int i = 0; i < D16; i++) {
+      o[i] = _mm512_fmadd_ps(p, load16(vr + 16 * i), o[i]);
+    }
+  }
+  float res[d];
+  for (int i = 0; i < D16; i++) {
+    _mm512_storeu_ps(res + 16 * i, _mm512_mul_ps(o[i], _mm512_set1_ps(inv)));
+  }
+  for (int64_t c = 0; c < d; c++) {
+    out[c] = static_cast<T>(res[c]);
+  }
+}
+
+// pastry_native::decode_attention: one new token per item. q [B, Hq, D] (after RoPE);
+// pool [2 * layers, Hkv, S, D] (the KV pool, new K/V already stored); K of layer
+// `k_layer`, V of `v_layer`; kv [Hkv, B, L] the rows of each item's keys in a layer viewed
+// as [Hkv * S, D]; allow [B, L]. Returns o [B, Hq, D] in q's dtype: what the compiled
+// step's gather, masked float32 softmax and products compute, without materialising the
+// gathered K/V (fewer passes over them, one parallel region instead of a dozen kernels).
+template <typename T, int D16>
+void decode_attention_impl(
+    const at::Tensor& q, const at::Tensor& pool, int64_t k_layer, int64_t v_layer,
+    const at::Tensor& kv, const at::Tensor& allow, double scale, at::Tensor& out) {
+  int64_t b = q.size(0), hq = q.size(1), hkv = pool.size(1), slots = pool.size(2);
+  int64_t length = kv.size(2), rep = hq / hkv, d = D16 * 16;
+  const T* qp = q.const_data_ptr<T>();
+  const T* base = pool.const_data_ptr<T>();
+  const T* kc = base + k_layer * hkv * slots * d;
+  const T* vc = base + v_layer * hkv * slots * d;
+  const int64_t* rows = kv.const_data_ptr<int64_t>();
+  const bool* mask = allow.const_data_ptr<bool>();
+  T* op = out.mutable_data_ptr<T>();
+  at::parallel_for(0, b * hq, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(length + 16);
+    for (int64_t t = t0; t < t1; t++) {
+      int64_t i = t / hq, h = t % hq, g = h / rep;
+      attend_one<T, D16>(
+          qp + (i * hq + h) * d, kc, vc, rows + (g * b + i) * length, mask + i * length,
+          length, static_cast<float>(scale), scores.data(), op + (i * hq + h) * d);
+    }
+  });
+}
+
+at::Tensor decode_attention(
+    const at::Tensor& q_in, const at::Tensor& pool, int64_t k_layer, int64_t v_layer,
+    const at::Tensor& kv_in, const at::Tensor& allow_in, double scale) {
+  TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+  TORCH_CHECK(q_in.dim() == 3 && pool.dim() == 4 && kv_in.dim() == 3 && allow_in.dim() == 2);
+  TORCH_CHECK(pool.is_contiguous() && pool.scalar_type() == q_in.scalar_type());
+  at::Tensor q = q_in.contiguous(), kv = kv_in.contiguous(), allow = allow_in.contiguous();
+  int64_t b = q.size(0), hq = q.size(1), d = q.size(2), hkv = pool.size(1);
+  TORCH_CHECK(pool.size(3) == d && hq % hkv == 0, "shapes of q and the pool disagree");
+  TORCH_CHECK(kv.size(0) == hkv && kv.size(1) == b && allow.size(0) == b);
+  TORCH_CHECK(allow.size(1) == kv.size(2) && kv.scalar_type() == at::kLong);
+  TORCH_CHECK(allow.scalar_type() == at::kBool);
+  at::Tensor out = at::empty_like(q);
+  bool bf16 = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat, "decode_attention runs bf16 and float32");
+  switch (d) {
+#define PASTRY_ATTEND(D16)                                                                  \
+  case D16 * 16:                                                                            \
+    if (bf16) {                                                                             \
+      decode_attention_impl<at::BFloat16, D16>(q, pool, k_layer, v_layer, kv, allow, scale, \
+                                               out);                                        \
+    } else {                                                                                \
+      decode_attention_impl<float, D16>(q, pool, k_layer, v_layer, kv, allow, scale, out);  \
+    }                                                                                       \
+    break;
+    PASTRY_ATTEND(1)
+    PASTRY_ATTEND(2)
+    PASTRY_ATTEND(4)
+    PASTRY_ATTEND(5)
+    PASTRY_ATTEND(6)
+    PASTRY_ATTEND(8)
+    PASTRY_ATTEND(16)
+#undef PASTRY_ATTEND
+    default:
+      TORCH_CHECK(false, "decode_attention takes head dims 16 to 128 in 16s and 256, not ", d);
+  }
+  return out;
+}
+
+// Whether decode_attention takes this head dim.
+bool attention_head_dim(int64_t d) {
+  return cpu_has_bf16() && d % 16 == 0 && (d <= 128 ? d != 48 && d != 112 : d == 256);
+}
+
+// ------------------------------------------------------------------ pastry::linear
+
+// How a projection multiplies (pastry.engine.native.DENSE / BLOCKED / INT4 / INT8).
+constexpr int64_t kDense = 0;    // oneDNN-packed (mkldnn layout) or a plain [N, K] weight
+constexpr int64_t kBlocked = 1;  // oneDNN-packed, read in place below `small_m` rows
+constexpr int64_t kInt4 = 2;     // _weight_int4pack_mm_for_cpu, groups of 32
+constexpr int64_t kInt8 = 3;     // _weight_int8pack_mm, per-channel scales
+
+// Linear.forward of a dense weight: oneDNN's packed product, or F.linear.
+at::Tensor dense_linear(
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  if (w.is_mkldnn()) {
+    return packed_linear(x, w, bias);
+  }
+  return at::linear(x, w, bias);
+}
+
+at::Tensor add_bias(at::Tensor y, const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? y + *bias : y;
+}
+
+struct Projection {
+  int64_t kind;
+  at::Tensor weight;                 // packed / plain / int4 codes / int8 codes
+  std::optional<at::Tensor> scales;  // int4: scale_zeros; int8: scales
+  std::optional<at::Tensor> dense;   // int4: the expanded copy (packed or plain)
+  std::optional<at::Tensor> bias;
+  int64_t threshold;  // blocked: rows below which it runs; int4: rows from which `dense`
+                      // runs; int8: rows from which the weight is expanded
+  int64_t expand_from;  // int4 without `dense`: rows from which it is expanded (0: never)
+  int64_t n, kp;      // blocked: output rows, padded inputs
+  const uint16_t* data;  // blocked: the packed bytes
+};
+
+struct Projections : torch::CustomClassHolder {
+  std::vector<Projection> items;
+
+  // kind, weight, scales, dense copy, bias, threshold, expand_from, n, kp (see Projection)
+  void add(
+      int64_t kind, at::Tensor weight, std::optional<at::Tensor> scales,
+      std::optional<at::Tensor> dense, std::optional<at::Tensor> bias, int64_t threshold,
+      int64_t expand_from, int64_t n, int64_t kp) {
+    TORCH_CHECK(kind >= kDense && kind <= kInt8, "unknown projection kind ", kind);
+    TORCH_CHECK(kind < kInt4 || scales.has_value(), "a quantized projection needs its scales");
+    const uint16_t* data = nullptr;
+    if (kind == kBlocked) {
+      TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
+      TORCH_CHECK(weight.is_mkldnn(), "a blocked projection needs a oneDNN-packed weight");
+      data = mkldnn_data(weight);
+    }
+    TORCH_CHECK(expand_from == 0 || (kind == kInt4 && cpu_has_bf16()), "cannot expand");
+    items.push_back(Projection{
+        kind, std::move(weight), std::move(scales), std::move(dense), std::move(bias),
+        threshold, expand_from, n, kp, data});
+  }
+
+  int64_t size() const { return static_cast<int64_t>(items.size()); }
+
+  at::Tensor run(int64_t index, const at::Tensor& x) const {
+    TORCH_CHECK(index >= 0 && index < size(), "projection ", index, " of ", size());
+    const Projection& p = items[index];
+    switch (p.kind) {
+      case kDense:
+        return dense_linear(x, p.weight, p.bias);
+      case kBlocked:
+        if (x.size(0) < p.threshold) {
+          return blocked_product(x, p.data, p.n, p.kp, p.bias);
+        }
+        return packed_linear(x, p.weight, p.bias);
+      case kInt4:
+        if (p.dense.has_value() && x.size(0) >= p.threshold) {
+          return add_bias(dense_linear(x, *p.dense, std::nullopt), p.bias);
+        }
+        if (p.expand_from > 0 && x.size(0) >= p.expand_from) {
+          return add_bias(int4_expanded(x, p.weight, *p.scales, std::nullopt), p.bias);
+        }
+        return add_bias(
+            at::_weight_int4pack_mm_for_cpu(x.contiguous(), p.weight, 32, *p.scales), p.bias);
+      default:  // kInt8
+        if (x.size(0) >= p.threshold) {
+          at::Tensor w = p.weight.to(p.scales->scalar_type()) * p.scales->unsqueeze(1);
+          return add_bias(at::linear(x, w), p.bias);
+        }
+        return add_bias(at::_weight_int8pack_mm(x.contiguous(), p.weight, *p.scales), p.bias);
+    }
+  }
+
+  void use();
+  void release();
+};
+
+// The projections of the model the calling thread is running (engines of one process
+// each forward on their own worker thread).
+thread_local Projections* current = nullptr;
+
+void Projections::use() { current = this; }
+void Projections::release() {
+  if (current == this) {
+    current = nullptr;
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, int64_t index, int64_t out_features) {
+  TORCH_CHECK(current != nullptr, "pastry::linear called outside CompiledDecode");
+  return current->run(index, x);
+}
+
+// Projection `index` of `projections`, outside a step (tests compare it with Linear.forward).
+at::Tensor call(const c10::intrusive_ptr<Projections>& projections, int64_t index, at::Tensor x) {
+  return projections->run(index, x);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pastry_native, m) {
+  m.class_<Projections>("Projections")
+      .def(torch::init<>())
+      .def("add", &Projections::add)
+      .def("size", &Projections::size)
+      .def("use", &Projections::use)
+      .def("release", &Projections::release);
+  m.def("call", &call);
+  m.def("supported", &supported);
+  m.def("blocked_linear", &blocked_linear);
+  m.def("int4_expanded", &int4_expanded);
+  m.def("int4_expand", &int4_expand);
+  m.def("int4_expandable", &int4_expandable);
+  m.def("attention_head_dim", &attention_head_dim);
+  // a CPU kernel (not a composite one), so that the compiler keeps it opaque
+  m.def(
+      "decode_attention(Tensor q, Tensor pool, int k_layer, int v_layer, Tensor kv, "
+      "Tensor allow, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pastry, CPU, m) { m.impl("linear", &linear); }
+
+TORCH_LIBRARY_IMPL(pastry_native, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,203 @@
+"""Pastry's native CPU kernels (``data/native.cpp``), built on first use.
+
+Two things, both for the decode step on CPU:
+
+- **A bfloat16 product for few rows over oneDNN's packed weight.** ``Linear.prepack``
+  reorders a bf16 weight into oneDNN's blocked layout; on a CPU with AVX512_BF16 that
+  layout is ``[ceil(N/64)][Kp/2][64][2]`` (64 output rows per block, pairs of inputs
+  interleaved), which :func:`blocked_layout` checks byte for byte per weight. Below
+  :data:`SMALL_M` rows the native kernel reads that memory in place — no second copy —
+  at memory bandwidth, where oneDNN's one-row path has ~11 us of fixed cost per call and
+  streams more slowly (SmolLM2-135M's 120 decoder projections at one row: ~10 ms with
+  oneDNN, ~7 ms native on the 2-core Zen 4; benchmarks/RESULTS.md). Float32 sums, one
+  rounding to bfloat16: a few outputs differ from oneDNN's in the last bit.
+- **The C++ kernel of ``pastry::linear``**, the compiled decode step's opaque projection
+  call (:mod:`pastry.engine.compiled`): called from inductor's C++ wrapper through the
+  dispatcher, it no longer enters Python (120 round trips a step on SmolLM2-135M).
+
+:func:`load` builds the library with ``torch.utils.cpp_extension`` (a C++ compiler and
+ninja, as inductor needs a compiler; ~15 s on 2 cores) into ``$PASTRY_HOME/native``, keyed
+by the source and the torch build, and loads it; later starts load it in milliseconds.
+Without a compiler, or with ``PASTRY_NATIVE=0``, it says why once and everything runs as
+before (oneDNN for the products, a Python kernel for ``pastry::linear``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from pastry.paths import pastry_home
+
+if TYPE_CHECKING:
+    from pastry.engine.layers import Linear
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "data" / "native.cpp"
+BLOCK = 64  # output rows per block of oneDNN's packed bf16 layout (native.cpp)
+# Rows below which a blocked weight is multiplied natively; from here on oneDNN's product
+# is faster (its cost grows more slowly with the rows; benchmarks/RESULTS.md).
+SMALL_M = 5
+# kinds of Projections.add (native.cpp)
+DENSE, BLOCKED, INT4, INT8 = 0, 1, 2, 3
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "loaded": bool, "error": str
+ready = False  # the library is loaded and this CPU runs its bf16 kernel
+
+
+def build_dir() -> Path:
+    """Where the library is built: keyed by the source and the torch build it links."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
+    return pastry_home() / "native" / key.hexdigest()[:16]
+
+
+def load() -> bool:
+    """Build (the first time) and load the library into the process, once; False, with the
+    reason in :func:`error`, logged once, if it cannot be built or loaded or
+    ``PASTRY_NATIVE=0``. Sets :data:`ready`."""
+    global ready
+    with _lock:
+        if "loaded" in _state:
+            return bool(_state["loaded"])
+        try:
+            if os.environ.get("PASTRY_NATIVE", "1") == "0":
+                raise RuntimeError("turned off by PASTRY_NATIVE=0")
+            from torch.utils import cpp_extension
+
+            _find_ninja()
+            out = build_dir()
+            out.mkdir(parents=True, exist_ok=True)
+            t = time.perf_counter()
+            log.info("loading Pastry's native CPU kernels (built once into %s)", out)
+            cpp_extension.load(
+                name="pastry_native",
+                sources=[str(SOURCE)],
+                build_directory=str(out),
+                extra_cflags=["-O2", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+            log.info("native CPU kernels ready in %.1fs", time.perf_counter() - t)
+            torch.library.register_fake("pastry_native::decode_attention", _attention_fake)
+            _state["loaded"] = True
+            ready = bool(torch.ops.pastry_native.supported())
+            if not ready:
+                log.info("this CPU lacks AVX512_BF16: bf16 products stay with oneDNN")
+        except Exception as e:  # no compiler, no ninja, a failed build: as before
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            _state["error"] = f"{type(e).__name__}: {first}"
+            _state["loaded"] = False
+            log.warning("Pastry's native CPU kernels are unavailable (%s)", _state["error"])
+        return bool(_state["loaded"])
+
+
+def _find_ninja() -> None:
+    """Put the ``ninja`` of the PyPI package (a dependency) on ``PATH`` when none is there:
+    ``cpp_extension`` runs ``ninja`` by name, and a virtual environment's ``bin`` is not on
+    ``PATH`` unless activated (``.venv/bin/pastry serve``)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # cpp_extension then says that ninja is missing
+    os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, os.environ.get("PATH"))))
+
+
+def _attention_fake(q, pool, k_layer, v_layer, kv, allow, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def attention(head_dim: int) -> bool:
+    """Whether the compiled decode step's attention runs natively for this head dim
+    (``pastry_native::decode_attention``; requires :func:`load`)."""
+    return ready and bool(torch.ops.pastry_native.attention_head_dim(head_dim))
+
+
+def error() -> str | None:
+    """Why :func:`load` failed, if it did."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _raw(packed: torch.Tensor) -> torch.Tensor:
+    """The bytes of a oneDNN tensor as a flat bfloat16 tensor sharing its memory."""
+    n = torch.ops.mkldnn._nbytes(packed)
+    buf = (ctypes.c_uint8 * n).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(buf, dtype=torch.bfloat16)
+
+
+def blocked_layout(w: torch.Tensor, packed: torch.Tensor) -> int | None:
+    """The padded input width ``Kp`` if ``packed`` (oneDNN's reorder of the bf16 weight
+    ``w [N, K]``) holds it as ``[ceil(N/64)][Kp/2][64][2]``, the layout the native kernel
+    reads, checked on every element; None otherwise (another ISA, another format)."""
+    n, k = w.shape
+    if k % 2 or w.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
+        return None
+    blocks = -(-n // BLOCK)
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if nbytes % (blocks * BLOCK * 2 * 2):
+        return None
+    kp = nbytes // (blocks * BLOCK * 2)
+    if kp < k:
+        return None
+    raw = _raw(packed).view(blocks, kp // 2, BLOCK, 2).permute(0, 2, 1, 3)
+    raw = raw.reshape(blocks * BLOCK, kp)[:n, :k]  # [N, K] as the layout says
+    if not torch.equal(raw.view(torch.int16), w.view(torch.int16)):
+        return None
+    return kp
+
+
+def int4_layout(q: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether ``packed`` (``_convert_weight_to_int4pack_for_cpu`` of the codes ``q [N, K]``,
+    values 0..15) is laid out as the native int4 kernel reads it: ``[N/64][K][32]`` bytes,
+    byte ``i`` of (block, k) holding row ``i``'s code (low nibble) and row ``i + 32``'s
+    (high). Checked on every byte; False for other shapes and layouts."""
+    n, k = q.shape
+    if n % BLOCK or k % 32 or packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+        return False
+    halves = q.view(n // BLOCK, 2, BLOCK // 2, k)  # rows i and i + 32 of each block
+    want = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2)  # [N/64, K, 32]
+    return torch.equal(packed.reshape(n // BLOCK, k, BLOCK // 2), want)
+
+
+def projections(linears: list[Linear]) -> torch.ScriptObject:
+    """A ``pastry_native.Projections`` over ``linears`` (in ``pastry::linear``'s index
+    order) that multiplies as each :meth:`Linear.forward` does (requires :func:`load`)."""
+    from pastry.engine.quant import (
+        INT4_DENSE_FROM_M,
+        INT4_EXPAND_FROM_M,
+        INT8_DENSE_FROM_M,
+        Int4Weight,
+        Int8Weight,
+    )
+
+    p = torch.classes.pastry_native.Projections()
+    for lin in linears:
+        q, bias = lin.quantized, lin.bias
+        if q is None and lin.packed is not None and lin.blocked_kp is not None and ready:
+            kp = lin.blocked_kp
+            p.add(BLOCKED, lin.packed, None, None, bias, SMALL_M, 0, lin.out_features, kp)
+        elif q is None:
+            w = lin.packed if lin.packed is not None else lin.weight
+            p.add(DENSE, w, None, None, bias, 0, 0, 0, 0)
+        elif isinstance(q, Int4Weight):
+            expand = INT4_EXPAND_FROM_M if q.expandable and ready else 0
+            p.add(INT4, q.packed, q.scale_zeros, q.dense, bias, INT4_DENSE_FROM_M, expand, 0, 0)
+        elif isinstance(q, Int8Weight):
+            p.add(INT8, q.q, q.scale, None, bias, INT8_DENSE_FROM_M, 0, 0, 0)
+        else:
+            raise TypeError(f"no native kernel for {type(q).__name__}")
+    return p

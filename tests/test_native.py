@@ -1,0 +1,264 @@
+"""Pastry's native CPU kernels (engine/native.py, engine/data/native.cpp).
+
+The few-row bf16 product over oneDNN's packed weight equals oneDNN's product up to float32
+summation order (one bf16 rounding: at most a unit in the last place of a few outputs), and
+is what Linear.forward runs below SMALL_M rows; the C++ kernel of pastry::linear multiplies
+exactly as Linear.forward does for every kind of weight; and without the library (no
+compiler, PASTRY_NATIVE=0) an engine starts, compiles and decodes as before.
+
+The library is built once per source into $PASTRY_HOME/native (~15 s the first time).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pastry.engine import native
+from pastry.engine.layers import Linear
+from pastry.engine.quant import (
+    INT4_DENSE_FROM_M,
+    INT4_EXPAND_FROM_M,
+    INT8_DENSE_FROM_M,
+    Int4Weight,
+    Int8Codes,
+    pack,
+    quantize_int4,
+)
+
+MKLDNN = torch.backends.mkldnn.is_available()
+
+
+@pytest.fixture(scope="module")
+def lib() -> None:
+    if not native.load():
+        pytest.skip(f"the native library could not be built here: {native.error()}")
+
+
+def packed_linear(n: int, k: int, bias: bool = False, seed: int = 0) -> tuple[Linear, torch.Tensor]:
+    """A prepacked bf16 Linear and its weight."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+    lin = Linear(k, n, bias=bias).to(torch.bfloat16)
+    lin.weight.data.copy_(w)
+    if bias:
+        lin.bias.data.copy_(torch.randn(n, generator=g).to(torch.bfloat16))
+    assert lin.prepack()
+    return lin, w
+
+
+def onednn(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 representable steps apart two bf16 tensors of one sign pattern are."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return (ia - ib).abs()
+
+
+@pytest.mark.skipif(not MKLDNN, reason="no oneDNN in this torch build")
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(960, 576), (576, 1536), (100, 70), (130, 64), (49152 // 16, 576), (48, 32)],
+)
+def test_blocked_product_equals_onednn(lib, n, k):
+    """Shapes that fill the 64-row blocks and shapes that pad them (rows and inputs)."""
+    lin, w = packed_linear(n, k, bias=n % 3 == 0, seed=n + k)
+    if lin.blocked_kp is None:
+        pytest.skip("oneDNN chose another layout for this shape on this CPU")
+    assert lin.blocked_kp >= k
+    for m in range(1, native.SMALL_M):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        ours = torch.ops.pastry_native.blocked_linear(x, lin.packed, lin.bias, n, lin.blocked_kp)
+        theirs = onednn(lin, x)
+        assert ours.shape == theirs.shape == (m, n)
+        ref = x.float() @ w.float().t() + (lin.bias.float() if lin.bias is not None else 0)
+        # both round the float32 sum once: at most a unit in the last place apart (they sum
+        # in different orders), and as close to the float32 product
+        assert ulps_apart(ours, theirs).max() <= 1
+        err, err_onednn = (ours.float() - ref).abs().max(), (theirs.float() - ref).abs().max()
+        assert err <= err_onednn * 1.01 + 1e-6
+
+
+@pytest.mark.skipif(not MKLDNN, reason="no oneDNN in this torch build")
+def test_linear_forward_uses_the_native_product_below_small_m(lib):
+    lin, _ = packed_linear(256, 192, bias=True)
+    if lin.blocked_kp is None or not native.ready:
+        pytest.skip("oneDNN chose another layout, or no AVX512_BF16")
+    x = torch.randn(native.SMALL_M + 3, 192).to(torch.bfloat16)
+    for m in (1, native.SMALL_M - 1):
+        want = torch.ops.pastry_native.blocked_linear(x[:m], lin.packed, lin.bias, 256, 192)
+        assert torch.equal(lin(x[:m]), want)
+    assert torch.equal(lin(x), onednn(lin, x))  # from SMALL_M rows on: oneDNN's product
+    # a non-contiguous activation (a column slice) reads the same values
+    wide = torch.randn(2, 400).to(torch.bfloat16)
+    assert torch.equal(lin(wide[:, 8:200]), lin(wide[:, 8:200].contiguous()))
+
+
+def test_blocked_layout_rejects_a_different_weight():
+    """The layout check compares every element: a packed weight of other values fails."""
+    if not MKLDNN:
+        pytest.skip("no oneDNN in this torch build")
+    lin, w = packed_linear(128, 64)
+    if lin.blocked_kp is None:
+        pytest.skip("oneDNN chose another layout on this CPU")
+    other = w.clone()
+    other[77, 33] += 1
+    assert native.blocked_layout(other, lin.packed) is None
+    assert native.blocked_layout(w, lin.packed) == lin.blocked_kp
+
+
+def linears_of_every_kind() -> list[Linear]:
+    """A float32 dense Linear, a bf16 packed one with a bias, an int4 one with a dense copy
+    for large batches (int4-hybrid), an int8 one, and an int4 one without a copy (expanded
+    for large batches), each 64 x 96."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=g) / 10
+    dense = Linear(96, 64, bias=True)
+    dense.weight.data.copy_(w)
+    dense.bias.data.copy_(torch.randn(64, generator=g))
+    packed, _ = packed_linear(64, 96, bias=True, seed=5)
+    int4 = Linear(96, 64).to(torch.bfloat16)
+    int4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16))
+    int4.quantized.keep_dense()
+    int8 = Linear(96, 64).to(torch.bfloat16)
+    int8.set_quantized(pack(Int8Codes.from_dense(w), torch.bfloat16))
+    plain4 = Linear(96, 64, bias=True).to(torch.bfloat16)
+    plain4.bias.data.copy_(torch.randn(64, generator=g).to(torch.bfloat16))
+    plain4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16))
+    return [dense, packed, int4, int8, plain4]
+
+
+def test_projections_multiply_as_linear_forward(lib):
+    """pastry::linear's C++ kernel gives Linear.forward's results, bit for bit, for every
+    kind of weight and on both sides of each kind's row threshold."""
+    lins = linears_of_every_kind()
+    p = native.projections(lins)
+    assert p.size() == len(lins)
+    for i, lin in enumerate(lins):
+        dtype = torch.float32 if lin.kind == "dense" else torch.bfloat16
+        rows = (1, 3, native.SMALL_M, INT4_DENSE_FROM_M + 1, INT4_EXPAND_FROM_M)
+        for m in (*rows, INT8_DENSE_FROM_M):
+            x = torch.randn(m, 96).to(dtype)
+            assert torch.equal(torch.ops.pastry_native.call(p, i, x), lin(x)), (lin.kind, m)
+
+
+@pytest.mark.parametrize(("n", "k"), [(128, 64), (960, 576), (4096 + 192, 96)])
+def test_int4_expanded_from_many_rows_equals_the_dense_copy(lib, n, k):
+    """From INT4_EXPAND_FROM_M rows a plain int4 weight is expanded per call: exactly the
+    weight int4-hybrid keeps (dequantize()), multiplied by the same packed product, in
+    chunks of 4096 rows for tall weights."""
+    if not native.ready:
+        pytest.skip("no AVX512_BF16")
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g) / 10
+    q = Int4Weight(quantize_int4(w), torch.bfloat16)
+    assert q.expandable
+    dense = q.dequantize()
+    assert torch.equal(torch.ops.pastry_native.int4_expand(q.packed, q.scale_zeros), dense)
+    packed = torch.ops.mkldnn._reorder_linear_weight(dense, 1)
+    x = torch.randn(INT4_EXPAND_FROM_M + 5, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    assert torch.equal(q.matmul(x), want)
+    with_bias = torch.ops.pastry_native.int4_expanded(x, q.packed, q.scale_zeros, bias)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    assert torch.equal(with_bias, want)
+    # below the threshold: PyTorch's int4 kernel, as before
+    assert torch.equal(q.matmul(x[:3]), q._kernel(x[:3]))
+
+
+def attention_reference(q, pool, k_layer, v_layer, kv, allow, scale):
+    """The compiled step's formulation: gathered rows, masked float32 softmax, products."""
+    b, hq, d = q.shape
+    hkv, slots = pool.shape[1], pool.shape[2]
+    rep = hq // hkv
+    k = pool[k_layer].reshape(hkv * slots, d)[kv].float()  # [Hkv, B, L, D]
+    v = pool[v_layer].reshape(hkv * slots, d)[kv].float()
+    qg = q.view(b, hkv, rep, d).transpose(0, 1).float()  # [Hkv, B, rep, D]
+    scores = (qg @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allow.view(1, b, 1, -1), float("-inf"))
+    o = scores.softmax(-1) @ v  # [Hkv, B, rep, D]
+    return o.transpose(0, 1).reshape(b, hq, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
+def test_decode_attention_equals_the_gathered_softmax(lib, dtype, hq, hkv, d):
+    """Per item its own rows and mask (masked rows may hold anything, even NaN: they do
+    not count), grouped and ungrouped heads, the head dims the kernel takes."""
+    if not native.attention(d):
+        pytest.skip("no AVX512_BF16")
+    g = torch.Generator().manual_seed(hq * d)
+    layers, slots, b, length = 3, 256, 5, 37
+    pool = torch.randn(2 * layers, hkv, slots, d, generator=g).to(dtype)
+    # distinct slots for every (item, key), head-major rows
+    kv = torch.stack([torch.randperm(slots, generator=g)[: b * length] for _ in range(hkv)])
+    kv = kv.view(hkv, b, length) + torch.arange(hkv).view(hkv, 1, 1) * slots
+    allow = torch.rand(b, length, generator=g) < 0.7
+    allow[:, -1] = True
+    pool[1].view(-1, d)[kv[:, ~allow]] = float("nan")  # K rows only masked keys use
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    ours = torch.ops.pastry_native.decode_attention(q, pool, 1, layers + 1, kv, allow, d**-0.5)
+    pool[1].view(-1, d)[kv[:, ~allow]] = 0.0
+    want = attention_reference(q, pool, 1, layers + 1, kv, allow, d**-0.5)
+    assert ours.dtype == dtype and ours.shape == (b, hq, d) and not ours.isnan().any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)
+    else:  # the float32 result rounded once to bf16 (a relative 2^-8), summed in another order
+        assert ((ours.float() - want).abs() <= 2**-8 * want.abs() + 1e-5).all()
+
+
+def test_pastry_linear_resolves_the_thread_s_projections(lib):
+    """Outside a step pastry::linear has no projections to call; inside, the current ones."""
+    from pastry.engine import compiled
+
+    assert compiled._kernel() == "native"
+    lins = linears_of_every_kind()
+    p = native.projections(lins)
+    x = torch.randn(2, 96)
+    with pytest.raises(RuntimeError, match="outside CompiledDecode"):
+        torch.ops.pastry.linear(x, 0, 64)
+    with compiled._running([], p):
+        assert torch.equal(torch.ops.pastry.linear(x, 0, 64), lins[0](x))
+    with pytest.raises(RuntimeError, match="outside CompiledDecode"):
+        torch.ops.pastry.linear(x, 0, 64)
+
+
+def test_without_the_library_an_engine_compiles_and_decodes_as_before(make_tiny, tmp_path):
+    """PASTRY_NATIVE=0 (as without a compiler): the engine says why, pastry::linear gets
+    its Python kernel, and the compiled decode equals the eager one."""
+    path = make_tiny("llama")
+    script = tmp_path / "run.py"
+    script.write_text(
+        f"""
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from engine_util import Pages, Seq
+from pastry.engine import compiled, native
+from pastry.engine.config import EngineConfig
+from pastry.engine.engine import Engine
+kw = dict(dtype="float32", num_pages=64, num_embeds=256, num_host_pages=1, page_size=4)
+comp = Engine.load({str(path)!r}, EngineConfig(compile=True, **kw))
+eager = Engine.load({str(path)!r}, EngineConfig(**kw))
+toks = [5, 9, 2, 7, 1]
+a, b = Seq(Pages(comp)).greedy(toks, 6), Seq(Pages(eager)).greedy(toks, 6)
+assert comp.compiled.kernel == "python" and not native.ready, comp.compiled.kernel
+assert comp.compiled.steps == 5 and a == b, (a, b)
+print("OK", native.error())
+"""
+    )
+    env = {**os.environ, "PASTRY_NATIVE": "0"}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "OK RuntimeError: turned off by PASTRY_NATIVE=0" in out.stdout
+    assert "native CPU kernels are unavailable" in out.stderr
