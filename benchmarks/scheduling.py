@@ -113,9 +113,7 @@ from pastry.runtime.trusted import Program, TrustedRuntime
 from pastry.sched import workloads
 from pastry.sched.hardware import KvMemory
 from pastry.sched.programs import ProgramSpec
-from pastry.sched.sim import SimConfig, simulate
-from pastry.sched.srpt import Srpt
-from pastry.sched.vllm import Vllm
+from pastry.sched.sim import SimConfig, simulate, system_named
 
 POLICIES = ("fcfs", "mlfq", "plas", "atlas")
 AUTELLIX = {"sharegpt": "plas", "bfcl": "plas", "lats": "atlas", "mixed": "atlas"}
@@ -328,15 +326,6 @@ def section_real(args, engine: Engine, sources: workloads.Sources, reps: int) ->
 # --------------------------------------------------------------------------- (c) simulator
 
 
-def sim_system(name: str):
-    """A fresh system for :func:`simulate` (policies keep per-scheduler state)."""
-    if name == "vllm":
-        return Vllm()
-    if name == "srpt":
-        return lambda sim: Srpt(sim.remaining_steps)
-    return schedule_policy(name)
-
-
 def sim_config(memory: KvMemory) -> SimConfig:
     """The simulated engine of a steady-state run (module docstring, section (c))."""
     end = SIM_WARMUP_S + SIM_MEASURE_S
@@ -353,7 +342,7 @@ def sim_one(task: tuple[str, float, int, str]) -> Run:
         return Run(name, rate, logged["latencies"], logged["programs"], logged["extra"])
     specs = workloads.make(w, round(rate * SIM_ARRIVALS_S), rate, seed=rep, sources=_SOURCES)
     t0 = time.perf_counter()
-    r = simulate(sim_system(name), specs, sim_config(KvMemory.a100_llama8b()))
+    r = simulate(system_named(name), specs, sim_config(KvMemory.a100_llama8b()))
     measured = r.measured
     extra = {k: v for k, v in r.stats.items() if k in SIM_SHOWN}
     # measured programs still running when the arrivals stopped (they end as the load drains)

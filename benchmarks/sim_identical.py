@@ -24,14 +24,11 @@ import time
 
 import numpy as np
 
-from pastry.control.policies import schedule_policy
 from pastry.control.policies.memory import MemoryAdmission
 from pastry.sched import workloads
 from pastry.sched.datasets import bfcl_tasks, sharegpt_conversations
 from pastry.sched.hardware import KvMemory
-from pastry.sched.sim import SimConfig, simulate
-from pastry.sched.srpt import Srpt
-from pastry.sched.vllm import Vllm
+from pastry.sched.sim import SimConfig, simulate, system_named
 
 # (workload, x capacity, system, seconds of arrivals, admission): measured arrivals in
 # [arrivals / 5, arrivals x 3 / 5), the benchmark's machine model, 8-step passes
@@ -58,14 +55,6 @@ ADMISSION = {
 }
 
 
-def system(name: str):
-    if name == "vllm":
-        return Vllm()
-    if name == "srpt":
-        return lambda sim: Srpt(sim.remaining_steps)
-    return schedule_policy(name)
-
-
 def run_case(w, f, name, arrivals, admission, sources) -> dict:
     cfg0 = SimConfig()
     cap = cfg0.max_batch / cfg0.cost.step(cfg0.max_batch, cfg0.max_batch)
@@ -76,7 +65,7 @@ def run_case(w, f, name, arrivals, admission, sources) -> dict:
                     measure=(arrivals / 5, arrivals * 3 / 5), max_time_s=arrivals + 3600,
                     admission=ADMISSION[admission])  # fmt: skip
     t0 = time.perf_counter()
-    r = simulate(system(name), specs, cfg)
+    r = simulate(system_named(name), specs, cfg)
     wall = time.perf_counter() - t0
     h = hashlib.sha256()
     for p in r.programs:

@@ -10,7 +10,7 @@ import pytest
 from pastry.control.policies import Atlas, Fcfs, Levels, Mlfq, Plas
 from pastry.sched.datasets import complete_records
 from pastry.sched.programs import CallSpec, ProgramSpec, Stage
-from pastry.sched.sim import CostModel, SimConfig, Simulator, simulate
+from pastry.sched.sim import CostModel, SimConfig, Simulator, simulate, system_named
 from pastry.sched.srpt import Srpt
 from pastry.sched.workloads import Knobs, Scale, make
 
@@ -40,6 +40,16 @@ def test_figure_2_fcfs_waits_18_and_plas_beats_mlfq():
     for r in (mlfq, plas, srpt):
         assert [p.tokens for p in r.programs] == [sum(s) for s in TOY.values()]
         assert 13 <= r.steps <= 26 and r.completed
+
+
+def test_systems_by_name_run_the_toy_example():
+    """The benchmarks' names for systems: FCFS and SRPT give the toy's known waits, every
+    other name a system that runs every program to the end."""
+    assert simulate(system_named("fcfs"), toy(), UNIT).total_wait == 18.0
+    assert simulate(system_named("srpt"), toy(), UNIT).total_wait == 7.0
+    for name in ("mlfq", "plas", "atlas", "vllm"):
+        r = simulate(system_named(name), toy(), UNIT)
+        assert r.completed and [p.tokens for p in r.programs] == [sum(s) for s in TOY.values()]
 
 
 def test_the_simulator_keeps_the_process_table_consistent():
