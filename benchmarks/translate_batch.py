@@ -28,6 +28,13 @@ from pastry.control.resources import ResourceManager
 from pastry.control.scheduler import Command, Stage
 from pastry.control.steps import Step
 
+try:  # commands as ops (issue 27); an older checkout's commands carry ``batched``
+    from pastry.control.scheduler import Op  # noqa: F401
+
+    OPS = True
+except ImportError:
+    OPS = False
+
 PAGES = (4, 32, 128, 512)
 STEPS = (1, 128, 512)
 TRANSLATE = (1, 4, 32, 128, 512)
@@ -47,16 +54,18 @@ def batch(loop: asyncio.AbstractEventLoop, steps: int, pages: int) -> list[Comma
     for inst in range(steps):
         e_in, e_out = res.alloc(inst, "embed", 2)
         length = (pages - 1) * 16 + 5  # the last page partly filled
+        fut = loop.create_future()
+        if OPS:  # a command is its op (a greedy step: no sampling record)
+            step = Step(res, inst, [7], [length], [e_in, e_out], kv[inst], pages - 1, 16, 5)
+            cmds.append(Command(Stage.EMBED, step, tokens=1, last_stage=Stage.OUTPUT, future=fut))
+            continue
         step = Step(
             res, inst, [7], [length], [e_in, e_out], kv[inst], pages - 1, 16, 5,
             (0.0, 0, 1.0, 0.0, None), {},
         )  # fmt: skip
         cmds.append(
-            Command(
-                Stage.EMBED, tokens=1, last_stage=Stage.OUTPUT, batched=step,
-                future=loop.create_future(),
-            )
-        )  # fmt: skip
+            Command(Stage.EMBED, tokens=1, last_stage=Stage.OUTPUT, batched=step, future=fut)
+        )  # before 2026-12: a command carried its data as ``batched``
     return cmds
 
 

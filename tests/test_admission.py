@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from commands import fn_command
 from pastry.control.policies import (
     ADMISSION_POLICIES,
     CacheAwareSchedule,
@@ -19,7 +20,7 @@ from pastry.control.policies import (
     RandomOrder,
     admission_policy,
 )
-from pastry.control.scheduler import Command, Queue, Stage
+from pastry.control.scheduler import Queue, Stage
 
 
 @dataclass(eq=False)
@@ -43,7 +44,7 @@ def queues(specs) -> list[Queue]:
         out = []
         for i, spec in enumerate(specs):
             q = Queue(instance=i, qid=i)
-            cmd = Command(Stage.KV if spec else Stage.FORWARD, prepare=lambda: None)
+            cmd = fn_command(Stage.KV if spec else Stage.FORWARD, lambda: None)
             cmd.created = float(i)
             if spec is not None:
                 cmd.admission = Waiting(*spec)
@@ -114,7 +115,7 @@ def test_kv_calls_of_one_queue_share_a_batch_unless_they_touch_the_same_page():
 
     def cmd(call):
         async def make():
-            c = Command(Stage.KV, prepare=lambda: call)
+            c = fn_command(Stage.KV, lambda: call)
             c.call = call
             return c
 

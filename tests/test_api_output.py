@@ -39,7 +39,7 @@ async def main(args):
     out["plain"] = await px.sample(q, emb[n])
     out["masked"] = await px.sample(q, emb[n], mask=mask, logprobs=2)
     out["long_mask"] = await px.sample(q, emb[n], mask=mask + bytes(4))  # as llguidance may
-    out["hot"] = [await px.sample(q, emb[n], 2.0, seed=s, mask=mask) for s in range(20)]
+    out["hot"] = [await px.sample(q, emb[n], temperature=2.0, seed=s, mask=mask) for s in range(20)]
     out["biased"] = await px.sample(q, emb[n], logit_bias=[(allowed[3], 100.0)])
     top = out["greedy"][0]
     out["penalized"] = await px.get_next_dist(

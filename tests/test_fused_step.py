@@ -13,9 +13,10 @@ from typing import ClassVar
 
 import pytest
 
+from commands import fn_command
 from inferlet_util import load_engine, result, run_all, start
 from pastry.control.policies import KOnly
-from pastry.control.scheduler import BatchScheduler, Command, CommandError, Stage
+from pastry.control.scheduler import BatchScheduler, Command, CommandError, Op, Stage
 from pastry.engine.calls import CallError, EmbedTxt, Forward, Sample, ids
 from pastry.runtime.trusted import Program
 from test_scheduler import Recorder, cmd, fwd
@@ -32,7 +33,7 @@ def fused(embed_slot: int, out_slot: int, page: int) -> Command:
         ),
         Sample(out_slot),
     )
-    return Command(Stage.EMBED, prepare=lambda: calls, tokens=1, last_stage=Stage.OUTPUT)
+    return fn_command(Stage.EMBED, lambda: calls, tokens=1, last_stage=Stage.OUTPUT)
 
 
 def test_a_fused_command_runs_its_calls_in_one_batch_and_resolves_once():
@@ -98,10 +99,11 @@ def test_a_fused_command_conflicting_with_an_earlier_one_waits():
     assert asyncio.run(go()) == (1, 1)
 
 
-class Batched:
-    """A batched command's data: ``prepare_batch`` records each pass (the log is the
+class Batched(Op):
+    """A batched command's op: ``prepare_batch`` records each pass (the log is the
     class's), refuses the names in ``refuse`` and leaves ``odd`` ones to ``prepare``."""
 
+    batched = True
     log: ClassVar[list[list[str]]] = []
     order: ClassVar[list[str]] = []  # every preparation, one by one or in a pass, in order
 
@@ -112,14 +114,14 @@ class Batched:
         Batched.order.append(self.name)
         if self.odd:
             raise CommandError(f"{self.name} is odd")
-        return fused(self.slot, self.slot + 1, self.slot).prepare()
+        return fused(self.slot, self.slot + 1, self.slot).op.prepare()
 
     @staticmethod
     def prepare_batch(commands):
-        Batched.log.append([c.batched.name for c in commands])
+        Batched.log.append([c.op.name for c in commands])
         left = []
         for c in commands:
-            b = c.batched
+            b = c.op
             if b.odd:
                 left.append(c)
                 continue
@@ -127,14 +129,12 @@ class Batched:
             if b.refuse:
                 c.future.set_exception(CommandError(f"{b.name} refused"))
                 continue
-            c.call = fused(b.slot, b.slot + 1, b.slot).prepare()
+            c.call = fused(b.slot, b.slot + 1, b.slot).op.prepare()
         return left
 
 
 def batched(name: str, slot: int, **kw) -> Command:
-    return Command(
-        Stage.EMBED, tokens=1, last_stage=Stage.OUTPUT, batched=Batched(name, slot, **kw)
-    )
+    return Command(Stage.EMBED, Batched(name, slot, **kw), tokens=1, last_stage=Stage.OUTPUT)
 
 
 def test_batched_commands_are_prepared_in_one_pass_per_batch_in_the_order_taken():
@@ -151,7 +151,7 @@ def test_batched_commands_are_prepared_in_one_pass_per_batch_in_the_order_taken(
             s.submit(qs[3], batched("d", 30)),
         ]
         # a command prepared alone: the steps taken before it are prepared first
-        mask = Command(Stage.KV, prepare=lambda: Batched.order.append("mask") or fwd())
+        mask = fn_command(Stage.KV, lambda: Batched.order.append("mask") or fwd())
         futs.append(s.submit(qs[4], mask))
         futs.append(s.submit(qs[4], batched("e", 40)))
         futs.append(s.submit(qs[5], batched("f", 50)))
@@ -187,7 +187,7 @@ def test_a_closed_queue_takes_its_batched_commands_out_of_the_batch_being_formed
         return batch
 
     batch = asyncio.run(go())
-    assert [c.batched.name for c in batch] == ["a", "b"]
+    assert [c.op.name for c in batch] == ["a", "b"]
     assert Batched.log == [["a", "b"]]
 
 

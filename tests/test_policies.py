@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from commands import fn_command
 from pastry.control.policies import (
     BATCH_POLICIES,
     Adaptive,
@@ -18,7 +19,7 @@ from pastry.control.policies import (
     TOnly,
     batch_policy,
 )
-from pastry.control.scheduler import BatchScheduler, Command, Queue, Stage
+from pastry.control.scheduler import BatchScheduler, Queue, Stage
 from pastry.engine.calls import Sample
 
 
@@ -167,7 +168,7 @@ def test_bad_batching_parameters_are_rejected(make, message):
 def queue(instance: int, priority: int, *created: float) -> Queue:
     q = Queue(instance, qid=instance, priority=priority)
     for t in created:
-        q.pending.append(Command(Stage.OUTPUT, prepare=lambda: None, created=t))
+        q.pending.append(fn_command(Stage.OUTPUT, lambda: None, created=t))
     return q
 
 
@@ -209,7 +210,7 @@ def test_scheduler_follows_the_schedule_policy_and_reports_batches():
         s = BatchScheduler(_samples, max_batch_tokens=100, page_size=4, batching=Eager(),
                            schedule=policy)  # fmt: skip
         qs = [s.create_queue(i) for i in range(3)]
-        futs = [s.submit(q, Command(Stage.OUTPUT, prepare=lambda i=i: Sample(i))) for i, q in
+        futs = [s.submit(q, fn_command(Stage.OUTPUT, lambda i=i: Sample(i))) for i, q in
                 enumerate(qs)]  # fmt: skip
         s.start()
         await asyncio.gather(*futs)

@@ -9,8 +9,9 @@ import urllib.request
 
 import pytest
 
+from commands import fn_command
 from pastry.control.programs import ProcessTable, session_key
-from pastry.control.scheduler import BatchScheduler, Command, Stage
+from pastry.control.scheduler import BatchScheduler, Stage
 from pastry.engine.calls import Forward, Sample, ids
 
 
@@ -132,9 +133,9 @@ def test_the_batch_scheduler_reports_to_the_table():
         q1, q2 = s.create_queue(1), s.create_queue(2)
         assert q1.thread.engine == "m" and q1.thread.program.key == "inferlet:1"
         f = [
-            s.submit(q1, Command(Stage.FORWARD, prepare=lambda: _fwd(), tokens=1)),
-            s.submit(q1, Command(Stage.OUTPUT, prepare=lambda: Sample(0))),
-            s.submit(q2, Command(Stage.OUTPUT, prepare=lambda: Sample(1))),
+            s.submit(q1, fn_command(Stage.FORWARD, lambda: _fwd(), tokens=1)),
+            s.submit(q1, fn_command(Stage.OUTPUT, lambda: Sample(0))),
+            s.submit(q2, fn_command(Stage.OUTPUT, lambda: Sample(1))),
         ]
         s.start()
         await asyncio.gather(*f)
@@ -142,7 +143,7 @@ def test_the_batch_scheduler_reports_to_the_table():
         t1, t2 = q1.thread, q2.thread
         assert t1.served > 0 and t2.served == 0  # only forwards are charged
         assert t1.call is not None and t1.pending == t1.inflight == 0
-        s.submit(q2, Command(Stage.OUTPUT, prepare=lambda: Sample(1)))
+        s.submit(q2, fn_command(Stage.OUTPUT, lambda: Sample(1)))
         await asyncio.sleep(0.01)
         assert t1.call is None and t1.program.service == t1.served  # ended at that dispatch
         s.close_queue(q1)
@@ -167,7 +168,7 @@ def test_max_batch_caps_forwards_and_is_validated():
         s = BatchScheduler(_results, max_batch_tokens=100, page_size=4, max_batch=2)
         qs = [s.create_queue(i) for i in range(3)]
         for q in qs:
-            s.submit(q, Command(Stage.FORWARD, prepare=_fwd, tokens=1))
+            s.submit(q, fn_command(Stage.FORWARD, _fwd, tokens=1))
         first = s.take_batch()
         return [c.queue.instance for c in first]
 

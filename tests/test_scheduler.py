@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from commands import fn_command
 from pastry.control.policies import Eager
-from pastry.control.scheduler import BatchScheduler, Command, Stage
+from pastry.control.scheduler import BatchScheduler, Stage
 from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
 
 
@@ -31,7 +32,7 @@ def fwd(n=1, out_pages=(), ctx=(), last=0, ins=None, outs=()):
 
 
 def cmd(stage, call, tokens=0):
-    return Command(stage, prepare=lambda: call, tokens=tokens)
+    return fn_command(stage, lambda: call, tokens=tokens)
 
 
 def run(fn):
@@ -117,7 +118,7 @@ def test_rejected_prepare_fails_only_that_command():
         def bad():
             raise ValueError("handle 3 was freed")
 
-        f_bad = s.submit(q, Command(Stage.OUTPUT, prepare=bad))
+        f_bad = s.submit(q, fn_command(Stage.OUTPUT, bad))
         f_ok = s.submit(q, cmd(Stage.OUTPUT, Sample(0)))
         res = await asyncio.gather(f_bad, f_ok, return_exceptions=True)
         await s.stop()
@@ -136,7 +137,7 @@ def test_control_commands_resolve_after_earlier_commands():
         order = []
         f1 = s.submit(q, cmd(Stage.OUTPUT, Sample(0)))
         f1.add_done_callback(lambda f: order.append("sample"))
-        f2 = s.submit(q, Command(Stage.CONTROL, prepare=lambda: None))
+        f2 = s.submit(q, fn_command(Stage.CONTROL, lambda: None))
         f2.add_done_callback(lambda f: order.append("sync"))
         await f2
         await s.stop()
@@ -185,7 +186,7 @@ def test_batch_prepared_while_the_engine_runs():
                 prepared.append(i)
                 return call
 
-            return Command(Stage.OUTPUT, prepare=prepare)
+            return fn_command(Stage.OUTPUT, prepare)
 
         first = s.submit(qs[0], cmd_for(0))
         for _ in range(5):

@@ -35,10 +35,8 @@ def _manager() -> tuple[ResourceManager, dict[int, list[int]], dict[int, list[in
 
 
 def _step(loop, m: ResourceManager, inst: int, kv: list, emb: list) -> Command:
-    s = Step(m, inst, [5], [7], emb, kv, len(kv) - 1, 3, 2, (0.0, 0, 1.0, 0.0, None), {})
-    return Command(
-        Stage.EMBED, tokens=1, last_stage=Stage.OUTPUT, batched=s, future=loop.create_future()
-    )
+    s = Step(m, inst, [5], [7], emb, kv, len(kv) - 1, 3, 2)  # greedy
+    return Command(Stage.EMBED, s, tokens=1, last_stage=Stage.OUTPUT, future=loop.create_future())
 
 
 def test_a_batch_of_steps_fails_only_the_steps_with_bad_handles(loop) -> None:
@@ -64,7 +62,7 @@ def test_a_batch_of_steps_fails_only_the_steps_with_bad_handles(loop) -> None:
     failed = Step.prepare_batch(cmds)
     assert failed == [c for c, msg in zip(cmds, expect, strict=True) if msg is not None]
     for c, msg in zip(cmds, expect, strict=True):
-        s = c.batched
+        s = c.op
         if msg is not None:
             assert c.call is None and not c.future.done()
             with pytest.raises(ApiError, match=re.escape(msg)):
@@ -84,7 +82,7 @@ def test_a_batch_of_steps_fails_only_the_steps_with_bad_handles(loop) -> None:
     alone = _step(loop, m, 5, kv[5], emb[5][:2])
     assert Step.prepare_batch([alone, cmds[0]]) == [alone]
     with pytest.raises(ApiError, match="inferlet 5 is not registered"):
-        alone.batched.prepare()
+        alone.op.prepare()
 
 
 def test_a_batch_of_embeds_fails_only_the_embeds_with_bad_handles(loop) -> None:
@@ -94,7 +92,7 @@ def test_a_batch_of_embeds_fails_only_the_embeds_with_bad_handles(loop) -> None:
     slots[4] = [emb[4][0], 99]
     cmds = [
         Command(
-            Stage.EMBED, tokens=2, batched=Embed(m, i, [3, 4], [0, 1], slots[i]),
+            Stage.EMBED, Embed(m, i, [3, 4], [0, 1], slots[i]), tokens=2,
             future=loop.create_future(),
         )
         for i in range(6)
@@ -104,7 +102,7 @@ def test_a_batch_of_embeds_fails_only_the_embeds_with_bad_handles(loop) -> None:
         if i in (2, 4):
             assert c.call is None
             with pytest.raises(ApiError, match="was freed" if i == 2 else "99 is not owned"):
-                c.batched.prepare()
+                c.op.prepare()
         else:
             assert c.call.out_embeds.tolist() == m.translate(i, "embed", slots[i])
             assert c.call.tokens.tolist() == [3, 4] and c.call.positions.tolist() == [0, 1]

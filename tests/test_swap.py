@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from commands import fn_command
 from inferlet_util import load_engine
 from pastry.control.policies import Fcfs
 from pastry.control.policies.memory import MemoryAdmission
@@ -336,7 +337,7 @@ def test_a_full_batch_does_not_bring_back_a_program_it_cannot_take():
     batch it is not in)."""
     import asyncio
 
-    from pastry.control.scheduler import BatchScheduler, Command, Stage
+    from pastry.control.scheduler import BatchScheduler, Stage
 
     async def never(calls):
         raise AssertionError("not dispatched in this test")
@@ -353,7 +354,7 @@ def test_a_full_batch_does_not_bring_back_a_program_it_cannot_take():
         assert res.swap_out(2) == 2
         res.take_moves()
         for inst in (1, 2):
-            s.submit(s.create_queue(inst), Command(Stage.FORWARD, lambda: None, tokens=1))
+            s.submit(s.create_queue(inst), fn_command(Stage.FORWARD, lambda: None, tokens=1))
         batch = s.take_batch()
         res.check_integrity()
         return [c.queue.instance for c in batch], res.handles_on_host(2)
@@ -367,7 +368,7 @@ def test_the_scheduler_admits_by_memory_instead_of_pushing_out_a_waiting_program
     keeps 2 waiting and runs 1; without it, 2 pushes 1 out and runs instead."""
     import asyncio
 
-    from pastry.control.scheduler import BatchScheduler, Command, Stage
+    from pastry.control.scheduler import BatchScheduler, Stage
 
     async def never(calls):
         raise AssertionError("not dispatched in this test")
@@ -382,7 +383,7 @@ def test_the_scheduler_admits_by_memory_instead_of_pushing_out_a_waiting_program
         res.alloc(1, "kv", 3)
         res.alloc(2, "kv", 2)  # deferred: 2 is out
         for inst in (2, 1):
-            s.submit(s.create_queue(inst), Command(Stage.FORWARD, lambda: None, tokens=1))
+            s.submit(s.create_queue(inst), fn_command(Stage.FORWARD, lambda: None, tokens=1))
         batch = s.take_batch()
         moved = [type(c) for c in sw.take_calls()]
         res.check_integrity()

@@ -200,7 +200,7 @@ DOUBLE_WAIT = """
 from wit_world.imports import api
 
 async def main(args):
-    q = api.create_queue(api.available_models()[0])
+    q = api.create_queue(api.available_models()[0], -1)
     p = api.synchronize(q)
     api.wait([p, p], None)
     api.wait([p], None)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from pastry.control.kvstore import KvStore, KvStoreConfig
 from pastry.control.messaging import MessageBus
+from pastry.control.model import Model
 from pastry.control.policies import (
     AdmissionPolicy,
     BatchPolicy,
@@ -45,32 +45,6 @@ from pastry.engine.handle import EngineHandle
 from pastry.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Model:
-    """One served model: its engine, tokenizer, scheduler and memory bookkeeping."""
-
-    name: str
-    engine: EngineHandle
-    info: EngineInfo
-    tokenizer: Tokenizer
-    scheduler: BatchScheduler
-    resources: ResourceManager
-
-    adapters: dict[str, int] = field(default_factory=dict)  # LoRA adapter name -> engine id
-    swapper: KvSwapper | None = None  # when the engine has swap space
-    rank: int = 0  # which of the model's engines (several: data parallel, P/D, migration)
-    tokens: Tokenization | None = None  # tokenizing off the event loop; set by the controller
-    prefiller: Prefiller | None = None  # the cache-aware prefill path (prefix cache or not)
-
-    def __post_init__(self) -> None:
-        if self.tokens is None:
-            self.tokens = Tokenization(self.tokenizer)
-
-    @property
-    def traits(self) -> list[str]:
-        return list(self.info.traits)
 
 
 class Controller:
@@ -169,7 +143,7 @@ class Controller:
             replicas.append(model)
             self.models.setdefault(info.model_name, model)
             sched.start()
-        self.routing = Routing(self)
+        self.routing = Routing(self.engines, self.programs)
 
     @property
     def default_model(self) -> str:

@@ -44,7 +44,6 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -56,13 +55,11 @@ from pastry.control.scheduler import (
     Command,
     CommandError,
     NotAdmitted,
+    Op,
     Queue,
     Stage,
 )
-from pastry.engine.calls import CallError, CopyKv, EmbedTxt, Forward, MaskKv, ids
-
-if TYPE_CHECKING:
-    from pastry.engine.calls import Call
+from pastry.engine.calls import Call, CallError, CopyKv, EmbedTxt, Forward, MaskKv, ids
 
 
 @dataclass(eq=False)
@@ -277,16 +274,10 @@ class _Plan:
         # KV calls: a copy and/or a mask of the sequence's last page, then one mask per
         # page reserved after it (their stale slots must never be readable)
         extra = max(0, len(self.pages) + len(self.new) - max(len(self.pages), -(-n // ps)))
-        kv = [Command(Stage.KV, prepare=self._admit)]
-        kv += [Command(Stage.KV, prepare=lambda i=i: self._kv_call(i)) for i in range(1, 2 + extra)]
-        kv[0].admission = self.admission
-        embed = Command(Stage.EMBED, prepare=self._embed)
-        fwd = Command(
-            Stage.FORWARD,
-            prepare=self._forward,
-            tokens=self.admission.new_tokens,
-            finish=self._finish,
-        )
+        kv = [Command(Stage.KV, _Admit(self), admission=self.admission)]
+        kv += [Command(Stage.KV, _KvCall(self, i)) for i in range(1, 2 + extra)]
+        embed = Command(Stage.EMBED, _Embed(self))
+        fwd = Command(Stage.FORWARD, _Forward(self), tokens=self.admission.new_tokens)
         self.commands = [*kv, embed, fwd]
         for c in self.commands:
             sched.submit(queue, c)
@@ -505,6 +496,56 @@ class _Plan:
         if self.pinned is not None:
             self.prefiller.cache.unlock(self.pinned)
             self.pinned = None
+
+
+# The ops of a prefill's commands: each is its plan (and which of its KV calls), as data.
+
+
+class _Admit(Op):
+    """The admission (the first KV command): decides what comes from the cache."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+
+    def prepare(self) -> Call | None:
+        return self.plan._admit()
+
+
+class _KvCall(Op):
+    """The ``i``-th KV call decided at admission."""
+
+    __slots__ = ("i", "plan")
+
+    def __init__(self, plan: _Plan, i: int) -> None:
+        self.plan, self.i = plan, i
+
+    def prepare(self) -> Call | None:
+        return self.plan._kv_call(self.i)
+
+
+class _Embed(Op):
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+
+    def prepare(self) -> Call | None:
+        return self.plan._embed()
+
+
+class _Forward(Op):
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+
+    def prepare(self) -> Call | None:
+        return self.plan._forward()
+
+    def finish(self, result) -> int:
+        return self.plan._finish(result)
 
 
 def _retrieve(fut: asyncio.Future) -> None:

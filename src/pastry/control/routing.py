@@ -1,7 +1,7 @@
 """Several engines per model: placement by router programs, and the microserving calls.
 
 A model may be served by several engines (:attr:`Controller.engines`, one
-:class:`~pastry.control.controller.Model` per engine, by *rank*). Inferlets can name the
+:class:`~pastry.control.model.Model` per engine, by *rank*). Inferlets can name the
 engine of a queue (``create_queue(model, engine)``; pages are allocated through a queue, so
 on its engine) and move KV between engines with LLM microserving's three calls, with the
 paper's semantics (Python slice indices, ``end=-1``):
@@ -41,14 +41,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pastry.api import ApiError
+from pastry.control.handlers.caller import resource_call
+from pastry.control.model import Model
+from pastry.control.programs import ProcessTable
+from pastry.control.scheduler import Op, Stage
+from pastry.control.session import Session
 from pastry.engine.calls import SendKv, ids
-
-if TYPE_CHECKING:
-    from pastry.control.controller import Controller, Model
-    from pastry.control.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,11 @@ def _tokens(prompt: Sequence[int]) -> tuple[int, ...]:
 class Routing:
     """The control layer's multi-engine service (see the module docstring)."""
 
-    def __init__(self, controller: Controller) -> None:
-        self.controller = controller
+    def __init__(
+        self, engines: dict[str, list[Model]], programs: ProcessTable | None = None
+    ) -> None:
+        self.models = engines  # every engine of each model, by rank (the controller's)
+        self.programs = programs
         self.router: int | None = None  # the active router's instance id
         self.router_name = ""
         self._waiting: asyncio.Queue[RouteRequest] | None = None
@@ -141,11 +144,9 @@ class Routing:
     # ------------------------------------------------------------------ engines
 
     def engines(self, model: str) -> list[Model]:
-        replicas = self.controller.engines.get(model)
+        replicas = self.models.get(model)
         if replicas is None:
-            raise ApiError(
-                f"no model named '{model}' (available: {', '.join(self.controller.engines)})"
-            )
+            raise ApiError(f"no model named '{model}' (available: {', '.join(self.models)})")
         return replicas
 
     def engine(self, model: str, rank: int) -> Model:
@@ -227,7 +228,7 @@ class Routing:
         """Place queue ``q`` (a context about to prefill ``prompt``); resolves to
         ``(begin, pages)`` once ``q`` runs on its engine, whose pages hold the K/V of
         ``prompt[:begin]`` (``whole``: begin is 0, the caller computes the prompt)."""
-        ref = session._queue(q)
+        ref = session.queue(q)
         tokens = _tokens(prompt)
         loop = asyncio.get_running_loop()
         out = loop.create_future()
@@ -271,12 +272,12 @@ class Routing:
         return out
 
     def _program(self, instance: int) -> int:
-        table = getattr(self.controller, "programs", None)
+        table = self.programs
         p = table.program_of(instance) if table is not None else None
         return p.pid if p is not None else instance
 
     def _move(self, session: Session, q: int, where: Placement) -> tuple[int, list[int]]:
-        ref = session._queue(q)
+        ref = session.queue(q)
         target = self.engine(ref.model.name, where.rank)
         if target is not ref.model:
             old = ref.queue
@@ -322,7 +323,7 @@ class Routing:
         """Hand ``request`` to ``q``'s engine, where the K/V of ``prompt[:begin]`` is; with
         ``request=-1`` the caller itself starts there: returns the pages holding it."""
         if request == -1:
-            req = RouteRequest(-1, session._queue(q).model.name, _tokens(prompt),
+            req = RouteRequest(-1, session.queue(q).model.name, _tokens(prompt),
                                session.instance, asyncio.get_running_loop().create_future())  # fmt: skip
             self.hand_over(session, q, req, begin, count=False)
             return list(req.future.result().pages)
@@ -351,7 +352,7 @@ class Routing:
                 f"begin {begin} leaves nothing to prefill: start_generate needs at least the "
                 "last prompt token, whose output starts generation"
             )
-        ref = session._queue(q)
+        ref = session.queue(q)
         target = ref.model
         if target.name != req.model:
             raise ApiError(
@@ -370,9 +371,7 @@ class Routing:
                 res.export(session.instance, "kv", keep, name, True, pinned=True)
                 owner = session.user  # the router's namespace (issue 17: names are per user)
                 try:  # a quota of the requester's refuses it here, as ApiError
-                    pages = session._resource_call(
-                        lambda: res.import_(req.instance, "kv", name, owner)
-                    )
+                    pages = resource_call(res.import_, req.instance, "kv", name, owner)
                 finally:
                     res.unexport(None, name, owner)
             self._drop_buffer(session, q, buf)
@@ -408,7 +407,7 @@ class Routing:
     def prep_recv(
         self, session: Session, q: int, prompt: Sequence[int], end: int
     ) -> asyncio.Future:
-        ref = session._queue(q)
+        ref = session.queue(q)
         tokens = _tokens(prompt)
         _, end = slice_bounds(len(tokens), None, end)
         ps = ref.model.info.page_size
@@ -442,7 +441,7 @@ class Routing:
         full = m.length // ps
         if not full:
             return []
-        handles = session._resource_call(lambda: res.reserve(session.instance, "kv", full))
+        handles = resource_call(res.reserve, session.instance, "kv", full)
         res.bind_cached(session.instance, handles, m.pages[:full])
         return handles
 
@@ -458,7 +457,7 @@ class Routing:
         src_pages: Sequence[int] = (),
         src_len: int = 0,
     ) -> asyncio.Future:
-        ref = session._queue(q)
+        ref = session.queue(q)
         sender = ref.model
         buf = self._buffers[session.instance].get(kv_addr_info)
         if buf is None:
@@ -494,7 +493,7 @@ class Routing:
         held = min(int(src_len), end) if src_pages else 0
         if src_pages and not 0 <= src_len <= len(src_pages) * ps:
             raise ApiError(f"src_len {src_len} does not fit {len(src_pages)} pages of {ps}")
-        session._phys(ref, "kv", src_pages)  # fail now on a bad handle
+        resource_call(sender.resources.translate, session.instance, "kv", src_pages)  # fail now
         work = session.alloc_kvpages(q, -(-end // ps) - held // ps) if held < end else []
         # The page of every page index of prompt[:end] (a partial last held page is
         # copied into work[0], where its page index continues).
@@ -545,23 +544,11 @@ class Routing:
         return out
 
     def _send(self, session, q, receiver, work, buf, lo, hi, peer) -> asyncio.Future:
-        from pastry.control.scheduler import Command, Stage
-
         ps = receiver.info.page_size
-        sender = session._queue(q).model
+        ref = session.queue(q)
         src, dst = work[lo // ps : -(-hi // ps)], buf.pages[lo // ps : -(-hi // ps)]
-
-        def prepare() -> SendKv:
-            return SendKv(
-                src_pages=ids(sender.resources.translate(session.instance, "kv", src)),
-                dst_pages=ids(receiver.resources.translate(session.instance, "kv", dst)),
-                length=hi - lo,
-                peer=peer,
-                src_offset=lo % ps,
-                dst_offset=lo % ps,
-            )
-
-        return session._submit(q, Command(Stage.OUTPUT, prepare=prepare))
+        op = Send(session.instance, ref.model, src, receiver, dst, hi - lo, lo % ps, peer)
+        return session.submit(ref, Stage.OUTPUT, op)
 
     def peer(self, sender: Model, receiver: Model) -> str:
         """The address through which ``sender`` writes into ``receiver``'s pool."""
@@ -591,7 +578,7 @@ class Routing:
 
     def _discard(self, session: Session, q: int, tokens: tuple[int, ...]) -> None:
         """Free the buffers this session prepared on ``q``'s engine for ``tokens``."""
-        rank = session._queue(q).model.rank
+        rank = session.queue(q).model.rank
         for buf in list(self._buffers[session.instance].values()):
             if buf.rank == rank and tokens[: len(buf.tokens)] == buf.tokens:
                 self._drop_buffer(session, q, buf)
@@ -603,6 +590,30 @@ class Routing:
                 del buffers[h]
         if buf.pages:
             session.dealloc_kvpages(q, buf.pages).add_done_callback(_consume)
+
+
+class Send(Op):
+    """One ``SendKv`` of a ``remote_send``: the sender's pages ``src`` into the receiver's
+    ``dst`` (both the instance's handles, translated when batched)."""
+
+    __slots__ = ("dst", "instance", "length", "offset", "peer", "receiver", "sender", "src")
+
+    def __init__(self, instance, sender, src, receiver, dst, length, offset, peer) -> None:
+        self.instance, self.sender, self.src, self.receiver, self.dst = (
+            instance, sender, src, receiver, dst
+        )  # fmt: skip
+        self.length, self.offset, self.peer = length, offset, peer
+
+    def prepare(self) -> SendKv:
+        inst = self.instance
+        return SendKv(
+            src_pages=ids(self.sender.resources.translate(inst, "kv", self.src)),
+            dst_pages=ids(self.receiver.resources.translate(inst, "kv", self.dst)),
+            length=self.length,
+            peer=self.peer,
+            src_offset=self.offset,
+            dst_offset=self.offset,
+        )
 
 
 def _chain(src: asyncio.Future, dst: asyncio.Future, value: object) -> None:

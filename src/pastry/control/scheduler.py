@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pastry.api import ApiError
 from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
@@ -107,33 +107,67 @@ class CommandError(ApiError):
 
 
 class NotAdmitted(Exception):
-    """Raised by a command's ``prepare`` that cannot run yet (e.g. a prefill waiting for KV
+    """Raised by an op's ``prepare`` that cannot run yet (e.g. a prefill waiting for KV
     pages): the command stays at the head of its queue and is offered again in a later
     batch."""
 
 
+class Op:
+    """What a command does, as data: a record whose class says how it is prepared.
+
+    ``prepare()`` runs when the command is taken into a batch: it translates the
+    inferlet's handles and returns the engine call (or a tuple of calls for a fused
+    command); raising fails only this command (:class:`NotAdmitted`: not yet). For a
+    ``Stage.CONTROL`` command it is the action itself (run when the batch is dispatched,
+    in queue order) and returns None. ``finish(result)`` (None: the result as it is) turns
+    the engine's result into the value the caller awaits. An op class with ``batched``
+    set also has a static ``prepare_batch(commands)`` that prepares every command of that
+    class taken into a batch in one pass (:class:`~pastry.control.steps.Step`).
+
+    Ops hold no closures: a queued command can be ordered, batched, inspected, forwarded
+    to another process and run ahead like any other value.
+    """
+
+    __slots__ = ()
+    batched = False
+    finish = None
+
+    def prepare(self) -> Call | tuple[Call, ...] | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def prepare_batch(commands: list[Command]) -> list[Command]:
+        """Set ``call`` of every command (its future's exception where it is refused), in
+        one pass and in order; returns those left for :meth:`prepare` one by one (before
+        anything was done for them)."""
+        raise NotImplementedError
+
+
+class Prepared(Op):
+    """A call the control layer made itself (the swapper's copies): nothing to translate."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def prepare(self) -> Call:
+        return self.call
+
+
 @dataclass(eq=False)
 class Command:
-    """One queued API call.
-
-    ``prepare`` runs when the command is taken into a batch: it translates the inferlet's
-    handles and returns the engine call (``None`` for control commands, which act inside
-    ``prepare``). Raising fails only this command. ``finish`` turns the engine's result
-    into the value the caller awaits.
+    """One queued API call: its :class:`Op` (what it does, as data) and its place in the
+    batch.
 
     A *fused* command (``last_stage`` set) prepares a tuple of calls whose stages rise
     from ``stage`` to ``last_stage`` (the SDK's decode step: embed, forward, sample): they
     go into one batch, the engine runs each with the calls of its type, and the command
     resolves once, with ``finish`` of its last call's result (or the first call's error).
-
-    A *batched* command carries its call as data (``batched``, a :class:`BatchPrepared`
-    such as :class:`~pastry.control.steps.Step`) instead of ``prepare``: the commands of
-    one kind taken into a batch are prepared together, in one pass per batch.
     """
 
     stage: Stage
-    prepare: Callable[[], Call | tuple[Call, ...] | None] | None = None
-    finish: Callable[[Result], Any] = lambda r: r
+    op: Op
     tokens: int = 0  # forward tokens, for the batch limit
     future: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -143,7 +177,6 @@ class Command:
     queue: Queue | None = None  # set by submit
     admission: Any = None  # what a waiting prefill asks for (control/policies/admission.py)
     last_stage: Stage | None = None  # a fused command's last stage (None: one call)
-    batched: BatchPrepared | None = None  # prepared with the batch's others of its kind
 
     @property
     def end_stage(self) -> Stage:
@@ -162,21 +195,10 @@ class Command:
             return ()
         return call if type(call) is tuple else (call,)
 
-
-class BatchPrepared(Protocol):
-    """A command's call as data, prepared with every other command of its type taken into
-    the same batch (see :class:`Command`)."""
-
-    def prepare(self) -> Call | tuple[Call, ...]:
-        """This command's call(s) alone; raises what its caller should see."""
-        ...
-
-    @staticmethod
-    def prepare_batch(commands: list[Command]) -> list[Command]:
-        """Set ``call`` of every command (its future's exception where it is refused), in
-        one pass and in order; returns those left for :meth:`prepare` one by one (before
-        anything was done for them)."""
-        ...
+    def result(self, r: Result) -> Any:
+        """The value its caller awaits, from the engine's result ``r``."""
+        finish = self.op.finish
+        return r if finish is None else finish(r)
 
 
 @dataclass(eq=False)
@@ -201,7 +223,7 @@ class _Forming:
     per_queue: dict[Queue, list[Command]] = field(default_factory=dict)
     stage: dict[Queue, Stage] = field(default_factory=dict)
     blocked: set[Queue] = field(default_factory=set)  # no more from these in this batch
-    deferred: list[Command] = field(default_factory=list)  # batched ones, not prepared yet
+    deferred: list[Command] = field(default_factory=list)  # batched ops, not prepared yet
 
     def drop(self, q: Queue) -> list[Command]:
         mine = self.per_queue.pop(q, [])
@@ -307,6 +329,11 @@ class BatchScheduler:
             self.queues.remove(q)
         if q.thread is not None:
             self.programs.close_thread(q.thread)
+
+    def set_priority(self, q: Queue, priority: int) -> None:
+        """Higher-priority queues are taken first: FCFS orders by priority, then arrival;
+        the multilevel policies (MLFQ, PLAS, ATLAS) by level, then priority, then entry."""
+        q.priority = int(priority)
 
     def submit(self, q: Queue, cmd: Command) -> asyncio.Future:
         if q.closed:
@@ -430,9 +457,9 @@ class BatchScheduler:
         cmds, f.deferred = f.deferred, []
         i = 0
         while i < len(cmds):
-            kind = type(cmds[i].batched)
+            kind = type(cmds[i].op)
             j = i + 1
-            while j < len(cmds) and type(cmds[j].batched) is kind:
+            while j < len(cmds) and type(cmds[j].op) is kind:
                 j += 1
             for cmd in kind.prepare_batch(cmds[i:j]):
                 self._prepare(cmd)
@@ -467,7 +494,7 @@ class BatchScheduler:
                 if cmd.stage < stage or over:
                     f.blocked.add(q)
                     break
-                if cmd.batched is not None and cmd.stage != stage:
+                if cmd.op.batched and cmd.stage != stage:
                     # Prepared with the batch's others of its kind (form_batch's end): none
                     # of its queue's commands in the batch is at its stage, so it cannot
                     # conflict with them.
@@ -528,7 +555,7 @@ class BatchScheduler:
         """Translate ``cmd``: True if prepared, False if rejected (its future holds the
         error), None if it raised :class:`NotAdmitted`."""
         try:
-            cmd.call = cmd.prepare() if cmd.prepare is not None else cmd.batched.prepare()
+            cmd.call = cmd.op.prepare()
         except NotAdmitted:
             return None
         except Exception as e:  # the control layer rejected it: only this caller sees it
@@ -604,13 +631,13 @@ class BatchScheduler:
             if c.last_stage is not None and call is not c.call[-1]:
                 continue  # a fused command resolves with its last call
             try:
-                c.future.set_result(c.finish(r))
+                c.future.set_result(c.result(r))
             except Exception as e:
                 c.future.set_exception(e)
         for c in batch:  # commands without an engine call (control ones) resolve once the
             if c.call is None and not c.future.done():  # commands before them are done
                 try:
-                    c.future.set_result(c.finish(None))
+                    c.future.set_result(c.result(None))
                 except Exception as e:
                     c.future.set_exception(e)
         self._account(batch, elapsed)
@@ -644,7 +671,7 @@ def _per_thread(batch: Sequence[Command]) -> dict[Thread, int]:
 
 def _internal(call: Call) -> Command:
     """A command of the control layer itself (no queue, nobody awaits it)."""
-    return Command(_STAGE[type(call)], prepare=lambda: call, call=call)
+    return Command(_STAGE[type(call)], Prepared(call), call=call)
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -1,8 +1,8 @@
 """The commands of the decode hot path, prepared a whole batch at a time.
 
-A :class:`Step` is what :meth:`pastry.control.session.Session.step` queues: the handles
-and parameters of one ``embed_txt -> forward -> sample`` (the SDK's decode step), as data
-instead of a closure; an :class:`Embed` is one ``embed_txt``. The batch scheduler
+A :class:`Step` is the op a ``step`` request queues (:mod:`pastry.control.handlers.model`):
+the handles and parameters of one ``embed_txt -> forward -> sample`` (the SDK's decode
+step), as data; an :class:`Embed` is one ``embed_txt``. The batch scheduler
 (:mod:`pastry.control.scheduler`) collects the steps (embeds) it takes into a batch and
 prepares them together with :meth:`Step.prepare_batch` (:meth:`Embed.prepare_batch`):
 
@@ -19,18 +19,14 @@ work for one step), which raises the error its caller sees, exactly as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from pastry.api import ApiError
 from pastry.control.quotas import QuotaError
-from pastry.control.resources import QuotaExceeded, ResourceError
+from pastry.control.resources import QuotaExceeded, ResourceError, ResourceManager
+from pastry.control.sampling import SampleSpec
+from pastry.control.scheduler import Command, Op
 from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
-
-if TYPE_CHECKING:
-    from pastry.control.resources import ResourceManager
-    from pastry.control.scheduler import Command
 
 
 def claim(res: ResourceManager, instance: int, pages: list[int]) -> None:
@@ -44,12 +40,20 @@ def claim(res: ResourceManager, instance: int, pages: list[int]) -> None:
         raise ApiError(str(e)) from None
 
 
-class Step:
+def sample_call(embed: int, spec: SampleSpec | None) -> Sample:
+    """The engine's ``Sample`` from embed slot ``embed`` with ``spec`` (None: greedy)."""
+    if spec is None:
+        return Sample(embed)
+    if spec.params is None:
+        return Sample(embed, **spec.proc)
+    return Sample(embed, *spec.params, **spec.proc)
+
+
+class Step(Op):
     """One queued decode step: ``embed_txt(tokens, positions) -> in_embeds``, ``forward``
     over them on top of ``kv[:n_ctx]`` writing ``kv[n_ctx:]`` from ``offset``, the last
-    input's output to ``embeds[-1]``, and ``sample`` from it with ``sampling`` (the
-    ``Sample`` fields after the embedding slot, positional) and ``proc`` (its logit
-    processing, keywords). Handles are the inferlet's, snapshotted at submission."""
+    input's output to ``embeds[-1]``, and ``sample`` from it with ``spec`` (None: greedy).
+    Handles are the inferlet's, snapshotted at submission."""
 
     __slots__ = (
         "embeds",
@@ -59,11 +63,11 @@ class Step:
         "n_ctx",
         "offset",
         "positions",
-        "proc",
         "res",
-        "sampling",
+        "spec",
         "tokens",
     )
+    batched = True
 
     def __init__(
         self,
@@ -76,14 +80,13 @@ class Step:
         n_ctx: int,
         last_len: int,
         offset: int,
-        sampling: tuple,
-        proc: dict,
+        spec: SampleSpec | None = None,
     ) -> None:
         self.res, self.instance = res, instance
-        self.tokens, self.positions = tokens, positions  # Python ints, checked by the session
+        self.tokens, self.positions = tokens, positions  # Python ints, checked at submission
         self.embeds, self.kv = embeds, kv  # [*in_embeds, out_embed], [*in_kv, *out_kv]
         self.n_ctx, self.last_len, self.offset = n_ctx, last_len, offset
-        self.sampling, self.proc = sampling, proc
+        self.spec = spec
 
     def prepare(self) -> tuple[EmbedTxt, Forward, Sample]:
         """The step's three engine calls, alone (raises what its caller should see)."""
@@ -105,12 +108,12 @@ class Step:
                 out_pages=ids(out_pages), out_offset=self.offset, out_embeds=ids(phys_e[-1:]),
                 out_indices=ids([n - 1]),
             ),
-            Sample(phys_e[-1], *self.sampling, **self.proc),
+            sample_call(phys_e[-1], self.spec),
         )  # fmt: skip
 
     @staticmethod
     def prepare_batch(commands: list[Command]) -> list[Command]:
-        """Prepare the steps of ``commands`` (each command's ``batched`` is a Step) in one
+        """Prepare the steps of ``commands`` (each command's ``op`` is a Step) in one
         pass: sets each command's ``call``, or its future's exception when its write claim
         is refused. Returns the commands whose handles did not translate, for
         :meth:`prepare` one by one (in order; nothing was done for them)."""
@@ -118,7 +121,7 @@ class Step:
         done: list[tuple[Command, Step, int]] = []  # (command, step, its phys embed)
         flat: list[int] = []  # every integer of the batch's calls, step after step
         for cmd in commands:
-            s: Step = cmd.batched
+            s: Step = cmd.op
             res, inst = s.res, s.instance
             try:  # translate: one dict lookup per handle, no closure
                 kv_table, embed_table = res.tables(inst)
@@ -159,16 +162,27 @@ class Step:
                     out_pages=arr[ctx:at], out_offset=s.offset, out_embeds=arr[e + n : kv],
                     out_indices=_LAST[n] if n < len(_LAST) else ids([n - 1]),
                 ),
-                Sample(out, *s.sampling, **s.proc),
+                sample_call(out, s.spec),
             )  # fmt: skip
         return failed
 
 
-class Embed:
+class SampledStep(Step):
+    """A :class:`Step` whose value is not the token alone: with log-probabilities, or with
+    a grammar constraint that advances with the token."""
+
+    __slots__ = ()
+
+    def finish(self, r):
+        return self.spec.finish(r)
+
+
+class Embed(Op):
     """One queued ``embed_txt``: ``tokens`` at ``positions`` into the inferlet's embedding
     slot handles ``embeds`` (snapshotted at submission)."""
 
     __slots__ = ("embeds", "instance", "positions", "res", "tokens")
+    batched = True
 
     def __init__(
         self,
@@ -196,7 +210,7 @@ class Embed:
         done: list[tuple[Command, int]] = []  # (command, its number of tokens)
         flat: list[int] = []
         for cmd in commands:
-            e: Embed = cmd.batched
+            e: Embed = cmd.op
             try:
                 table = e.res.tables(e.instance)[1]
                 phys = [table[h] for h in e.embeds]

@@ -2,11 +2,11 @@
 
 ``python -m pastry.runtime.build_pyrt`` (run by ``scripts/setup.sh``) stages the guest
 (:mod:`pastry.runtime.guest.pyrt_app`) with the pure-Python SDK (``pastry.api``,
-``pastry.sdk`` without ``grammar``), builds a component with componentize-py against
-``wit/pastry.wit`` (world ``python-runtime``; CPython for WASI, its heap snapshotted after
+``pastry.sdk``, ``pastry.lang``), builds a component with componentize-py against
+``wit/pastry.wit`` (world ``python-runtime``, generated from the table; CPython for WASI, its heap snapshotted after
 importing the guest), compiles it with the sandbox's engine settings and serializes it to
-``$PASTRY_HOME/pyrt/pyrt-<key>.cwasm``. The parameter types of every import
-(:func:`wit_signatures`) are staged with the guest as ``pyrt_sigs.py``, so the guest checks
+``$PASTRY_HOME/pyrt/pyrt-<key>.cwasm``. The guest binds ``pastry.sdk`` to the imports
+through the request table it is staged with (:mod:`pastry.api.guest`), so it checks
 arguments before they reach the binding (an out-of-range value is an ``ApiError``, not a
 trap). The key hashes every input (the WIT, the staged
 sources, the componentize-py and wasmtime versions), so a changed SDK rebuilds and an
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.metadata
-import re
 import shutil
 import subprocess
 import sys
@@ -34,10 +33,22 @@ WORLD = "python-runtime"
 # The host-independent parts of pastry the guest imports (relative to src/pastry).
 GUEST_SOURCES = (
     "__init__.py",
-    "api.py",
+    "api/__init__.py",
+    "api/engines.py",
+    "api/errors.py",
+    "api/guest.py",
+    "api/instance.py",
+    "api/memory.py",
+    "api/model.py",
+    "api/sampling.py",
+    "api/services.py",
+    "api/surface.py",
+    "api/table.py",
+    "api/types.py",
     "sdk/__init__.py",
     "sdk/args.py",
     "sdk/context.py",
+    "sdk/current.py",
     "sdk/router.py",
     "sdk/grammar.py",
     "sdk/sampling.py",
@@ -61,46 +72,6 @@ APP = PKG / "runtime" / "guest" / "pyrt_app.py"
 
 class BuildError(RuntimeError):
     """The runtime could not be built (componentize-py missing or failing)."""
-
-
-def wit_signatures(text: str, interface: str = "api") -> dict[str, list[tuple[str, object]]]:
-    """The parameters of every function of ``interface`` in WIT ``text``, as (name, type)
-    with types parsed to ``"u32"``, ``("list", "u32")``, ``("option", ...)``,
-    ``("tuple", ...)``; type aliases (``type pending = u32;``) resolved."""
-    body = re.search(r"interface\s+" + re.escape(interface) + r"\s*\{(.*?)\n\}", text, re.S)
-    if body is None:
-        raise BuildError(f"no interface {interface!r} in the WIT")
-    src = re.sub(r"//[^\n]*", "", body.group(1))
-    aliases = dict(re.findall(r"\btype\s+([\w-]+)\s*=\s*([^;]+);", src))
-
-    def parse(t: str):
-        t = t.strip()
-        if t in aliases:
-            return parse(aliases[t])
-        m = re.fullmatch(r"([\w-]+)\s*<(.*)>", t, re.S)
-        if m is None:
-            return t
-        return (m.group(1), *(parse(p) for p in _split(m.group(2))))
-
-    sigs = {}
-    for name, params in re.findall(r"([\w-]+)\s*:\s*func\s*\(([^)]*)\)", src):
-        sigs[name] = [
-            (p.split(":", 1)[0].strip(), parse(p.split(":", 1)[1])) for p in _split(params)
-        ]
-    return sigs
-
-
-def _split(s: str) -> list[str]:
-    """Split at the commas that are not inside ``<...>``."""
-    out, depth, cur = [], 0, ""
-    for c in s:
-        depth += (c == "<") - (c == ">")
-        if c == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += c
-    return [p for p in (*out, cur) if p.strip()]
 
 
 def cache_dir() -> Path:
@@ -140,10 +111,6 @@ def build(out: Path | None = None, verbose: bool = False) -> Path:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(PKG / rel, dst)
         shutil.copy(APP, stage / "pyrt_app.py")
-        sigs = wit_signatures(WIT.read_text())
-        (stage / "pyrt_sigs.py").write_text(
-            f'"""Generated from wit/pastry.wit by build_pyrt."""\n\nSIGNATURES = {sigs!r}\n'
-        )
         wasm = Path(tmp) / "pyrt.wasm"
         t0 = time.perf_counter()
         cmd = [exe, "-d", str(WIT), "-w", WORLD, "componentize", "pyrt_app", "-p", str(stage)]

@@ -38,7 +38,7 @@ from pastry.control.events import End, Event, Failed, Finished, Message, Termina
 from pastry.control.outbox import message_bytes
 from pastry.control.session import Session
 from pastry.control.users import LOCAL
-from pastry.sdk import _current
+from pastry.sdk import bind
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class TrustedRuntime:
         return inst
 
     async def _run(self, inst: Instance) -> None:
-        _current.set(inst.session)
+        bind(inst.session)
         try:
             result = await inst.program.main(list(inst.args))
             if result is not None and not isinstance(result, str):

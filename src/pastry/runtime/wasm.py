@@ -69,9 +69,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import wasmtime
 from wasmtime import _bindings
 from wasmtime import _ffi as ffi
@@ -88,11 +86,10 @@ from pastry.runtime.wasm_host import (
     SandboxError,
     SandboxLimits,
     call_host,
-    check_message,
     engine,
     error_text,
-    send,
 )
+from pastry.runtime.wasm_imports import HOST, SUSPENDING, outcome
 from pastry.runtime.wasm_memory import MemoryMap
 from pastry.runtime.wasm_pollers import DEFAULT_THREADS, GuestPollers
 from pastry.runtime.wasm_pool import GuestPool
@@ -107,7 +104,6 @@ API = "pastry:inferlet/api@0.1.0"
 LAUNCHER = "pastry:inferlet/launcher@0.1.0"
 WASI_CLOCK = "wasi:clocks/monotonic-clock"
 POOL_SIZE = 64  # pre-started Python guests kept ready (WasmSandbox(pool_size=...))
-TOKENIZE_ON_LOOP_CHARS = 4096  # a guest's shorter texts are tokenized in the call
 # A guest runs 1-2 epoch ticks per poll before it yields (so one that has just been
 # resumed is not sent to the back of the queue at the very next tick).
 SLICE_TICKS = 2
@@ -117,209 +113,11 @@ SECTION_SECONDS = 0.005
 
 
 # ---------------------------------------------------------------------------- host imports
-
-
-def _queued(fn: Callable) -> Callable:
-    """A queued Session call: submit now, hand the guest a pending handle."""
-
-    @functools.wraps(fn)
-    def call(g: Guest, *args):
-        return g.track(fn(g, *args))
-
-    return call
-
-
-def _value(v) -> ctypes_.Variant:
-    if isinstance(v, ctypes_.Variant):  # built by the handler (several engines)
-        return v
-    if v is None:
-        return ctypes_.Variant("none")
-    if isinstance(v, int):
-        return ctypes_.Variant("token", v)
-    if isinstance(v, str):
-        return ctypes_.Variant("text", v)
-    if len(v) == 4:  # sample-with with logprobs
-        return ctypes_.Variant("sampled", tuple(v))
-    if len(v) == 3:  # forward-with-logprobs
-        return ctypes_.Variant("logprobs", tuple(v))
-    a, b = v
-    if isinstance(a, int):
-        return ctypes_.Variant("http", (a, b))
-    return ctypes_.Variant("dist", (list(a), list(b)))
-
-
-def _outcome(g: Guest, pid: int, fut: asyncio.Future) -> tuple[bool, Any]:
-    """(ok, value or error message) of a completed call; its handle is freed."""
-    g.pending.pop(pid, None)
-    g.hooked.discard(pid)
-    if fut.cancelled():
-        return False, f"pending call {pid} was cancelled"
-    e = fut.exception()
-    if e is not None:
-        return False, error_text(e, "the call")
-    return True, _value(fut.result())
-
-
-def _take(g: Guest, pid: int):
-    fut = g.pending.get(pid)
-    if fut is None:
-        raise ApiError(f"pending call {pid} does not exist in this inferlet")
-    if not fut.done():
-        raise ApiError(f"pending call {pid} has not completed (wait for it first)")
-    ok, value = _outcome(g, pid, fut)
-    if not ok:
-        raise ApiError(value)
-    return value
-
-
-def _s(g: Guest):
-    return g.session
-
-
-def _broadcast(g: Guest, topic: str, message: str) -> int:
-    check_message(g, topic, message)
-    return g.session.broadcast(topic, message)
-
-
-def _prefill(g: Guest, *args) -> tuple[list[int], int]:
-    pages, fut = g.session.prefill(*args)
-    return pages, g.track(fut)
-
-
-def _store_set(g: Guest, key: str, value: str) -> None:
-    check_message(g, key, value)
-    g.session.store_set(key, value)
-
-
-def _tokenize(g: Guest, q: int, text: str, special: bool = False) -> list[int] | asyncio.Future:
-    """A short text is tokenized in the call; a long one in the model's tokenizing thread
-    while the guest's fiber waits (``SUSPENDING``): an inferlet that tokenizes megabytes
-    stalls only itself, not the event loop."""
-    if len(text) < TOKENIZE_ON_LOOP_CHARS:
-        return _s(g).tokenize(q, text, special)
-    return asyncio.ensure_future(_s(g).tokenize_async(q, text, special))
-
-
-def _words(mask: list[int] | None) -> bytes | None:
-    """A WIT bitmask (``list<u32>`` words) as the API's bytes."""
-    return None if mask is None else np.asarray(mask, dtype="<u4").tobytes()
-
-
-def _forward_with_logprobs(g: Guest, q, adapter, *args):
-    *fwd, targets, top = args
-    s = g.session
-    if adapter is None:
-        return s.forward(q, *fwd, logprob_targets=targets, logprob_top=top)
-    return s.forward_with_adapter(q, adapter, *fwd, logprob_targets=targets, logprob_top=top)
-
-
-def _get_next_dist_with(g: Guest, q, embed, k, mask, bias, *rest):
-    return g.session.get_next_dist(q, embed, k, _words(mask), bias, *rest)
-
-
-def _sample_with(g: Guest, q, embed, t, top_k, top_p, min_p, seed, mask, bias, *rest):
-    return g.session.sample(q, embed, t, top_k, top_p, min_p, seed, _words(mask), bias, *rest)
-
-
-def _sample_constrained(g: Guest, q, embed, t, top_k, top_p, min_p, seed, mask, bias, *rest):
-    *rest, top, constraint = rest
-    s = g.session
-    return s.sample(
-        q, embed, t, top_k, top_p, min_p, seed, _words(mask), bias, *rest, top, constraint
-    )
-
-
-def _step_with(g: Guest, q, tokens, positions, ins, in_kv, last, out_kv, off, out, *rest):
-    t, top_k, top_p, min_p, seed, mask, bias, *rest = rest
-    s = g.session
-    return s.step(
-        q, tokens, positions, ins, in_kv, last, out_kv, off, out, t, top_k, top_p, min_p, seed,
-        _words(mask), bias, *rest,
-    )  # fmt: skip
-
-
-def _constraint_mask(g: Guest, c: int) -> list[int]:
-    return np.frombuffer(g.session.constraint_mask(c), dtype="<u4").tolist()
-
-
-# name -> handler(guest, *args) returning the import's result (errors: ApiError). The
-# blocking imports (``wait``, ``wait-take``; the launcher's load/start) are the
-# callbacks' own: they suspend the fiber.
-HOST: dict[str, Callable] = {
-    "take": _take,
-    "get-arguments": lambda g: _s(g).get_arguments(),
-    "get-instance-id": lambda g: _s(g).get_instance_id(),
-    "get-version": lambda g: _s(g).get_version(),
-    "send": send,
-    "receive": lambda g: g.track(_s(g).receive()),
-    "available-models": lambda g: _s(g).available_models(),
-    "available-traits": lambda g, m: _s(g).available_traits(m),
-    "create-queue": lambda g, m: _s(g).create_queue(m),
-    "synchronize": _queued(lambda g, q: _s(g).synchronize(q)),
-    "set-queue-priority": lambda g, q, p: _s(g).set_queue_priority(q, p),
-    "close-queue": lambda g, q: _s(g).close_queue(q),
-    "get-kv-page-size": lambda g, q: _s(g).get_kv_page_size(q),
-    "alloc-kvpages": lambda g, q, n: _s(g).alloc_kvpages(q, n),
-    "dealloc-kvpages": _queued(lambda g, q, p: _s(g).dealloc_kvpages(q, p)),
-    "alloc-embeds": lambda g, q, n: _s(g).alloc_embeds(q, n),
-    "dealloc-embeds": _queued(lambda g, q, e: _s(g).dealloc_embeds(q, e)),
-    "copy-kvpage": _queued(lambda g, *a: _s(g).copy_kvpage(*a)),
-    "export-kvpages": _queued(lambda g, *a: _s(g).export_kvpages(*a)),
-    "import-kvpages": lambda g, q, n: _s(g).import_kvpages(q, n),
-    "unexport-kvpages": lambda g, q, n: _s(g).unexport_kvpages(q, n),
-    "list-exported-kvpages": lambda g, q: [tuple(x) for x in _s(g).list_exported_kvpages(q)],
-    "forward": _queued(lambda g, *a: _s(g).forward(*a)),
-    "forward-with-adapter": _queued(lambda g, *a: _s(g).forward_with_adapter(*a)),
-    "get-adapters": lambda g, q: _s(g).get_adapters(q),
-    "mask-kvpage": _queued(lambda g, q, p, m: _s(g).mask_kvpage(q, p, m)),
-    "prefill": lambda g, *a: _prefill(g, *a),
-    "embed-txt": _queued(lambda g, *a: _s(g).embed_txt(*a)),
-    "tokenize": _tokenize,
-    "detokenize": lambda g, q, t: _s(g).detokenize(q, t),
-    "get-vocabs": lambda g, q: _s(g).get_vocabs(q),
-    "get-eos-token-ids": lambda g, q: _s(g).get_eos_token_ids(q),
-    "get-vocab-size": lambda g, q: _s(g).get_vocab_size(q),
-    "apply-chat-template": lambda g, q, m, a: _s(g).apply_chat_template(q, m, a),
-    "get-next-dist": _queued(lambda g, q, e, k: _s(g).get_next_dist(q, e, k)),
-    "sample": _queued(lambda g, *a: _s(g).sample(*a)),
-    "broadcast": _broadcast,
-    "subscribe": lambda g, t: _s(g).subscribe(t),
-    "next-message": lambda g, sub: g.track(_s(g).next_message(sub)),
-    "unsubscribe": lambda g, sub: _s(g).unsubscribe(sub),
-    "store-get": lambda g, k: _s(g).store_get(k),
-    "store-set": _store_set,
-    "store-delete": lambda g, k: _s(g).store_delete(k),
-    "store-exists": lambda g, k: _s(g).store_exists(k),
-    "store-list-keys": lambda g, p: _s(g).store_list_keys(p),
-    "http-get": lambda g, url: g.track(_s(g).http_get(url)),
-    "http-post": lambda g, url, body: g.track(_s(g).http_post(url, body)),
-    "forward-with-logprobs": _queued(_forward_with_logprobs),
-    "get-next-dist-with": _queued(_get_next_dist_with),
-    "sample-with": _queued(_sample_with),
-    "available-engines": lambda g, m: _s(g).available_engines(m),
-    "create-queue-on": lambda g, m, e: _s(g).create_queue(m, e),
-    "get-queue-engine": lambda g, q: _s(g).get_queue_engine(q),
-    "get-engine-load": lambda g, m: [tuple(x) for x in _s(g).get_engine_load(m)],
-    "route": lambda g, q, p, w: _variant(g, "placed", _s(g).route(q, p, w)),
-    "prep-recv": lambda g, q, p, e: _variant(g, "received", _s(g).prep_recv(q, p, e)),
-    "remote-send": _queued(lambda g, *a: _s(g).remote_send(*a)),
-    "start-generate": lambda g, q, p, b, r: _s(g).start_generate(q, p, b, r),
-    "next-request": lambda g: _variant(g, "request", _s(g).next_request()),
-    "reject-request": lambda g, r, why: _s(g).reject_request(r, why),
-    "sample-constrained": _queued(_sample_constrained),
-    "create-constraint": lambda g, q, grammar: _s(g).create_constraint(q, grammar),
-    "constraint-state": lambda g, c: _s(g).constraint_state(c),
-    "constraint-consume": lambda g, c, tokens: _s(g).constraint_consume(c, tokens),
-    "constraint-mask": _constraint_mask,
-    "free-constraint": lambda g, c: _s(g).free_constraint(c),
-    "step": _queued(lambda g, *a: _s(g).step(*a)),
-    "step-with": _queued(_step_with),
-}
+# The api imports (HOST, derived from the request table) are pastry.runtime.wasm_imports';
+# the blocking ones (``wait``, ``wait-take``; the launcher's load/start) are the callbacks'
+# own: they suspend the fiber.
 
 BLOCKING = ("wait", "wait-take")
-# HOST imports whose handler may return an asyncio.Future instead of the value: defined as
-# async host functions, the guest's fiber suspended until the future completes.
-SUSPENDING = frozenset({"tokenize"})
 # The launcher's blocking imports, in the order the runtime calls them (Guest.stage).
 LAUNCH_STAGES = {"load-inferlet": 0, "start-inferlet": 1}
 STARTED = 2  # the stage once start-inferlet is answered: main() runs
@@ -334,22 +132,6 @@ LAUNCHER_IMPORTS: dict[str, Callable] = {
     "inferlet-source": lambda g: g.source or "",
     "memory-probe": _memory_probe,
 }
-
-
-def _variant(g: Guest, case: str, fut: asyncio.Future) -> int:
-    """Track ``fut`` for the guest, its result taken as the ``value`` case ``case``."""
-    out = asyncio.get_running_loop().create_future()
-
-    def done(f: asyncio.Future) -> None:
-        if f.cancelled():
-            out.cancel()
-        elif f.exception() is not None:
-            out.set_exception(f.exception())
-        else:
-            out.set_result(ctypes_.Variant(case, tuple(f.result())))
-
-    fut.add_done_callback(done)
-    return g.track(out)
 
 
 # ---------------------------------------------------------------------------- ctypes glue
@@ -1125,7 +907,7 @@ class WasmSandbox:
             else:
                 value = []
                 for pid in ready:
-                    ok, v = _outcome(g, pid, pending[pid])
+                    ok, v = outcome(g, pid, pending[pid])
                     value.append((pid, ctypes_.Variant("ok" if ok else "err", v)))
         g.waiting = g.wait_out = None
         g.wait_done = g.parked = False

@@ -13,9 +13,10 @@ whatever its types (only slower until a fast path is added here).
 
 Conventions (those of wasmtime-py, so both paths agree): ``list<u8>`` is ``bytes``, a
 ``variant`` is ``wasmtime.component.Variant(tag, payload)``, a ``tuple`` is a Python tuple,
-an ``option`` is the payload or ``None``. A ``result`` is read as a ``Variant`` (``"ok"`` or
-``"err"``) and written by :func:`result_writer` from ``(ok, payload)``. Strings that are
-already UTF-8 may be passed as ``bytes``.
+an ``option`` is the payload or ``None``; a lifted ``record`` is the tuple of its fields in
+declaration order (the request table's records take them positionally). A ``result`` is
+read as a ``Variant`` (``"ok"`` or ``"err"``) and written by :func:`result_writer` from
+``(ok, payload)``. Strings that are already UTF-8 may be passed as ``bytes``.
 
 Ownership: arguments stay owned by Wasmtime (they are only read); a written result owns
 what it points to (strings, lists, boxed payloads), which Wasmtime takes over.
@@ -135,7 +136,15 @@ def lifter(ty: t.ValType) -> Lift:
             return t.Variant(tag, None if inner is None else inner(var.val.contents))
 
         return variant
-    return ty.convert_from_c  # records, enums, ...: wasmtime-py's (frees as it reads)
+    if isinstance(ty, t.RecordType):  # a tuple of its fields, in declaration order
+        fields = [lifter(f) for _, f in ty.fields]
+
+        def record(v):
+            data = v.of.record.data
+            return tuple(f(data[i].val) for i, f in enumerate(fields))
+
+        return record
+    return ty.convert_from_c  # enums, flags, ...: wasmtime-py's (frees as it reads)
 
 
 def _list_lifter(elem: t.ValType) -> Lift:

@@ -177,7 +177,7 @@ IMPORTS: dict[str, tuple[int, Callable]] = {
     "embed_txt": (5, _embed_txt),
     "forward": (11, _forward),
     "get_next_dist": (3, lambda g, m, q, e, k: g.track(g.session.get_next_dist(q, e, k))),
-    "sample_greedy": (2, lambda g, m, q, e: g.track(g.session.sample(q, e, 0.0))),
+    "sample_greedy": (2, lambda g, m, q, e: g.track(g.session.sample(q, e))),
     "receive": (0, lambda g, m: g.track(g.session.receive())),
     "take": (1, _take),
     "take_dist": (4, _take_dist),

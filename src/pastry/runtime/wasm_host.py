@@ -113,6 +113,7 @@ class Guest:
     keep: list = field(default_factory=list)  # ctypes buffers alive while the call runs
     result_ty: Any = None
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    values: dict[int, Callable] = field(default_factory=dict)  # pid -> its value case maker
     hooked: set[int] = field(default_factory=set)  # pending calls whose future wakes us
     pids: itertools.count = field(default_factory=lambda: itertools.count(1))
     waiting: list[int] | None = None  # pids the fiber is blocked on
@@ -142,9 +143,13 @@ class Guest:
     mem_base: int | None = None  # where its linear memory is, once found
     host_call: asyncio.Future | None = None  # what a suspending HOST import waits on
 
-    def track(self, fut) -> int:
+    def track(self, fut, value: Callable | None = None) -> int:
+        """A pending handle for ``fut`` (a future or coroutine); ``value`` makes the WIT
+        ``value`` case of its result when it is taken."""
         pid = next(self.pids)
         self.pending[pid] = asyncio.ensure_future(fut)
+        if value is not None:
+            self.values[pid] = value
         return pid
 
 

@@ -54,7 +54,7 @@ from pastry.control.policies import Adaptive, SchedulePolicy
 from pastry.control.policies.memory import MemoryAdmission
 from pastry.control.programs import ProcessTable
 from pastry.control.resources import ExportError, ResourceError, ResourceManager
-from pastry.control.scheduler import BatchScheduler, Command, Queue
+from pastry.control.scheduler import BatchScheduler, Command, Op, Queue
 from pastry.control.scheduler import Stage as CommandStage
 from pastry.control.swap import MIN_RESIDENT_BATCHES, KvSwapper
 from pastry.sched.hardware import CostModel, KvMemory
@@ -614,7 +614,7 @@ class PastryEngine:
                     self._doomed.add(th)
                     return
         now = self.sim.now if at is None else at
-        cmd = Command(CommandStage.FORWARD, prepare=_nothing, tokens=tokens,
+        cmd = Command(CommandStage.FORWARD, _NOTHING, tokens=tokens,
                       future=self._loop.create_future(), created=now)  # fmt: skip
         th.command = cmd
         self._pending += 1
@@ -652,5 +652,13 @@ async def _no_engine(calls):  # the simulator runs the batch itself
     raise AssertionError("the simulated scheduler never dispatches to an engine")
 
 
-def _nothing() -> None:
-    return None
+class _Nothing(Op):
+    """A simulated forward: nothing to translate (the simulator runs the batch itself)."""
+
+    __slots__ = ()
+
+    def prepare(self) -> None:
+        return None
+
+
+_NOTHING = _Nothing()

@@ -7,8 +7,9 @@ An inferlet is a Python module with an entry point::
 ``args`` are the launch arguments; the return value (if not None) is sent to the client as
 the instance's result; an exception ends the instance and its traceback goes to the client.
 Inside, every function of the inferlet API (:mod:`pastry.api`) is available here as a
-module-level function bound to the running instance, e.g. ``pastry.sdk.send("hi")``, and
-the support library (:class:`Context`, samplers, stop conditions) is built on them::
+module-level function bound to the running instance, e.g. ``pastry.sdk.send("hi")`` (the
+calls that sample take a :class:`Sampling` record, or its fields as keywords:
+``sample(q, e, temperature=0.7)``), and the support library (:class:`Context`, samplers, stop conditions) is built on them::
 
     from pastry.sdk import Context
 
@@ -20,23 +21,10 @@ the support library (:class:`Context`, samplers, stop conditions) is built on th
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from typing import Any
 
-from pastry.api import API_FUNCTIONS, ApiError, InferletApi
-
-_current: ContextVar[InferletApi] = ContextVar("pastry_inferlet")
-
-
-def api() -> InferletApi:
-    """The API of the inferlet instance this code runs in."""
-    try:
-        return _current.get()
-    except LookupError:
-        raise RuntimeError(
-            "pastry.sdk is used outside an inferlet: its functions work only while an "
-            "inferlet instance runs (launched by the server or pastry.runtime)"
-        ) from None
+from pastry.api import API_FUNCTIONS, ApiError, InferletApi, Sampling
+from pastry.sdk.current import api, bind
 
 
 def _bind(name: str):
@@ -58,6 +46,7 @@ from pastry.sdk.stop import EosTokens, MaxTokens, StopCondition, StopStrings  # 
 __all__ = [
     "API_FUNCTIONS",
     "ApiError",
+    "Sampling",
     "Context",
     "EosTokens",
     "Greedy",
@@ -69,5 +58,6 @@ __all__ = [
     "TopK",
     "TopP",
     "api",
+    "bind",
     *API_FUNCTIONS,
 ]

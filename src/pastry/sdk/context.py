@@ -24,7 +24,8 @@ import asyncio
 import weakref
 from collections.abc import Sequence
 
-from pastry.api import ApiError, InferletApi
+from pastry.api import ApiError, InferletApi, Sampling
+from pastry.sdk.current import api
 from pastry.sdk.sampling import Sampler
 from pastry.sdk.stop import EosTokens, MaxTokens, StopCondition, StopStrings
 
@@ -78,8 +79,6 @@ class Context:
     def __init__(
         self, model: str | None = None, *, queue: int | None = None, engine: int | None = None
     ) -> None:
-        from pastry.sdk import api
-
         self.api = a = api()
         self.model = model or a.available_models()[0]
         own_queue = queue is None
@@ -155,15 +154,14 @@ class Context:
         # Room for the tokens to come, reserved with the prompt (the last is not stored).
         reserve = max(0, (stop.max_tokens or 1) - 1)
         while True:
-            params = sampler.params(len(out)) if sampler.on_device else None
-            if params is not None and len(self.pending) == 1:  # the common decode step
-                tok = await self._step(self.pending[0], params)
+            if not sampler.on_device:  # it picks from the distribution itself
+                futs, (emb,) = self._forward(self.pending, 1, reserve)
+                tok = sampler.choose(*await _step(futs, a.get_next_dist(q, emb)))
+            elif len(self.pending) == 1:  # the common decode step: one fused command
+                tok = await self._step(self.pending[0], sampler.sampling(len(out)))
             else:
                 futs, (emb,) = self._forward(self.pending, 1, reserve)
-                if params is not None:
-                    tok = await _step(futs, a.sample(q, emb, **params))
-                else:
-                    tok = sampler.choose(*await _step(futs, a.get_next_dist(q, emb)))
+                tok = await _step(futs, a.sample(q, emb, sampler.sampling(len(out))))
             reserve = 0
             out.append(tok)
             self.tokens.append(tok)
@@ -348,16 +346,16 @@ class Context:
         ]
         return futs, outs
 
-    def _step(self, token: int, params: dict) -> asyncio.Future:
-        """Forward the one pending ``token`` and sample the next with ``params``: one fused
-        ``step`` command (embed, forward and sample)."""
+    def _step(self, token: int, sampling: Sampling | None) -> asyncio.Future:
+        """Forward the one pending ``token`` and sample the next with ``sampling``: one
+        fused ``step`` command (embed, forward and sample)."""
         start = self.kv_len
         self.kv_len += 1
         e_in, e_out = self._embed_slots(2)
         ctx_pages, last, out_pages = self._grow(start, 1)
         return self.api.step(
             self.queue, [token], [start], [e_in], ctx_pages, last, out_pages,
-            start % self.page_size, e_out, **params,
+            start % self.page_size, e_out, sampling,
         )  # fmt: skip
 
     def _grow(self, start: int, n: int) -> tuple[list[int], int, list[int]]:

@@ -25,11 +25,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pastry.api import ApiError
+from pastry.sdk.current import api
 
 
 def _api():
-    from pastry.sdk import api
-
     return api()
 
 

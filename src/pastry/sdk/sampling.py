@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pastry.api import Sampling
+
 
 @dataclass(frozen=True)
 class Sampler:
@@ -26,7 +28,17 @@ class Sampler:
         """Pick a token from a top-k distribution (for samplers with ``on_device = False``)."""
         raise NotImplementedError
 
+    def sampling(self, step: int) -> Sampling | None:
+        """The :class:`~pastry.api.Sampling` record of generated token ``step`` (the seed
+        advances by one per token); None for greedy without a seed (the fast path)."""
+        if self.seed is None:
+            if self.temperature == 0.0 and self.top_k == 0 and self.top_p == 1.0 and not self.min_p:
+                return None
+            return Sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+        return Sampling(self.temperature, self.top_k, self.top_p, self.min_p, self.seed + step)
+
     def params(self, step: int) -> dict:
+        """:meth:`sampling`'s fields as keywords (``sample(q, e, **params)``)."""
         seed = None if self.seed is None else self.seed + step
         return dict(
             temperature=self.temperature,

@@ -27,7 +27,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Sequence
 
-from pastry.api import ApiError
+from pastry.api import ApiError, sampling_of
 from pastry.sdk.context import Context, _refs
 
 Dist = tuple[list[int], list[float]]  # token ids by decreasing probability, probabilities
@@ -141,21 +141,23 @@ def _forward_pending(ctx: Context, n_out: int, k: int | None) -> list[Awaitable]
 
 
 async def sample_next(ctx: Context, **kw):
-    """Forward the pending tokens and sample the next token on the device; ``kw`` are the
-    parameters of ``sample`` (temperature, seed, mask, logit_bias, penalties, logprobs...).
+    """Forward the pending tokens and sample the next token on the device; ``kw`` is
+    ``sampling=Sampling(...)`` or its fields (temperature, seed, mask, logit_bias,
+    penalties, logprobs...).
     Resolves to what ``sample`` does (a token id, or a tuple with ``logprobs``). Afterwards
     nothing is pending: append the token with ``ctx.fill_tokens``."""
     ctx._check_live()
     if not ctx.pending:
         raise ApiError("nothing to generate from: fill the context first")
     await ctx.place()  # on a model with several engines, the router places it first
+    sampling = sampling_of(kw.pop("sampling", None), kw)
     if len(ctx.pending) == 1:  # a decode step: one fused command
         (token,) = ctx.pending
         ctx.pending = []
-        return await ctx._step(token, kw)
+        return await ctx._step(token, sampling)
     futs, (emb,) = ctx._forward(ctx.pending, 1)
     ctx.pending = []
-    *_, out = await asyncio.gather(*futs, ctx.api.sample(ctx.queue, emb, **kw))
+    *_, out = await asyncio.gather(*futs, ctx.api.sample(ctx.queue, emb, sampling))
     return out
 
 

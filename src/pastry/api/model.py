@@ -1,0 +1,201 @@
+"""Requests that run the model: forward, text in and out, the next token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pastry.api.sampling import Sampling
+from pastry.api.table import alias, request
+from pastry.api.types import I32, Count, Handle, Token
+
+# ---------------------------------------------------------------------------- forward
+
+
+@request("forward", trait="forward", queued=("none", "logprobs"))
+class Forward:
+    """Queued: the model over ``in_embeds`` (positions stored with them by
+    ``embed_txt``) on top of the context in ``in_kv`` (all tokens of every page, of the
+    last only ``in_kv_last_len``). New K/V go to ``out_kv`` from slot ``out_kv_offset``;
+    ``out_embeds`` receive the outputs of the last ``len(out_embeds)`` inputs. ``mask``:
+    one row per input over context + inputs, True = attend (default: all context, causal
+    among inputs). Leaving a page out of ``in_kv`` masks its tokens.
+
+    Prompt log-probabilities: with ``logprob_targets`` (one token id per input, -1 for
+    none; to score a prompt, each input's next token), resolves to ``(logprobs, top_ids,
+    top_logprobs)``: per input the target's log-probability under the model (NaN for -1)
+    and the ``logprob_top`` (at most 20) most likely tokens with theirs. ``adapter``: the
+    name of a LoRA adapter loaded on the model (``get_adapters``), applied to this call."""
+
+    q: Handle
+    in_kv: Sequence[Handle]
+    in_kv_last_len: Count
+    in_embeds: Sequence[Handle]
+    out_kv: Sequence[Handle]
+    out_kv_offset: Count
+    out_embeds: Sequence[Handle]
+    mask: list[list[bool]] | None = None
+    logprob_targets: Sequence[I32] | None = None
+    logprob_top: Count = 0
+    adapter: str | None = None
+
+
+_ADAPTER_ORDER = ("q", "adapter", "in_kv", "in_kv_last_len", "in_embeds", "out_kv")
+alias(
+    "forward_with_adapter",
+    Forward,
+    (*_ADAPTER_ORDER, "out_kv_offset", "out_embeds", "mask", "logprob_targets", "logprob_top"),
+    "forward_with_adapter",
+    "Queued: ``forward`` with the LoRA adapter named ``adapter`` applied.",
+)
+
+
+@request("forward", trait="forward_with_adapter", now=list[str])
+class GetAdapters:
+    """Names of the LoRA adapters loaded on the queue's model."""
+
+    q: Handle
+
+
+@request("forward", trait="forward", queued=("none",))
+class MaskKvpage:
+    """Queued: ``mask[i]`` True makes token ``i`` of ``page`` not attendable."""
+
+    q: Handle
+    page: Handle
+    mask: list[bool]
+
+
+# ---------------------------------------------------------------------------- input text
+
+
+@request("input text, tokenize", trait="input_text", queued=("none",))
+class EmbedTxt:
+    """Queued: embed ``tokens`` at ``positions`` into ``embeds``."""
+
+    q: Handle
+    tokens: Sequence[Token]
+    positions: Sequence[Count]
+    embeds: Sequence[Handle]
+
+
+@request("input text, tokenize", trait="input_text", now=list[Handle], queued=("token",))
+class Prefill:
+    """Queued: the K/V of text through the automatic prefix cache (RadixAttention).
+
+    ``tokens`` is the whole sequence, from position 0; ``pages`` (in order) hold the K/V
+    of its first ``kv_len`` tokens. Returns, at once, new page handles for the page indices
+    after ``pages``, enough for ``len(tokens) + reserve`` tokens (``reserve``: room for
+    tokens to come, e.g. the generation budget, taken with the prompt so that a program
+    admitted under memory pressure can finish), and an awaitable of how many of the new
+    tokens came from the cache. When the call is admitted (it may wait for KV pages), the
+    longest cached prefix of ``tokens`` that starts at a page boundary of the context fills
+    new pages (full pages shared by reference, the slots of a partial one copied) and the
+    rest is embedded and forwarded; ``out_embeds`` receive the outputs of the last
+    ``len(out_embeds)`` tokens (always computed). The pages then hold what ``embed_txt`` +
+    ``forward`` would write. A page shared through the cache is read-only while another
+    inferlet uses it: writing it (``forward`` into it, ``mask_kvpage``, ``copy_kvpage`` onto
+    it) raises ``ApiError``; copy it into a page of your own first."""
+
+    q: Handle
+    tokens: Sequence[Token]
+    kv_len: Count
+    pages: Sequence[Handle]
+    out_embeds: Sequence[Handle]
+    reserve: Count = 0
+
+
+@request("input text, tokenize", trait="tokenize", now=list[Token])
+class Tokenize:
+    """Token ids of ``text``. ``add_special_tokens``: as the start of a sequence, with the
+    special tokens the model's tokenizer adds there (a BOS for models that want one, e.g.
+    Llama; none for SmolLM2 or Qwen). ``Context.fill`` sets it on an empty context."""
+
+    q: Handle
+    text: str
+    add_special_tokens: bool = False
+
+
+@request("input text, tokenize", trait="tokenize", now=str)
+class Detokenize:
+    """The text of ``tokens``."""
+
+    q: Handle
+    tokens: Sequence[Token]
+
+
+@request("input text, tokenize", trait="tokenize", now=list[bytes])
+class GetVocabs:
+    """The bytes of every token id."""
+
+    q: Handle
+
+
+@request("input text, tokenize", trait="tokenize", now=list[Token])
+class GetEosTokenIds:
+    """The model's end-of-sequence token ids."""
+
+    q: Handle
+
+
+@request("input text, tokenize", trait="tokenize", now=Count)
+class GetVocabSize:
+    """Rows of the model's output distribution (may exceed the tokenizer's vocabulary)."""
+
+    q: Handle
+
+
+@request("input text, tokenize", trait="tokenize", now=str)
+class ApplyChatTemplate:
+    """Render (role, content) messages with the model's chat template."""
+
+    q: Handle
+    messages: Sequence[tuple[str, str]]
+    add_generation_prompt: bool = True
+
+
+# ---------------------------------------------------------------------------- output
+
+
+@request("output", trait="output_text", queued=("dist",))
+class GetNextDist:
+    """Queued: the top-``k`` next-token distribution at ``embed`` (ids, probabilities),
+    after ``sampling``'s logit processing (forbidden tokens: probability 0)."""
+
+    q: Handle
+    embed: Handle
+    k: Count = 256
+    sampling: Sampling | None = None
+
+
+@request("output", trait="output_text", queued=("token", "sampled"))
+class Sample:
+    """Queued: sample a token on the device with ``sampling`` (default: greedy, no logit
+    processing; see :class:`~pastry.api.sampling.Sampling`). Resolves to the token id, or
+    with ``sampling.logprobs`` to ``(token, logprob, top_ids, top_logprobs)``."""
+
+    q: Handle
+    embed: Handle
+    sampling: Sampling | None = None
+
+
+@request("output", trait="output_text", queued=("token", "sampled"))
+class Step:
+    """Queued: one decode step as one command, the same as the three calls
+    ``embed_txt(q, tokens, positions, in_embeds)``, ``forward(q, in_kv, in_kv_last_len,
+    in_embeds, out_kv, out_kv_offset, [out_embed])`` and ``sample(q, out_embed,
+    sampling)`` issued together: they run in one engine batch and the step resolves once,
+    to ``sample``'s value. The first error among the three fails the step (as with the
+    three calls, those before it took effect). Cheaper than the three calls (one
+    submission, one translation, one wake-up); programs that want the parts (a custom
+    mask, an adapter, several outputs, the distribution) use them."""
+
+    q: Handle
+    tokens: Sequence[Token]
+    positions: Sequence[Count]
+    in_embeds: Sequence[Handle]
+    in_kv: Sequence[Handle]
+    in_kv_last_len: Count
+    out_kv: Sequence[Handle]
+    out_kv_offset: Count
+    out_embed: Handle
+    sampling: Sampling | None = None

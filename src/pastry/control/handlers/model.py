@@ -1,0 +1,270 @@
+"""Handlers of the requests that run the model: forward, embed, prefill, the next token.
+
+Each checks its request once — counts, lengths, the mask's shape, token ids against the
+vocabulary, the sampling record (:func:`pastry.control.sampling.sample_spec`) — snapshots
+the handle lists (the caller may change its lists after the call) and queues the op that
+the scheduler translates per batch. The decode step (``step``) and ``embed_txt`` queue
+the batch-prepared ops of :mod:`pastry.control.steps`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from pastry import api
+from pastry.api import MAX_LOGPROBS, ApiError
+from pastry.control.handlers.caller import Caller, resource_call
+from pastry.control.handlers.registry import handles
+from pastry.control.ops import ForwardOp, MaskPage, NextDistOp, SampledOp, SampleOp, ScoringForward
+from pastry.control.sampling import Release, sample_spec
+from pastry.control.scheduler import Stage
+from pastry.control.steps import Embed, SampledStep, Step
+from pastry.engine.calls import ids
+
+_I64 = 1 << 63
+_NO_TARGETS = ids(())
+_NO_TARGETS.flags.writeable = False
+
+
+def ints(values: object, what: str) -> list[int]:
+    """``values`` as a new list of Python ints that fit an int64: the step and embed ops
+    keep them as a list until their batch makes one array of every command's integers."""
+    if type(values) is list or type(values) is tuple:
+        for v in values:
+            if type(v) is not int or not -_I64 <= v < _I64:
+                break
+        else:
+            return list(values)
+    try:
+        return ids(values).tolist()
+    except (TypeError, ValueError, OverflowError):
+        raise ApiError(f"{what} must be a list of integers, got {values!r:.60}") from None
+
+
+def token_ids(values: object, what: str, lo: int, hi: int) -> np.ndarray:
+    try:
+        arr = ids(values)
+    except (TypeError, ValueError, OverflowError):
+        raise ApiError(f"{what} must be a list of token ids") from None
+    bad = arr[(arr < lo) | (arr >= hi)]
+    if bad.size:
+        raise ApiError(f"{what} has token id {int(bad[0])}, outside the vocabulary (0 to {hi - 1})")
+    return arr
+
+
+def check_kv(
+    info, in_kv: list, last: object, out_kv: list, offset: object, n: int, overlap: bool = True
+) -> None:
+    """The context and output pages of ``n`` new tokens, as the engine would check them
+    (so that the error names the request, not a refused engine call). ``overlap``: also
+    that the output pages do not overwrite the context (a pass over the context: the
+    decode step leaves it to the engine)."""
+    ps = info.page_size
+    if n > info.max_batch_tokens:
+        raise ApiError(
+            f"{n} inputs exceed the engine's max_batch_tokens ({info.max_batch_tokens}): "
+            "split the forward"
+        )
+    if in_kv and not (isinstance(last, int) and 1 <= last <= ps):
+        raise ApiError(f"in_kv_last_len must be from 1 to the page size ({ps}), got {last!r}")
+    if out_kv:
+        if not (isinstance(offset, int) and 0 <= offset < ps):
+            raise ApiError(f"out_kv_offset must be from 0 to {ps - 1}, got {offset!r}")
+        if len(out_kv) * ps - offset < n:
+            raise ApiError(
+                f"{len(out_kv)} output pages from offset {offset} hold "
+                f"{len(out_kv) * ps - offset} tokens, not {n}"
+            )
+        if len(out_kv) > 1 and len(set(out_kv)) != len(out_kv):
+            raise ApiError("out_kv repeats a page")
+        if not overlap:
+            return
+        shared = set(out_kv).intersection(in_kv)
+        if shared and (shared != {in_kv[-1]} or out_kv[0] != in_kv[-1] or offset < last):
+            raise ApiError(
+                "out_kv overlaps the context in_kv: new tokens may only continue the last "
+                "context page, after its in_kv_last_len tokens"
+            )
+
+
+def check_tokens(info, tokens: list[int], positions: list[int]) -> None:
+    """Token ids in the vocabulary, positions below the model's ``max_position``."""
+    if tokens and not (min(tokens) >= 0 and max(tokens) < info.vocab_size):
+        bad = next(t for t in tokens if not 0 <= t < info.vocab_size)
+        raise ApiError(f"token id {bad} is outside the vocabulary (0 to {info.vocab_size - 1})")
+    if positions and not (min(positions) >= 0 and max(positions) < info.max_position):
+        bad = next(t for t in positions if not 0 <= t < info.max_position)
+        raise ApiError(f"position {bad} is outside the model's 0 to {info.max_position - 1}")
+
+
+def _count(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ApiError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+@handles(api.Forward)
+def forward(s: Caller, r: api.Forward) -> asyncio.Future:
+    """The model over ``in_embeds`` on top of the context in ``in_kv`` (see
+    :class:`pastry.api.Forward`)."""
+    ref = s.queue(r.q)
+    model = ref.model
+    in_kv, in_embeds = list(r.in_kv), list(r.in_embeds)
+    out_kv, out_embeds = list(r.out_kv), list(r.out_embeds)
+    n, m = len(in_embeds), len(out_embeds)
+    if n == 0:
+        raise ApiError("forward needs at least one input embedding")
+    if m > n:
+        raise ApiError(f"{m} output embeddings for {n} inputs")
+    last = r.in_kv_last_len if in_kv else 0
+    check_kv(model.info, in_kv, last, out_kv, r.out_kv_offset, n)
+    mask = None
+    if r.mask is not None:
+        mask = np.asarray(r.mask, dtype=np.bool_)
+        ctx = (len(in_kv) - 1) * model.info.page_size + last if in_kv else 0
+        if mask.shape != (n, ctx + n):
+            raise ApiError(
+                f"mask must have one row per input over context + inputs ({n}, {ctx + n}), "
+                f"got shape {mask.shape}"
+            )
+        if not mask.any(axis=1).all():
+            raise ApiError("every input must attend to at least one token (a mask row is empty)")
+    adapter = -1
+    if r.adapter is not None:
+        if r.adapter not in model.adapters:
+            names = ", ".join(model.adapters) or "none"
+            raise ApiError(f"no adapter named '{r.adapter}' on {model.name} (loaded: {names})")
+        adapter = model.adapters[r.adapter]
+    targets, top = _NO_TARGETS, 0
+    if r.logprob_targets is not None:
+        targets = token_ids(r.logprob_targets, "logprob_targets", -1, model.info.vocab_size)
+        if len(targets) != n:
+            raise ApiError(f"logprob_targets needs one token per input ({n}), got {len(targets)}")
+        top = r.logprob_top
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(f"logprob_top must be an integer from 0 to {MAX_LOGPROBS}, got {top!r}")
+    elif r.logprob_top:
+        raise ApiError("logprob_top needs logprob_targets")
+    cls = ScoringForward if len(targets) else ForwardOp
+    op = cls(
+        model.resources, s.instance, in_kv, int(last), in_embeds, out_kv, int(r.out_kv_offset),
+        out_embeds, mask, adapter, targets, top,
+    )  # fmt: skip
+    return s.submit(ref, Stage.FORWARD, op, tokens=n)
+
+
+@handles(api.GetAdapters)
+def get_adapters(s: Caller, r: api.GetAdapters) -> list[str]:
+    return list(s.queue(r.q).model.adapters)
+
+
+@handles(api.MaskKvpage)
+def mask_kvpage(s: Caller, r: api.MaskKvpage) -> asyncio.Future:
+    """``mask[i]`` True makes token ``i`` of ``page`` not attendable."""
+    ref = s.queue(r.q)
+    op = MaskPage(ref.model.resources, s.instance, r.page, np.asarray(r.mask, dtype=np.bool_))
+    return s.submit(ref, Stage.KV, op)
+
+
+# ---------------------------------------------------------------------------- input text
+
+
+@handles(api.EmbedTxt)
+def embed_txt(s: Caller, r: api.EmbedTxt) -> asyncio.Future:
+    ref = s.queue(r.q)
+    if not len(r.tokens) == len(r.positions) == len(r.embeds):
+        raise ApiError(
+            f"embed_txt needs as many positions and embeddings as tokens ({len(r.tokens)} "
+            f"tokens, {len(r.positions)} positions, {len(r.embeds)} embeds)"
+        )
+    tokens, positions = ints(r.tokens, "tokens"), ints(r.positions, "positions")
+    check_tokens(ref.model.info, tokens, positions)
+    op = Embed(ref.model.resources, s.instance, tokens, positions, list(r.embeds))
+    return s.submit(ref, Stage.EMBED, op)
+
+
+@handles(api.Prefill)
+def prefill(s: Caller, r: api.Prefill) -> tuple[list[int], asyncio.Future]:
+    """The K/V of ``tokens`` (positions ``0..``) through the prefix cache; see
+    :class:`pastry.api.Prefill` and :mod:`pastry.control.prefill`."""
+    ref = s.queue(r.q)
+    kv_len, reserve = _count(r.kv_len, "kv_len"), _count(r.reserve, "reserve")
+    submit = ref.model.prefiller.submit
+    try:
+        return resource_call(
+            submit, s.instance, ref.queue, r.tokens, kv_len, r.pages, r.out_embeds, reserve
+        )
+    except ApiError:
+        raise
+    except ValueError as e:
+        raise ApiError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- output
+
+
+@handles(api.GetNextDist)
+def get_next_dist(s: Caller, r: api.GetNextDist) -> asyncio.Future:
+    """Top-``k`` next-token distribution at ``embed``: (token ids, probabilities)."""
+    ref = s.queue(r.q)
+    k = _count(r.k, "k")
+    spec = sample_spec(r.sampling, ref.model.info.vocab_size, s.constraints, distribution=True)
+    op = NextDistOp(ref.model.resources, s.instance, r.embed, k, spec)
+    return s.submit(ref, Stage.OUTPUT, op)
+
+
+@handles(api.Sample)
+def sample(s: Caller, r: api.Sample) -> asyncio.Future:
+    """Sample a token on the device (see :class:`pastry.api.Sample`)."""
+    ref = s.queue(r.q)
+    spec = sample_spec(r.sampling, ref.model.info.vocab_size, s.constraints)
+    if spec is None or not (spec.logprobs or spec.grammar is not None):
+        return s.submit(ref, Stage.OUTPUT, SampleOp(ref.model.resources, s.instance, r.embed, spec))
+    op = SampledOp(ref.model.resources, s.instance, r.embed, spec)
+    return _with_grammar(s.submit(ref, Stage.OUTPUT, op), spec.grammar)
+
+
+@handles(api.Step)
+def step(s: Caller, r: api.Step) -> asyncio.Future:
+    """``embed_txt``, ``forward`` (its last input's output to ``out_embed``) and ``sample``
+    from it as one fused command (see :class:`pastry.api.Step`): one submission, one
+    translation of its handles, one future."""
+    ref = s.queue(r.q)
+    n = len(r.tokens)
+    if n == 0:
+        raise ApiError("step needs at least one token")
+    if not n == len(r.positions) == len(r.in_embeds):
+        raise ApiError(
+            f"step needs as many positions and input embeddings as tokens ({n} tokens, "
+            f"{len(r.positions)} positions, {len(r.in_embeds)} embeds)"
+        )
+    spec = None
+    if r.sampling is not None:
+        spec = sample_spec(r.sampling, ref.model.info.vocab_size, s.constraints)
+    info = ref.model.info
+    in_kv, out_kv = list(r.in_kv), list(r.out_kv)  # snapshots, translated when batched
+    n_ctx = len(in_kv)
+    last = r.in_kv_last_len if n_ctx else 0
+    check_kv(info, in_kv, last, out_kv, r.out_kv_offset, n, overlap=False)
+    tokens, positions = ints(r.tokens, "tokens"), ints(r.positions, "positions")
+    check_tokens(info, tokens, positions)
+    cls = Step if spec is None or not (spec.logprobs or spec.grammar is not None) else SampledStep
+    op = cls(
+        ref.model.resources, s.instance, tokens, positions, [*r.in_embeds, r.out_embed],
+        in_kv + out_kv, n_ctx, int(last), int(r.out_kv_offset), spec,
+    )  # fmt: skip
+    fut = s.submit(ref, Stage.EMBED, op, tokens=n, last_stage=Stage.OUTPUT)
+    return fut if cls is Step else _with_grammar(fut, spec.grammar)
+
+
+def _with_grammar(fut: asyncio.Future, grammar) -> asyncio.Future:
+    """A constrained sample holds its grammar until it settles (one at a time)."""
+    if grammar is not None:
+        grammar.busy = True
+        fut.add_done_callback(Release(grammar))
+    return fut
