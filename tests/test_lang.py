@@ -524,3 +524,16 @@ def test_real_weights_select_regex_json(smollm2, sandboxed):
     if sandboxed:
         sandbox_or_skip()
     check_real_weights(smollm2, sandboxed)
+
+
+def test_api_speculative_execution_is_refused_by_name():
+    """SGLang's num_api_spec_tokens speeds up API-backend calls; pastry.lang has none, so
+    the decorator refuses it instead of taking it and doing nothing."""
+    from pastry.lang import function
+
+    def program(s):
+        s += "x"
+
+    with pytest.raises(ValueError, match="num_api_spec_tokens"):
+        function(num_api_spec_tokens=64)(program)
+    assert function(program).__name__ == "program"  # unset: fine

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import re
 import sys
 import textwrap
 
@@ -262,12 +263,31 @@ def test_native_refuses_what_it_cannot_do_by_name(server, body, message):
 
 
 def test_native_info_and_flush(server):
-    url, _ = server
+    url, srv_ = server
     info = requests.get(url + "/get_model_info", timeout=10).json()
     assert info["is_generation"] is True and info["model_path"]
     srv = requests.get(url + "/get_server_info", timeout=10).json()
     assert srv["version"].startswith("pastry") and srv["page_size"] > 0
+    cfg = srv_.config  # the schedule policy, not the batching one
+    assert (srv["schedule_policy"], srv["batching_policy"]) == (cfg.schedule, cfg.policy)
     assert requests.post(url + "/flush_cache", timeout=10).status_code == 200
+
+
+def test_flush_cache_frees_the_prefix_and_the_next_request_computes_it(server):
+    """/flush_cache empties the prefix cache (not what programs hold) and says how much it
+    freed: a prompt served from the cache before the flush is computed again after it."""
+    url, srv = server
+    body = {"input_ids": list(range(5, 5 + 70)), "sampling_params": {"max_new_tokens": 2}}
+    post(url, body)  # its pages go to the cache when it ends
+    again = post(url, body).json()["meta_info"]
+    assert again["cached_tokens"] >= 64  # the full pages of the prompt (page size 16)
+    text = requests.post(url + "/flush_cache", timeout=10).text
+    freed = sum(int(n) for n in re.findall(r"engine \d+: (\d+)", text))
+    assert text.startswith("Cache flushed. KV pages freed:") and freed >= 4, text
+    res = srv.controller.models[srv.models[0]].resources
+    assert res.cache.cached_pages == res.cache.referenced_pages  # nothing unused is left
+    after = post(url, body).json()["meta_info"]
+    assert after["cached_tokens"] == 0 and after["prompt_tokens"] == again["prompt_tokens"]
 
 
 # ---------------------------------------------------------------------- native sampling fields

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from commands import fn_command
 from pastry.control.policies import (
     SCHEDULES,
     Atlas,
@@ -18,7 +19,7 @@ from pastry.control.policies import (
     schedule_policy,
 )
 from pastry.control.programs import ProcessTable
-from pastry.control.scheduler import Command, Queue, Stage
+from pastry.control.scheduler import Queue, Stage
 
 
 class World:
@@ -36,7 +37,7 @@ class World:
         return q
 
     def submit(self, q: Queue) -> None:
-        q.pending.append(Command(Stage.FORWARD, prepare=lambda: None, created=self.t, future=None))
+        q.pending.append(fn_command(Stage.FORWARD, lambda: None, created=self.t, future=None))
         self.table.arrive(q.thread, self.t)
 
     def run(self, queues: list[Queue], seconds: float) -> None:
@@ -203,3 +204,36 @@ def test_schedule_policy_by_name():
         schedule_policy("plas", quantum=3)
     with pytest.raises(ValueError, match="beta"):
         Plas(beta=0)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_queue_priority_orders_queues_under_every_policy(name):
+    """``set_queue_priority``: FCFS by priority, then arrival; the multilevel policies by
+    level first, then priority, then entry into the level."""
+    w = World(schedule_policy(name))
+    qs = [w.queue(i) for i in range(4)]
+    for q in qs:  # arrivals in instance order, all in the first level
+        w.submit(q)
+        w.t += 0.01
+    qs[1].priority, qs[2].priority, qs[3].priority = 5, -1, 5
+    assert w.order(qs) == [1, 3, 0, 2]
+    if name == "fcfs":
+        return
+    w.run([qs[1]], 5.0)  # instance 1 used a level's worth of service: it moves down
+    w.submit(qs[1])
+    assert w.order(qs) == [3, 0, 2, 1]  # a lower level first, whatever its priority
+
+
+def test_set_queue_priority_is_the_schedulers():
+    """The scheduler's door for it (the API handler's) sets what every policy reads."""
+    import asyncio
+
+    from pastry.control.scheduler import BatchScheduler
+
+    async def go():
+        s = BatchScheduler(lambda calls: None, 100, 4, schedule=Plas())
+        q = s.create_queue(1)
+        s.set_priority(q, 7)
+        return q.priority
+
+    assert asyncio.run(go()) == 7

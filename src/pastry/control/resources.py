@@ -888,6 +888,13 @@ class ResourceManager:
             cache.ref_pages(done.adopted)  # all still referenced until the drop
             self.cache_events["adopted"] += len(done.adopted)
 
+    def flush_cache(self) -> int:
+        """Evict every page of the prefix cache that no inferlet holds (what the server's
+        ``/flush_cache`` asks for); pages in use stay. Returns how many were freed."""
+        if self.cache is None:
+            return 0
+        return self._evict(self.cache.evictable_pages)
+
     def _evict(self, n: int) -> int:
         """Evict at least ``n`` cached pages nobody uses (fewer if there are not that many)."""
         t0 = time.perf_counter()

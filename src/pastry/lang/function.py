@@ -23,6 +23,7 @@ from typing import Any
 from pastry.lang.expr import SamplingParams
 from pastry.lang.run import Run, active_run
 from pastry.lang.state import ProgramState
+from pastry.sdk.current import api
 
 SAMPLING = frozenset(f.name for f in fields(SamplingParams))
 _default_backend: list[Any] = [None]
@@ -52,8 +53,14 @@ class Function:
                 f"{func.__name__}: the first parameter of a pastry.lang function must be "
                 f"`s` (the prompt state), got {params[:1]}"
             )
+        if num_api_spec_tokens is not None:
+            raise ValueError(
+                f"{func.__name__}: num_api_spec_tokens is SGLang's speculative execution of "
+                "calls to an OpenAI-style API backend, which pastry.lang does not have (every "
+                "gen runs on the server's engine, inside the program): leave it unset"
+            )
         self.func = func
-        self.num_api_spec_tokens = num_api_spec_tokens  # accepted for SGLang compatibility
+        self.num_api_spec_tokens = num_api_spec_tokens
         self.bind_arguments = dict(bind_arguments or {})
         self.arg_names = params[1:]
         self.__name__ = func.__name__
@@ -128,8 +135,6 @@ class Function:
         """Run the program in this inferlet (next to its KV) and return its state once
         everything it submitted has run. ``on_text`` receives the program's text as it
         grows (what ``stream=True`` sends a client)."""
-        from pastry.sdk import api
-
         sampling, kw = _split(kwargs)
         defaults = SamplingParams().override(sampling)
         a = api()

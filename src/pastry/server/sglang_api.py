@@ -125,23 +125,24 @@ def routes(server: PastryServer) -> list[Route]:
                 "device": info.device,
                 "host": cfg.host,
                 "port": cfg.port,
-                "schedule_policy": cfg.policy,
+                "schedule_policy": cfg.schedule,
+                "batching_policy": cfg.policy,
+                "admission_policy": cfg.admission,
                 "internal_states": [],
             }
         )
 
     async def flush_cache(request: Request) -> PlainTextResponse:
-        flushed = []
-        for m in server.controller.models.values():
-            cache = getattr(m, "prefix_cache", None)
-            if cache is not None and hasattr(cache, "flush"):
-                cache.flush()
-                flushed.append(m.name)
-        if flushed:
-            return PlainTextResponse(f"Cache flushed ({', '.join(flushed)}).\n")
-        return PlainTextResponse(
-            "Cache flushed. (This server keeps no KV between requests: nothing to flush.)\n"
-        )
+        """Evict every engine's prefix cache but the pages inferlets hold (those stay: a
+        running program keeps its KV); says how many KV pages were freed, per engine."""
+        engines = server.controller.all_engines()
+        if all(m.resources.cache is None for m in engines):
+            return PlainTextResponse(
+                "Cache flushed: nothing to flush (this server runs without a prefix cache, "
+                "--no-prefix-cache).\n"
+            )
+        parts = [f"{m.name} engine {m.rank}: {m.resources.flush_cache()}" for m in engines]
+        return PlainTextResponse(f"Cache flushed. KV pages freed: {'; '.join(parts)}.\n")
 
     async def generate(request: Request):
         try:

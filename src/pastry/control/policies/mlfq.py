@@ -15,8 +15,9 @@ lo_i``. On each scheduler pass, for every ready call (Algorithm 1):
    and only ``W_c`` and ``T_c`` restart, so that a program's other threads, which share
    ``W_p`` and ``T_p``, are promoted with it. A call with no service yet (``T = 0``) is
    not promoted;
-4. the batch takes queues in order: strict priority across queues, FCFS within one (by
-   when the call entered it). The scheduler fills a batch in this order and lets a later
+4. the batch takes queues in order: strict priority across queues; within one, the
+   inferlets' queue priority (``set_queue_priority``: higher first), then FCFS (by when
+   the call entered the queue). The scheduler fills a batch in this order and lets a later
    queue in when an earlier one's next command does not fit the token budget
    (work-conserving; the paper stops at the first call that does not fit).
 
@@ -138,11 +139,12 @@ class MultilevelQueues(SchedulePolicy):
         return f"{self.name} ({self.levels.describe()}{beta})"
 
 
-def _key(q: Queue) -> tuple[float, float]:
+def _key(q: Queue) -> tuple[float, int, float]:
+    """Level first, then the queue's priority (higher first), then entry into the level."""
     t = q.thread
     if t is None or t.call is None or t.call.level < 0:
-        return (0.0, q.pending[0].created)
-    return (float(t.call.level), t.call.entered)
+        return (0.0, -q.priority, q.pending[0].created)
+    return (float(t.call.level), -q.priority, t.call.entered)
 
 
 class Mlfq(MultilevelQueues):
