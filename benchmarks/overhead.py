@@ -158,7 +158,7 @@ async def main(args):
 TEXT_COMPLETION_CALLS = """
 import pastry.sdk as px
 from pastry.sdk import Context, MaxTokens, Sampler
-from pastry.sdk.context import _step
+from pastry.sdk.context import await_step
 
 async def main(args):
     n = int(args[1])
@@ -168,7 +168,7 @@ async def main(args):
     px.send("first")
     for _ in range(n - 1):
         futs, (emb,) = ctx._forward(ctx.pending, 1)
-        tok = await _step(futs, px.sample(ctx.queue, emb))
+        tok = await await_step(futs, px.sample(ctx.queue, emb))
         ctx.tokens.append(tok)
         ctx.pending = [tok]
     return ",".join(map(str, ctx.tokens[-n:]))

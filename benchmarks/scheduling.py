@@ -113,7 +113,8 @@ from pastry.runtime.trusted import Program, TrustedRuntime
 from pastry.sched import workloads
 from pastry.sched.hardware import KvMemory
 from pastry.sched.programs import ProgramSpec
-from pastry.sched.sim import SimConfig, simulate, system_named
+from pastry.sched.sim import SimConfig, simulate
+from pastry.sched.systems import system_named
 
 POLICIES = ("fcfs", "mlfq", "plas", "atlas")
 AUTELLIX = {"sharegpt": "plas", "bfcl": "plas", "lats": "atlas", "mixed": "atlas"}

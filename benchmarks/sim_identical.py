@@ -28,7 +28,8 @@ from pastry.control.policies.memory import MemoryAdmission
 from pastry.sched import workloads
 from pastry.sched.datasets import bfcl_tasks, sharegpt_conversations
 from pastry.sched.hardware import KvMemory
-from pastry.sched.sim import SimConfig, simulate, system_named
+from pastry.sched.sim import SimConfig, simulate
+from pastry.sched.systems import system_named
 
 # (workload, x capacity, system, seconds of arrivals, admission): measured arrivals in
 # [arrivals / 5, arrivals x 3 / 5), the benchmark's machine model, 8-step passes

@@ -328,7 +328,7 @@ def test_step_in_the_sandbox_matches_the_trusted_runner(eng):
 
 GENERATE = """
 from pastry.sdk import Context, MaxTokens, Sampler
-from pastry.sdk.context import _step
+from pastry.sdk.context import await_step
 import pastry.sdk as px
 
 async def main(args):
@@ -341,8 +341,8 @@ async def main(args):
     ref.fill_tokens([int(t) for t in args[0].split(",")])
     await ref.generate(Sampler(), MaxTokens(1))
     for _ in range(7):
-        futs, (emb,) = ref._forward(ref.pending, 1)
-        tok = await _step(futs, px.sample(ref.queue, emb))
+        futs, (emb,) = ref.forward_tokens(ref.pending, 1)
+        tok = await await_step(futs, px.sample(ref.queue, emb))
         ref.tokens.append(tok)
         ref.pending = [tok]
     return ",".join(map(str, generated)) + "|" + ",".join(map(str, ref.tokens[-8:]))

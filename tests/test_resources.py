@@ -24,7 +24,8 @@ from pastry.control.resources import (
 def snapshot(m: ResourceManager) -> tuple:
     """Everything observable about the manager's state."""
     tables = {
-        kind: {inst: dict(t) for inst, t in m._handles[kind].items()} for kind in ("kv", "embed")
+        kind: {inst: dict(t) for inst, t in m.handles.tables[kind].items()}
+        for kind in ("kv", "embed")
     }
     counts = {
         kind: [m.refcount(kind, pid) for pid in range(m.usage(kind)[2])] for kind in ("kv", "embed")
@@ -32,12 +33,12 @@ def snapshot(m: ResourceManager) -> tuple:
     return (
         m.instances(),
         tables,
-        {k: dict(v) for k, v in m._next.items()},
+        {k: dict(v) for k, v in m.handles.next.items()},
         counts,
         m.usage("kv"),
         m.usage("embed"),
         m.list_exports(),
-        {i: sorted(n) for i, n in m._instances.items()},
+        {i: sorted(n) for i, n in m.exports.by_instance.items()},
     )
 
 
@@ -622,7 +623,7 @@ def test_random_ops_keep_integrity(seed: int) -> None:
                     del live[(inst, kind)][h]
             elif op == "bad":  # a freed, foreign or repeated handle among good ones
                 held = list(live[(inst, kind)])
-                bad = rng.choice([-1, m._next[kind][inst], 10_000])
+                bad = rng.choice([-1, m.handles.next[kind][inst], 10_000])
                 if held and rng.random() < 0.5:
                     bad = held[0]
                     held = [*held, bad]
@@ -631,7 +632,7 @@ def test_random_ops_keep_integrity(seed: int) -> None:
                 with pytest.raises(InvalidHandle):
                     m.free(inst, kind, held)
                 with pytest.raises(InvalidHandle):
-                    m.translate(inst, kind, [*held[:-1], m._next[kind][inst] + 1])
+                    m.translate(inst, kind, [*held[:-1], m.handles.next[kind][inst] + 1])
                 assert snapshot(m) == before
             elif op == "export":
                 held = list(live[(inst, kind)])
@@ -650,7 +651,7 @@ def test_random_ops_keep_integrity(seed: int) -> None:
             errors += 1
             assert snapshot(m) == before, f"step {step}: failed {op} changed state"
         # ended instances (removed or terminated) drop out of the shadow
-        for key in [k for k in live if k[0] not in m._instances]:
+        for key in [k for k in live if k[0] not in m.users]:
             del live[key]
         m.check_integrity()
         for (i, k), table in live.items():

@@ -1,4 +1,4 @@
-"""``Context.generate`` awaits a step's last call only (pastry.sdk.context._step)."""
+"""``Context.generate`` awaits a step's last call only (pastry.sdk.context.await_step)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pastry.sdk.context import _step
+from pastry.sdk.context import await_step
 
 
 def run(coro_fn):
@@ -19,7 +19,7 @@ def test_step_returns_the_last_result_once_all_are_done():
         embed, fwd, last = (loop.create_future() for _ in range(3))
         for f, v in ((embed, None), (fwd, None), (last, 42)):
             f.set_result(v)
-        return await _step([embed, fwd], last)
+        return await await_step([embed, fwd], last)
 
     assert run(main) == 42
 
@@ -32,7 +32,7 @@ def test_step_raises_the_first_failure_in_queue_order_and_retrieves_all():
         fwd.set_exception(KeyError("forward rejected"))
         last.set_exception(RuntimeError("sample rejected"))
         with pytest.raises(ValueError, match="embed rejected"):
-            await _step([embed, fwd], last)
+            await await_step([embed, fwd], last)
         # every failure was retrieved: no "exception was never retrieved" at collection
         return [f._log_traceback for f in (embed, fwd, last)]
 
@@ -45,7 +45,7 @@ def test_step_raises_an_earlier_failure_when_the_last_call_succeeded():
         embed, last = loop.create_future(), loop.create_future()
         embed.set_exception(ValueError("embed rejected"))
         last.set_result(7)
-        await _step([embed], last)
+        await await_step([embed], last)
 
     with pytest.raises(ValueError, match="embed rejected"):
         run(main)
@@ -58,7 +58,7 @@ def test_step_waits_for_earlier_calls_when_the_last_was_rejected_first():
         last.set_exception(RuntimeError("sample rejected"))  # before the forward ran
         loop.call_later(0.01, fwd.set_result, None)
         with pytest.raises(RuntimeError, match="sample rejected"):
-            await _step([fwd], last)
+            await await_step([fwd], last)
         return fwd.done()
 
     assert run(main) is True
@@ -69,7 +69,7 @@ def test_cancelling_a_step_cancels_its_earlier_calls():
         loop = asyncio.get_running_loop()
         embed, fwd, last = (loop.create_future() for _ in range(3))
         embed.set_result(None)
-        task = asyncio.ensure_future(_step([embed, fwd], last))
+        task = asyncio.ensure_future(await_step([embed, fwd], last))
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -10,7 +10,8 @@ import pytest
 from pastry.control.policies import Atlas, Fcfs, Levels, Mlfq, Plas
 from pastry.sched.datasets import complete_records
 from pastry.sched.programs import CallSpec, ProgramSpec, Stage
-from pastry.sched.sim import CostModel, SimConfig, Simulator, simulate, system_named
+from pastry.sched.sim import CostModel, SimConfig, Simulator, simulate
+from pastry.sched.systems import system_named
 from pastry.sched.srpt import Srpt
 from pastry.sched.workloads import Knobs, Scale, make
 

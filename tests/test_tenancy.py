@@ -264,10 +264,10 @@ def test_random_ops_with_users_keep_integrity(seed):
             elif op == "alloc":
                 m.alloc(inst, kind, rng.randint(0, 5))
             elif op == "free":
-                held = list(m._handles[kind][inst])
+                held = list(m.handles.tables[kind][inst])
                 m.free(inst, kind, rng.sample(held, rng.randint(0, len(held))))
             elif op == "export":
-                held = list(m._handles[kind][inst])
+                held = list(m.handles.tables[kind][inst])
                 m.export(inst, kind, rng.sample(held, rng.randint(0, len(held))),
                          f"e{rng.randint(0, 4)}", rng.random() < 0.5)  # fmt: skip
             elif op == "import":

@@ -127,8 +127,13 @@ class Client:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._queues: dict[int, asyncio.Queue] = {}
-        self._closed: str | None = None  # why, once closed
+        self._closed: str | None = None  # why, once closed (``closed``)
         self._reader: asyncio.Task | None = None
+
+    @property
+    def closed(self) -> str | None:
+        """Why the connection is closed, or None while it is open."""
+        return self._closed
 
     @classmethod
     async def connect(cls, url: str, token: str | None = None, *, timeout: float = 10) -> Client:

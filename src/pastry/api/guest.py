@@ -26,7 +26,7 @@ from pastry.api.errors import ApiError
 from pastry.api.sampling import Sampling, sampling_of
 from pastry.api.surface import InferletApi, alias_params, signature
 from pastry.api.table import ALIASES, SPECS, Param, Spec
-from pastry.api.types import _BOUNDS, describe, wit_type
+from pastry.api.types import BOUNDS, describe, wit_type
 
 assert array.array("I").itemsize == 4
 
@@ -49,8 +49,8 @@ def converter(tree) -> Callable[[Any], Any]:
     lists, floats as floats, bitmasks as words), or raising ``TypeError`` for a value the
     binding would not take. Records go through :func:`record_converter`."""
     if isinstance(tree, str):
-        if tree in _BOUNDS:
-            lo, hi = _BOUNDS[tree]
+        if tree in BOUNDS:
+            lo, hi = BOUNDS[tree]
 
             def integer(v):
                 if type(v) is not int:

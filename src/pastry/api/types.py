@@ -95,7 +95,7 @@ def wit_text(tree: Tree) -> str:
     return f"{kind}<{', '.join(wit_text(p) for p in parts)}>"
 
 
-_BOUNDS = {w.name: (w.lo, w.hi) for w in (U8, U16, U32, U64, S32, S64)}
+BOUNDS = {w.name: (w.lo, w.hi) for w in (U8, U16, U32, U64, S32, S64)}
 _SCALAR_TEXT = {
     "bool": ("a bool", "bools"),
     "string": ("a string", "strings"),
@@ -108,8 +108,8 @@ _SCALAR_TEXT = {
 def describe(tree: Tree, plural: bool = False) -> str:
     """What a value of ``tree`` must be, for error messages ("an integer from 0 to ...")."""
     if isinstance(tree, str):
-        if tree in _BOUNDS:
-            lo, hi = _BOUNDS[tree]
+        if tree in BOUNDS:
+            lo, hi = BOUNDS[tree]
             text = f"integer{'s' if plural else ''} from {_power(lo)} to {_power(hi)}"
             return text if plural else "an " + text
         one, many = _SCALAR_TEXT.get(tree, (tree, tree + "s"))

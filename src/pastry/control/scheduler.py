@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pastry.api import ApiError
 from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
@@ -69,8 +69,17 @@ from pastry.engine.calls import (
     SwapOut,
 )
 
-if TYPE_CHECKING:
-    from pastry.control.swap import KvSwapper
+
+class Swapper(Protocol):
+    """What the scheduler asks of the KV swapper (:class:`pastry.control.swap.KvSwapper`,
+    which the controller sets when the engine can swap)."""
+
+    def new_pass(self) -> None: ...
+
+    def ensure_resident(self, instance: int, force: bool = False) -> bool: ...
+
+    def take_calls(self) -> list[Call]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +297,7 @@ class BatchScheduler:
         self.programs = programs if programs is not None else ProcessTable()
         self.engine = engine
         self.schedule.bind(self.programs)
-        self.swapper: KvSwapper | None = None
+        self.swapper: Swapper | None = None
         self.queues: list[Queue] = []
         self.stats = SchedulerStats()
         self._wake = asyncio.Event()

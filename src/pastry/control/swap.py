@@ -46,14 +46,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pastry.control.policies.memory import MemoryAdmission
+from pastry.control.resources import ResourceManager
+from pastry.control.scheduler import BatchScheduler
 from pastry.engine.calls import Call, SwapIn, SwapOut, ids
-
-if TYPE_CHECKING:
-    from pastry.control.resources import ResourceManager
-    from pastry.control.scheduler import BatchScheduler
 
 MIN_RESIDENT_BATCHES = 8
 

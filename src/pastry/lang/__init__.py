@@ -196,3 +196,6 @@ __all__ = [
 ]
 
 from pastry.lang import inferlet as inferlet  # noqa: E402  (the entry of shipped programs)
+from pastry.lang import library  # noqa: E402
+
+library.register(globals())  # a shipped program names these as pastry.lang.NAME

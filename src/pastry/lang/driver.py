@@ -20,7 +20,7 @@ import asyncio
 import contextvars
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -119,45 +119,53 @@ class ThreadDriver(Driver):
             raise
 
 
+class ReentrantLoop(Protocol):
+    """A loop that can run its callbacks until ``ready()`` from inside one of them."""
+
+    def run_until(self, ready: Callable[[], bool]) -> None: ...
+
+
 class ReentrantDriver(Driver):
+    """The body runs as a loop callback (not inside a task, so the tasks it waits for can
+    run from a nested iteration) and waits with the loop's ``run_until``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not callable(getattr(loop, "run_until", None)):
+            raise RuntimeError(
+                "pastry.lang without threads needs a re-entrant event loop (the sandbox's "
+                "pastry.runtime.guest.loop.GuestLoop)"
+            )
+        super().__init__(loop)
+
     def call(self, fn, *args) -> None:
         fn(*args)
 
     def wait_until(self, ready) -> None:
         if ready():
             return
-        import asyncio.tasks as tasks
-
-        loop = self.loop
-        task = asyncio.current_task(loop)
-        # BaseEventLoop._run_once pops as many ready callbacks as it counted before running
-        # them; the callbacks run here are ones it counted, so leave at least as many.
-        owed = len(loop._ready)  # type: ignore[attr-defined]
-        if task is not None:
-            tasks._leave_task(loop, task)
-        try:
-            while not ready():
-                if self.cancelled:
-                    raise Cancelled("the program was cancelled")
-                loop._run_once()  # type: ignore[attr-defined]
-        finally:
-            if task is not None:
-                tasks._enter_task(loop, task)
-            for _ in range(owed - len(loop._ready)):  # type: ignore[attr-defined]
-                pad = asyncio.Handle(_nothing, (), loop)
-                pad.cancel()
-                loop._ready.append(pad)  # type: ignore[attr-defined]
+        self.loop.run_until(lambda: ready() or self.cancelled)
+        if not ready():
+            raise Cancelled("the program was cancelled")
 
     async def run(self, body):
+        fut = self.loop.create_future()
+
+        def step() -> None:
+            try:
+                value = body()
+            except BaseException as e:  # handed to the awaiting coroutine
+                if not fut.done():
+                    fut.set_exception(e)
+            else:
+                if not fut.done():
+                    fut.set_result(value)
+
+        self.loop.call_soon(step)
         try:
-            return body()
+            return await fut
         except asyncio.CancelledError:
             self.cancelled = True
             raise
-
-
-def _nothing() -> None:
-    pass
 
 
 def threads_available() -> bool:

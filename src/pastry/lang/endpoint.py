@@ -113,7 +113,7 @@ class Endpoint:
     async def _connect(self):
         from pastry.client import Client
 
-        if self._client is None or self._client._closed is not None:
+        if self._client is None or self._client.closed is not None:
             self._client = await Client.connect(self.base_url, self.api_key, timeout=self.timeout)
             self._uploaded.clear()
         return self._client

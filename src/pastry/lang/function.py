@@ -177,7 +177,7 @@ class Function:
 
         async def main(args: list[str]) -> str:
             state = await program.arun(**parse_args(args))
-            variables = _plain(state.stream.variables)
+            variables = plain(state.stream.variables)
             return json.dumps({"text": state.text(), "variables": variables})
 
         return main
@@ -241,10 +241,10 @@ def parse_args(args: list[str]) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """``value`` as JSON-ready data (tuples as lists)."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pastry.lang.function import Function, _plain
+from pastry.lang.function import Function, plain
 
 
 async def serve(namespace: dict[str, Any], args: list[str]) -> str:
@@ -33,8 +33,8 @@ async def serve(namespace: dict[str, Any], args: list[str]) -> str:
     return json.dumps(
         {
             "text": s.text,
-            "variables": _plain(s.variables),
-            "meta_info": _plain(s.meta_info),
+            "variables": plain(s.variables),
+            "meta_info": plain(s.meta_info),
             "messages": [{"role": r, "content": c} for r, c in s.messages],
         }
     )

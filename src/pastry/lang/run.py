@@ -58,7 +58,7 @@ class Run:
         context; raises the first failure (the program's own state first)."""
         try:
             while True:
-                busy = [s for s in self.streams if not s.drained() or s._queue]
+                busy = [s for s in self.streams if not s.idle()]
                 if not busy:
                     break
                 await asyncio.gather(*(s.wait_drained() for s in busy))

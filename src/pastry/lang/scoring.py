@@ -41,7 +41,7 @@ def _forward(ctx: Context, tokens: list[int], slots: list[int], **kw) -> list[Aw
     n, start = len(tokens), ctx.kv_len
     need = -(-(start + n) // ps) - len(ctx.pages)
     if need > 0:
-        ctx._alloc_pages(need)
+        ctx.alloc_pages(need)
     ctx_pages = ctx.pages[: -(-start // ps)]
     last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
     out_pages = ctx.pages[start // ps : -(-(start + n) // ps)]
@@ -58,7 +58,7 @@ async def score(ctx: Context, tokens: Sequence[int], top_n: int = 0) -> list[Sco
     least one token must be pending before them. Afterwards, like after ``flush``, every
     token but the last is in the KV cache and the last is pending (generation can go on
     from it)."""
-    ctx._check_live()
+    ctx.check_live()
     if not ctx.pending:
         raise ValueError("score needs a pending token before the scored ones: fill it first")
     tokens = list(tokens)
@@ -68,7 +68,7 @@ async def score(ctx: Context, tokens: Sequence[int], top_n: int = 0) -> list[Sco
     ctx.pending = ctx.pending[-1:]
     ctx.fill_tokens(tokens)
     seq = ctx.pending
-    slots = ctx._embed_slots(len(head) + len(seq) - 1)
+    slots = ctx.embed_slots(len(head) + len(seq) - 1)
     futs: list[Awaitable] = []
     if head:
         futs += _forward(ctx, head, slots[: len(head)])

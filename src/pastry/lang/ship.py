@@ -19,6 +19,7 @@ import textwrap
 import types
 from typing import Any
 
+from pastry.lang import library
 from pastry.lang.function import Function
 
 LIBRARY_MODULES = ("pastry.lang", "sglang")  # imported in the shipped module as pastry.lang
@@ -48,10 +49,8 @@ def _code_names(code: types.CodeType) -> set[str]:
 
 class _Collector:
     def __init__(self, root: Function) -> None:
-        import pastry.lang
-
         self.root = root
-        self.lang = {id(v): k for k, v in vars(pastry.lang).items() if not k.startswith("_")}
+        self.lang = {id(v): k for k, v in library.NAMES.items()}
         self.imports: dict[str, str] = {}  # name -> import statement
         self.constants: dict[str, str] = {}  # name -> assignment
         self.defs: dict[str, str] = {}  # name -> source (functions and classes)

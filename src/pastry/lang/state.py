@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pastry.lang.expr import Expr, ExprList, RoleBegin, RoleEnd, Text
-from pastry.lang.stream import Stream, _Fork
+from pastry.lang.stream import Fork, Stream
 
 
 class ProgramState:
@@ -102,7 +102,7 @@ class ProgramState:
         if size < 1:
             raise ValueError(f"fork size must be at least 1, got {size}")
         s = self.stream
-        op = _Fork(size)
+        op = Fork(size)
         s.submit(op)
         s.sync()
         states = [

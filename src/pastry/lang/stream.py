@@ -16,14 +16,16 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pastry.lang import scoring
+from pastry.lang.driver import Driver
 from pastry.lang.expr import (
     Expr,
     Gen,
     RoleBegin,
     RoleEnd,
+    SamplingParams,
     Select,
     Text,
     flatten,
@@ -35,10 +37,17 @@ from pastry.lang.template import prefix_and_suffix
 from pastry.sdk.context import Context
 from pastry.sdk.steps import truncate
 
-if TYPE_CHECKING:
-    from pastry.lang.run import Run
-
 log = logging.getLogger(__name__)
+
+
+class Run(Protocol):
+    """What a stream reads of its program's run (:class:`pastry.lang.run.Run`)."""
+
+    model: str
+    defaults: SamplingParams
+    driver: Driver
+    on_text: Callable[[str], None] | None
+    contexts: list[Context]
 
 
 class ProgramError(RuntimeError):
@@ -47,7 +56,7 @@ class ProgramError(RuntimeError):
 
 
 @dataclass(eq=False)
-class _Fork:
+class Fork:
     """Internal: fork the context into ``n`` children (the prefix is prefilled first)."""
 
     n: int
@@ -91,7 +100,7 @@ class Stream:
 
     # ------------------------------------------------------------------ body side
 
-    def submit(self, item: Expr | str | _Fork | _Call) -> None:
+    def submit(self, item: Expr | str | Fork | _Call) -> None:
         if isinstance(item, Expr | str):
             self.pending.update(names(item))
         self.submitted += 1
@@ -118,6 +127,10 @@ class Stream:
     def drained(self) -> bool:
         return self.done >= self.submitted or self.error is not None
 
+    def idle(self) -> bool:
+        """Drained, with nothing enqueued on the loop side either."""
+        return self.drained() and not self._queue
+
     # ------------------------------------------------------------------ loop side
 
     def _enqueue(self, item) -> None:
@@ -143,7 +156,7 @@ class Stream:
             await asyncio.shield(self._task)
 
     async def _execute(self, item) -> None:
-        if isinstance(item, _Fork):
+        if isinstance(item, Fork):
             await self._fork(item)
             return
         if isinstance(item, _Call):
@@ -202,7 +215,7 @@ class Stream:
         ctx.fill_tokens(target[keep:])
         return ctx
 
-    async def _fork(self, item: _Fork) -> None:
+    async def _fork(self, item: Fork) -> None:
         if not self.text:
             item.out.extend([None] * item.n)
             return

@@ -61,11 +61,15 @@ GUEST_SOURCES = (
     "lang/function.py",
     "lang/generation.py",
     "lang/inferlet.py",
+    "lang/library.py",
     "lang/run.py",
     "lang/scoring.py",
     "lang/state.py",
     "lang/stream.py",
     "lang/template.py",
+    "runtime/__init__.py",
+    "runtime/guest/__init__.py",
+    "runtime/guest/loop.py",
 )
 APP = PKG / "runtime" / "guest" / "pyrt_app.py"
 

@@ -163,7 +163,7 @@ class GuestPollers:
                     continue
                 self._active += 1
                 loop = self._loop
-            asyncio.events._set_running_loop(loop)  # host calls use the loop, as its thread
+            asyncio._set_running_loop(loop)  # host calls use the loop, as its thread
             try:
                 n = self._drain(guarded=True)
                 with self._lock:
@@ -171,7 +171,7 @@ class GuestPollers:
             except BaseException:  # _guarded catches everything; never leave the loop waiting
                 log.exception("sandbox: a guest poller failed")
             finally:
-                asyncio.events._set_running_loop(None)
+                asyncio._set_running_loop(None)
                 self._done.put(1)
 
 

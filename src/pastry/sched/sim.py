@@ -391,21 +391,6 @@ def simulate(
     return Simulator(system, config).run(programs)
 
 
-def system_named(name: str) -> System:
-    """A fresh system by name, for :func:`simulate` (policies keep per-scheduler state):
-    ``vllm`` (the paper's baseline), ``srpt`` (clairvoyant shortest remaining work) or one
-    of Pastry's scheduling policies (``fcfs``, ``mlfq``, ``plas``, ``atlas``)."""
-    from pastry.control.policies import schedule_policy
-    from pastry.sched.srpt import Srpt
-    from pastry.sched.vllm import Vllm
-
-    if name == "vllm":
-        return Vllm()
-    if name == "srpt":
-        return lambda sim: Srpt(sim.remaining_steps)
-    return schedule_policy(name)
-
-
 # --------------------------------------------------------------------------- Pastry's engine
 
 

@@ -35,10 +35,9 @@ from __future__ import annotations
 import sys
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from pastry.sched.sim import SimProgram, SimThread, Simulator
+from pastry.sched.sim import SimProgram, SimThread, Simulator
 
 WATERMARK = 0.01  # vLLM's block-manager watermark: a fraction of the blocks kept free
 

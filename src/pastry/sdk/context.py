@@ -33,14 +33,14 @@ from pastry.sdk.stop import EosTokens, MaxTokens, StopCondition, StopStrings
 _page_refs: weakref.WeakKeyDictionary[object, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
-def _refs(a: InferletApi) -> dict[int, int]:
+def page_refs(a: InferletApi) -> dict[int, int]:
     refs = _page_refs.get(a)
     if refs is None:
         refs = _page_refs[a] = {}
     return refs
 
 
-async def _step(earlier: Sequence[asyncio.Future], last: asyncio.Future):
+async def await_step(earlier: Sequence[asyncio.Future], last: asyncio.Future):
     """The result of ``last``, the final call of a step on one queue, once the step's
     ``earlier`` calls are done too; the first failure in queue order is raised.
 
@@ -115,7 +115,7 @@ class Context:
         self.fill_tokens(self.api.tokenize(self.queue, text, add_special_tokens))
 
     def fill_tokens(self, tokens: Sequence[int]) -> None:
-        self._check_live()
+        self.check_live()
         self.tokens.extend(tokens)
         self.pending.extend(tokens)
 
@@ -126,11 +126,11 @@ class Context:
         flushed context can still ``generate``. ``keep_last=False`` stores every token
         (e.g. before exporting the pages of a finished prompt).
         """
-        self._check_live()
+        self.check_live()
         await self.place()
         todo = self.pending[:-1] if keep_last else self.pending
         if todo:
-            futs, _ = self._forward(todo, 0)
+            futs, _ = self.forward_tokens(todo, 0)
             self.pending = self.pending[len(todo) :]
             self._last = asyncio.gather(*futs)
         if self._last is not None:  # also when a concurrent flush (or fork) issued it
@@ -143,7 +143,7 @@ class Context:
     ) -> str:
         """Generate until ``stop``; returns the generated text (stop strings trimmed, a final
         end-of-sequence token left out). The tokens stay in the context."""
-        self._check_live()
+        self.check_live()
         sampler = sampler or Sampler()
         stop = stop or (MaxTokens(256) | EosTokens(self.eos_ids))
         if not self.pending:
@@ -155,13 +155,13 @@ class Context:
         reserve = max(0, (stop.max_tokens or 1) - 1)
         while True:
             if not sampler.on_device:  # it picks from the distribution itself
-                futs, (emb,) = self._forward(self.pending, 1, reserve)
-                tok = sampler.choose(*await _step(futs, a.get_next_dist(q, emb)))
+                futs, (emb,) = self.forward_tokens(self.pending, 1, reserve)
+                tok = sampler.choose(*await await_step(futs, a.get_next_dist(q, emb)))
             elif len(self.pending) == 1:  # the common decode step: one fused command
-                tok = await self._step(self.pending[0], sampler.sampling(len(out)))
+                tok = await self.decode_step(self.pending[0], sampler.sampling(len(out)))
             else:
-                futs, (emb,) = self._forward(self.pending, 1, reserve)
-                tok = await _step(futs, a.sample(q, emb, sampler.sampling(len(out))))
+                futs, (emb,) = self.forward_tokens(self.pending, 1, reserve)
+                tok = await await_step(futs, a.sample(q, emb, sampler.sampling(len(out))))
             reserve = 0
             out.append(tok)
             self.tokens.append(tok)
@@ -205,7 +205,7 @@ class Context:
         """
         await self.flush()
         child = Context(self.model, engine=self.api.get_queue_engine(self.queue))
-        refs = _refs(self.api)
+        refs = page_refs(self.api)
         full = self.kv_len // self.page_size
         for p in self.pages[:full]:
             refs[p] = refs.get(p, 1) + 1
@@ -213,7 +213,7 @@ class Context:
         child.frozen = min(self.frozen, full)
         rest = self.kv_len % self.page_size
         if rest:
-            page = child._alloc_pages(1)[0]
+            page = child.alloc_pages(1)[0]
             await self.api.copy_kvpage(child.queue, self.pages[full], page, 0, 0, rest)
         child.kv_len = self.kv_len
         child.tokens = list(self.tokens)
@@ -225,7 +225,7 @@ class Context:
         if self.released:
             return
         self.released = True
-        refs = _refs(self.api)
+        refs = page_refs(self.api)
         free = []
         for p in self.pages:
             n = refs.get(p, 1) - 1
@@ -256,7 +256,7 @@ class Context:
         """Move this context to engine ``engine`` of its model (microserving's context
         migration): its K/V are written into pages there, one-sided, and it goes on there
         exactly as if it had never moved. Its forks stay where they are."""
-        self._check_live()
+        self.check_live()
         await self.flush()
         self._placed = True
         a = self.api
@@ -271,7 +271,7 @@ class Context:
             pages = a.start_generate(q, prompt, n)
         old_q, old_pages, old_embeds = self.queue, self.pages, self._embeds
         self.queue, self.pages, self._embeds = q, pages, []
-        refs = _refs(self.api)
+        refs = page_refs(self.api)
         free = []
         for p in old_pages:
             left = refs.get(p, 1) - 1
@@ -306,21 +306,23 @@ class Context:
             self.kv_len = begin
             self.pending = self.pending[begin:]
 
-    def _check_live(self) -> None:
+    def check_live(self) -> None:
         if self.released:
             raise ApiError("this context was released")
 
-    def _alloc_pages(self, n: int) -> list[int]:
+    def alloc_pages(self, n: int) -> list[int]:
         pages = self.api.alloc_kvpages(self.queue, n)
         self.pages.extend(pages)
         return pages
 
-    def _embed_slots(self, n: int) -> list[int]:
+    def embed_slots(self, n: int) -> list[int]:
         if len(self._embeds) < n:
             self._embeds += self.api.alloc_embeds(self.queue, n - len(self._embeds))
         return self._embeds[:n]
 
-    def _forward(self, tokens: list[int], n_out: int, reserve: int = 0) -> tuple[list, list[int]]:
+    def forward_tokens(
+        self, tokens: list[int], n_out: int, reserve: int = 0
+    ) -> tuple[list, list[int]]:
         """Issue the calls that forward ``tokens`` (the pending ones, from ``kv_len``);
         returns (futures, the embedding slots of the outputs of the last ``n_out``). A
         prefill also reserves pages for ``reserve`` tokens after them."""
@@ -329,7 +331,7 @@ class Context:
         start = self.kv_len
         self.kv_len += n
         if n > n_out:  # some of them may be in the prefix cache
-            outs = self._embed_slots(n_out)  # the prefill brings its own input slots
+            outs = self.embed_slots(n_out)  # the prefill brings its own input slots
             if start == len(self.pages) * ps:  # reusable: pages up to the end may be shared
                 self.frozen = (start + n) // ps
             seq = self.tokens[: start + n]
@@ -337,7 +339,7 @@ class Context:
             self.pages.extend(new)
             fut.add_done_callback(self._count_cached)
             return [fut], outs
-        embeds = self._embed_slots(n + n_out)
+        embeds = self.embed_slots(n + n_out)
         ins, outs = embeds[:n], embeds[n : n + n_out]
         ctx_pages, last, out_pages = self._grow(start, n)
         futs = [
@@ -346,12 +348,12 @@ class Context:
         ]
         return futs, outs
 
-    def _step(self, token: int, sampling: Sampling | None) -> asyncio.Future:
+    def decode_step(self, token: int, sampling: Sampling | None) -> asyncio.Future:
         """Forward the one pending ``token`` and sample the next with ``sampling``: one
         fused ``step`` command (embed, forward and sample)."""
         start = self.kv_len
         self.kv_len += 1
-        e_in, e_out = self._embed_slots(2)
+        e_in, e_out = self.embed_slots(2)
         ctx_pages, last, out_pages = self._grow(start, 1)
         return self.api.step(
             self.queue, [token], [start], [e_in], ctx_pages, last, out_pages,
@@ -364,7 +366,7 @@ class Context:
         ps = self.page_size
         need = -(-(start + n) // ps) - len(self.pages)
         if need > 0:
-            self._alloc_pages(need)
+            self.alloc_pages(need)
         ctx_pages = self.pages[: -(-start // ps)]
         last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
         return ctx_pages, last, self.pages[start // ps : -(-(start + n) // ps)]

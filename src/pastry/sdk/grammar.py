@@ -37,15 +37,6 @@ from pastry.sdk.context import Context
 from pastry.sdk.steps import next_dist, sample_next
 
 
-def compile_grammar(spec: Mapping[str, Any] | str) -> str:
-    """(Host side only: needs llguidance.) The llguidance grammar of a spec, or
-    ``ValueError`` naming what is wrong with it; see
-    :func:`pastry.control.constraints.compile_grammar`."""
-    from pastry.control.constraints import compile_grammar as compile_
-
-    return compile_(spec)
-
-
 def grammar_text(grammar: Mapping[str, Any] | str) -> str:
     """The JSON text ``create_constraint`` takes: ``{"json_schema": ...}``, ``{"regex":
     ...}`` or ``{"lark": ...}`` (a string is a Lark grammar)."""

@@ -28,7 +28,7 @@ import math
 from collections.abc import Awaitable, Sequence
 
 from pastry.api import ApiError, sampling_of
-from pastry.sdk.context import Context, _refs
+from pastry.sdk.context import Context, page_refs
 
 Dist = tuple[list[int], list[float]]  # token ids by decreasing probability, probabilities
 
@@ -85,10 +85,10 @@ async def truncate(ctx: Context, length: int) -> None:
     Kept tokens already forwarded stay in the KV cache, so when ``length`` is at most the
     number forwarded nothing is pending: append a token before ``generate``.
     """
-    ctx._check_live()
+    ctx.check_live()
     if not 0 <= length <= len(ctx.tokens):
         raise ApiError(f"cannot truncate a context of {len(ctx.tokens)} tokens to {length}")
-    a, ps, refs = ctx.api, ctx.page_size, _refs(ctx.api)
+    a, ps, refs = ctx.api, ctx.page_size, page_refs(ctx.api)
     free: list[int] = []  # pages shared through the prefix cache that we stop using
     ctx.tokens = ctx.tokens[:length]
     ctx.kv_len = min(ctx.kv_len, length)
@@ -127,14 +127,14 @@ def _forward_pending(ctx: Context, n_out: int, k: int | None) -> list[Awaitable]
 
     Returns the futures (the forward's, then the outputs'); the tokens count as forwarded.
     """
-    ctx._check_live()
+    ctx.check_live()
     tokens = ctx.pending
     n = len(tokens)
     if n == 0:
         raise ApiError("nothing to forward: fill the context first")
     assert 1 <= n_out <= n, (n_out, n)
     a, q = ctx.api, ctx.queue
-    futs, outs = ctx._forward(tokens, n_out)
+    futs, outs = ctx.forward_tokens(tokens, n_out)
     futs += [a.sample(q, e) if k is None else a.get_next_dist(q, e, k) for e in outs]
     ctx.pending = []
     return futs
@@ -146,7 +146,7 @@ async def sample_next(ctx: Context, **kw):
     penalties, logprobs...).
     Resolves to what ``sample`` does (a token id, or a tuple with ``logprobs``). Afterwards
     nothing is pending: append the token with ``ctx.fill_tokens``."""
-    ctx._check_live()
+    ctx.check_live()
     if not ctx.pending:
         raise ApiError("nothing to generate from: fill the context first")
     await ctx.place()  # on a model with several engines, the router places it first
@@ -154,8 +154,8 @@ async def sample_next(ctx: Context, **kw):
     if len(ctx.pending) == 1:  # a decode step: one fused command
         (token,) = ctx.pending
         ctx.pending = []
-        return await ctx._step(token, sampling)
-    futs, (emb,) = ctx._forward(ctx.pending, 1)
+        return await ctx.decode_step(token, sampling)
+    futs, (emb,) = ctx.forward_tokens(ctx.pending, 1)
     ctx.pending = []
     *_, out = await asyncio.gather(*futs, ctx.api.sample(ctx.queue, emb, sampling))
     return out
@@ -168,7 +168,7 @@ async def prompt_logprobs(
     per token, its log-probability given the tokens before it (None for the first, which
     has nothing before it) and the ``top`` most likely tokens at its place with theirs
     (empty for the first). Echoing a prompt with its log-probabilities needs this."""
-    ctx._check_live()
+    ctx.check_live()
     if not ctx.pending or ctx.kv_len:
         raise ApiError("prompt_logprobs scores a filled context before anything is forwarded")
     await ctx.place(whole=True)  # several engines: placed first, computing the whole prompt
@@ -182,8 +182,8 @@ async def prompt_logprobs(
         n, start = len(todo), ctx.kv_len
         need = -(-(start + n) // ps) - len(ctx.pages)
         if need > 0:
-            ctx._alloc_pages(need)
-        ins = ctx._embed_slots(n)
+            ctx.alloc_pages(need)
+        ins = ctx.embed_slots(n)
         ctx_pages = ctx.pages[: -(-start // ps)]
         last = start - (len(ctx_pages) - 1) * ps if ctx_pages else 0
         out_pages = ctx.pages[start // ps : -(-(start + n) // ps)]

@@ -342,7 +342,7 @@ def _guided(kind: str, value: Any, where: str) -> dict:
 
 def _compile(where: str, grammar: dict) -> None:
     """Compile the grammar once here, so that a bad one is a 400, not a failed instance."""
-    from pastry.sdk.grammar import compile_grammar
+    from pastry.control.constraints import compile_grammar
 
     try:
         compile_grammar(grammar)

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 import pastry
+from pastry.control.constraints import compile_grammar
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
@@ -295,8 +296,6 @@ def _token(t: Any, vocab: int) -> bool:
 
 
 def _check_grammar(spec: dict) -> None:
-    from pastry.sdk.grammar import compile_grammar
-
     try:
         compile_grammar(spec)
     except ValueError as e:

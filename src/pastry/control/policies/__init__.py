@@ -29,14 +29,9 @@ from pastry.control.policies.batching import (
 from pastry.control.policies.eviction import FairShare
 from pastry.control.policies.memory import MemoryAdmission
 from pastry.control.policies.mlfq import Levels, Mlfq, MultilevelQueues
+from pastry.control.policies.names import DEFAULT_SCHEDULE, SCHEDULES, schedule_policy
 from pastry.control.policies.plas import Plas
-from pastry.control.policies.schedule import (
-    DEFAULT_SCHEDULE,
-    SCHEDULES,
-    Fcfs,
-    SchedulePolicy,
-    schedule_policy,
-)
+from pastry.control.policies.schedule import Fcfs, SchedulePolicy
 
 __all__ = [
     "ADMISSION_POLICIES",

@@ -33,17 +33,14 @@ from __future__ import annotations
 import abc
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from pastry.control.policies.schedule import SchedulePolicy
-
-if TYPE_CHECKING:
-    from pastry.control.prefill import Admission
-    from pastry.control.programs import ProcessTable, Program
-    from pastry.control.scheduler import Command, Queue
+from pastry.control.policies.views import AdmissionView, CommandView, QueueView
+from pastry.control.programs import ProcessTable, Program
 
 
-def _admission(q: Queue) -> Admission:
+def _admission(q: QueueView) -> AdmissionView:
     return q.pending[0].admission
 
 
@@ -61,7 +58,7 @@ class AdmissionPolicy(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def order(self, waiting: Sequence[Queue]) -> list[Queue]: ...
+    def order(self, waiting: Sequence[QueueView]) -> list[QueueView]: ...
 
     def describe(self) -> str:
         return self.name
@@ -73,7 +70,7 @@ class LongestPrefixMatch(AdmissionPolicy):
 
     name: ClassVar[str] = "lpm"
 
-    def order(self, waiting: Sequence[Queue]) -> list[Queue]:
+    def order(self, waiting: Sequence[QueueView]) -> list[QueueView]:
         return sorted(waiting, key=lambda q: -_admission(q).cached())
 
     def describe(self) -> str:
@@ -85,7 +82,7 @@ class FirstComeFirstServed(AdmissionPolicy):
 
     name: ClassVar[str] = "fcfs"
 
-    def order(self, waiting: Sequence[Queue]) -> list[Queue]:
+    def order(self, waiting: Sequence[QueueView]) -> list[QueueView]:
         return sorted(waiting, key=lambda q: _admission(q).arrived)
 
     def describe(self) -> str:
@@ -100,7 +97,7 @@ class RandomOrder(AdmissionPolicy):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def order(self, waiting: Sequence[Queue]) -> list[Queue]:
+    def order(self, waiting: Sequence[QueueView]) -> list[QueueView]:
         out = list(waiting)
         self._rng.shuffle(out)
         return out
@@ -149,7 +146,7 @@ class CacheAwareSchedule(SchedulePolicy):
     def describe(self) -> str:
         return f"{self.inner.describe()}, admission {self.admission.describe()}"
 
-    def order(self, ready: Sequence[Queue]) -> list[Queue]:
+    def order(self, ready: Sequence[QueueView]) -> list[QueueView]:
         ranked = self.inner.order(ready)
         places = [i for i, q in enumerate(ranked) if q.pending[0].admission is not None]
         if not places:
@@ -172,7 +169,7 @@ class CacheAwareSchedule(SchedulePolicy):
             out[i] = q
         return out
 
-    def on_batch_done(self, batch: Sequence[Command], elapsed_s: float) -> None:
+    def on_batch_done(self, batch: Sequence[CommandView], elapsed_s: float) -> None:
         self.batches += 1
         self.inner.on_batch_done(batch, elapsed_s)
 

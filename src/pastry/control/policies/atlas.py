@@ -12,13 +12,11 @@ Discretized queues, demotion and anti-starvation: :mod:`.mlfq`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from pastry.control.policies.mlfq import Levels, MultilevelQueues
 from pastry.control.policies.plas import DEFAULT_BETA
-
-if TYPE_CHECKING:
-    from pastry.control.programs import Program, Thread
+from pastry.control.programs import Program, Thread
 
 
 class Atlas(MultilevelQueues):

@@ -47,10 +47,8 @@ this object is Pastry's answer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pastry.control.programs import Program
+from pastry.control.programs import Program
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,11 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from pastry.control.policies.schedule import SchedulePolicy
-
-if TYPE_CHECKING:
-    from pastry.control.programs import Call, Program, Thread
-    from pastry.control.scheduler import Queue
+from pastry.control.policies.views import QueueView
+from pastry.control.programs import Call, Program, Thread
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ class MultilevelQueues(SchedulePolicy):
         """``T_p`` of the starvation ratio."""
         raise NotImplementedError
 
-    def order(self, ready: Sequence[Queue]) -> list[Queue]:
+    def order(self, ready: Sequence[QueueView]) -> list[QueueView]:
         now = self.programs.clock() if self.programs is not None else 0.0
         for q in ready:
             t = q.thread
@@ -139,7 +137,7 @@ class MultilevelQueues(SchedulePolicy):
         return f"{self.name} ({self.levels.describe()}{beta})"
 
 
-def _key(q: Queue) -> tuple[float, int, float]:
+def _key(q: QueueView) -> tuple[float, int, float]:
     """Level first, then the queue's priority (higher first), then entry into the level."""
     t = q.thread
     if t is None or t.call is None or t.call.level < 0:

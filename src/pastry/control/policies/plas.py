@@ -9,12 +9,10 @@ head-of-line blocking). Discretized queues, demotion and anti-starvation:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from pastry.control.policies.mlfq import Levels, MultilevelQueues
-
-if TYPE_CHECKING:
-    from pastry.control.programs import Program, Thread
+from pastry.control.programs import Program, Thread
 
 DEFAULT_BETA = 4.0
 

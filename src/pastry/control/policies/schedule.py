@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    from pastry.control.programs import ProcessTable, Program, Thread
-    from pastry.control.scheduler import Command, Queue
+from pastry.control.policies.views import CommandView, QueueView
+from pastry.control.programs import ProcessTable, Program, Thread
 
 
 class SchedulePolicy(abc.ABC):
@@ -64,7 +63,7 @@ class SchedulePolicy(abc.ABC):
         self.programs = programs
 
     @abc.abstractmethod
-    def order(self, ready: Sequence[Queue]) -> list[Queue]: ...
+    def order(self, ready: Sequence[QueueView]) -> list[QueueView]: ...
 
     def rank(self, program: Program) -> tuple[float, ...]:
         """Sort key for preemption (smaller: more important). Default: programs with an
@@ -74,7 +73,7 @@ class SchedulePolicy(abc.ABC):
         arrivals = [t.call.arrival for t in program.active]
         return (0.0, min(arrivals)) if arrivals else (1.0, -(program.last_completion or 0.0))
 
-    def on_batch_done(self, batch: Sequence[Command], elapsed_s: float) -> None:  # noqa: B027
+    def on_batch_done(self, batch: Sequence[CommandView], elapsed_s: float) -> None:  # noqa: B027
         """Service accounting hook (nothing by default; the process table is charged by
         the scheduler)."""
 
@@ -83,7 +82,7 @@ class SchedulePolicy(abc.ABC):
         return self.name or type(self).__name__
 
 
-def call_arrival(q: Queue) -> float:
+def call_arrival(q: QueueView) -> float:
     """When ``q``'s current call began (its head command's arrival if it has no thread)."""
     thread: Thread | None = getattr(q, "thread", None)
     if thread is not None and thread.call is not None:
@@ -104,39 +103,8 @@ class Fcfs(SchedulePolicy):
 
     name: ClassVar[str] = "fcfs"
 
-    def order(self, ready: Sequence[Queue]) -> list[Queue]:
+    def order(self, ready: Sequence[QueueView]) -> list[QueueView]:
         return sorted(ready, key=lambda q: (-q.priority, call_arrival(q)))
 
     def describe(self) -> str:
         return "fcfs (by call arrival)"
-
-
-def _policies() -> dict[str, type[SchedulePolicy]]:
-    from pastry.control.policies.atlas import Atlas
-    from pastry.control.policies.mlfq import Mlfq
-    from pastry.control.policies.plas import Plas
-
-    return {p.name: p for p in (Fcfs, Mlfq, Plas, Atlas)}
-
-
-SCHEDULES: tuple[str, ...] = ("fcfs", "mlfq", "plas", "atlas")
-# The best measured (benchmarks/RESULTS.md, "Scheduling"): on the simulator's mixed
-# workload in steady state, at saturation, PLAS had the lowest average and P99 latency
-# (ATLAS favours wide programs, which costs the others); the two are the same policy on
-# single-threaded programs. ATLAS is the choice for a server of mostly parallel programs
-# (it minds their critical path); FCFS for many short, alike tool-using programs at
-# KV-memory saturation (RESULTS.md, simulator, bfcl: with admission by memory PLAS no
-# longer thrashes there, but least-attained-service loses to FCFS on alike programs).
-DEFAULT_SCHEDULE = "plas"
-
-
-def schedule_policy(name: str, **params: Any) -> SchedulePolicy:
-    """A new schedule policy called ``name`` (``fcfs``, ``mlfq``, ``plas``, ``atlas``) with
-    ``params`` (its constructor's keyword arguments)."""
-    cls = _policies().get(name)
-    if cls is None:
-        raise ValueError(f"unknown schedule policy '{name}' (one of {', '.join(SCHEDULES)})")
-    try:
-        return cls(**params)
-    except TypeError as e:
-        raise ValueError(f"schedule policy '{name}': {e}") from None

@@ -14,8 +14,8 @@ run the *same* SDK as trusted ones. Two exports (world ``python-runtime`` of
   ``load-inferlet`` until the host gives it an inferlet, executes its module, blocks in
   ``start-inferlet`` until a launch (at once if the launch is what gave it the inferlet;
   later if the host loaded it ahead of its launches), and runs ``main(args)`` on
-  :class:`GuestLoop`, an asyncio event loop whose only way to wait is the host's
-  ``wait-take``: while the inferlet waits, its Wasmtime fiber is suspended and the host
+  :class:`~pastry.runtime.guest.loop.GuestLoop`, an asyncio event loop whose only
+  way to wait is the host's ``wait-take``: while the inferlet waits, its Wasmtime fiber is suspended and the host
   runs other inferlets and the batch scheduler.
 
 Queued API calls return asyncio futures at once (the host returns a ``pending`` handle),
@@ -34,7 +34,7 @@ from __future__ import annotations
 import array
 import ast
 import asyncio
-import asyncio.base_events
+import asyncio.base_events  # (its file name: the loop's frames left out of tracebacks)
 import collections
 import contextlib
 import contextvars
@@ -69,6 +69,8 @@ import pastry.sdk.grammar
 import pastry.sdk.router  # routers run sandboxed too (uploaded routers)
 from pastry.api import ApiError
 from pastry.api.guest import binding, unwrap
+from pastry.runtime.guest import loop as guest_loop
+from pastry.runtime.guest.loop import GuestLoop
 
 # Modules imported here (or by pastry.sdk) are in the snapshot; nothing else of the
 # standard library can be imported by an inferlet.
@@ -80,52 +82,24 @@ STDLIB = (
 # ---------------------------------------------------------------------------- the event loop
 
 
-class _HostSelector:
-    """Stands in for the loop's selector: waiting = the host's blocking ``wait-take``."""
-
-    def __init__(self, loop: GuestLoop) -> None:
-        self.loop = loop
-
-    def select(self, timeout: float | None) -> list:
-        loop = self.loop
-        if timeout is not None and timeout <= 0:
-            return []
-        if not loop.pending and timeout is None:
-            raise RuntimeError(
-                "the inferlet waits for nothing: no API call is in flight and no task "
-                "can make progress (a deadlock in the inferlet)"
-            )
-        ns = None if timeout is None else int(timeout * 1e9)
-        pending = loop.pending
-        for pid, outcome in host.wait_take(ns):
-            fut = pending.pop(pid, None)
-            if fut is None or fut.done():
-                continue
-            if isinstance(outcome, Ok):
-                fut.set_result(unwrap(outcome.value))
-            else:
-                fut.set_exception(ApiError(outcome.value))
-        return []
-
-
-class GuestLoop(asyncio.base_events.BaseEventLoop):
-    """A complete asyncio loop (tasks, futures, gather, timers) without sockets."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: dict[int, asyncio.Future] = {}
-        self._selector = _HostSelector(self)
-
-    def _process_events(self, event_list) -> None:
-        pass
-
-    def _write_to_self(self) -> None:
-        pass
-
-    def track(self, pid: int) -> asyncio.Future:
-        fut = self.create_future()
-        self.pending[pid] = fut
-        return fut
+def _select(loop: GuestLoop, timeout: float | None) -> None:
+    """The loop's waiting: the host's blocking ``wait-take``, then the completed calls'
+    futures resolved with their outcomes."""
+    if not loop.pending and timeout is None:
+        raise RuntimeError(
+            "the inferlet waits for nothing: no API call is in flight and no task "
+            "can make progress (a deadlock in the inferlet)"
+        )
+    ns = None if timeout is None else int(timeout * 1e9)
+    pending = loop.pending
+    for pid, outcome in host.wait_take(ns):
+        fut = pending.pop(pid, None)
+        if fut is None or fut.done():
+            continue
+        if isinstance(outcome, Ok):
+            fut.set_result(unwrap(outcome.value))
+        else:
+            fut.set_exception(ApiError(outcome.value))
 
 
 def _sleep(seconds: float) -> None:
@@ -256,7 +230,7 @@ def _tenant_traceback(name: str, exc: BaseException) -> str:
     """``exc``'s traceback from the inferlet's own frames on (the runtime's frames and the
     event loop's entry are left out), with the inferlet's source lines."""
     tb = exc.__traceback__
-    mine = (__file__, asyncio.base_events.__file__, asyncio.events.__file__)
+    mine = (__file__, guest_loop.__file__, asyncio.base_events.__file__, asyncio.events.__file__)
     while tb is not None and tb.tb_frame.f_code.co_filename in mine:
         tb = tb.tb_next
     filename = f"<inferlet {name}>"
@@ -277,7 +251,7 @@ class WitWorld(wit_world.WitWorld):
         return marshal.dumps(code).decode("latin-1")
 
     def serve(self) -> str | None:
-        loop = GuestLoop()
+        loop = GuestLoop(_select)
         asyncio.set_event_loop(loop)
         pastry.sdk.bind(GuestApi(loop))
         try:
