@@ -11,8 +11,8 @@ from pastry.control.policies import Atlas, Fcfs, Levels, Mlfq, Plas
 from pastry.sched.datasets import complete_records
 from pastry.sched.programs import CallSpec, ProgramSpec, Stage
 from pastry.sched.sim import CostModel, SimConfig, Simulator, simulate
-from pastry.sched.systems import system_named
 from pastry.sched.srpt import Srpt
+from pastry.sched.systems import system_named
 from pastry.sched.workloads import Knobs, Scale, make
 
 # Autellix Fig. 2: batch size 2, time in decode steps, all programs at t=0, each call's
