@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -85,6 +86,57 @@ _HANDLER_GROUP: dict[type, type] = {NextDist: Sample}
 _LOGPROB_CHUNK = 256
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ForwardPlan(NamedTuple):
+    """A checked ``Forward``: what its batch runs on (slots are ``page * page_size + i``)."""
+
+    ins: np.ndarray  # input embed slots
+    ctx_slots: np.ndarray  # the context's KV slots, in order
+    out_slots: np.ndarray | None  # where the new tokens' K/V go (None: not stored)
+    out_embeds: np.ndarray  # embed slots receiving outputs
+    out_indices: np.ndarray  # which inputs' outputs
+    positions: np.ndarray | None  # None: those stored with the input embeds
+    mask: np.ndarray | None  # bool [n, ctx + n], or None: causal
+    adapter: int  # LoRA adapter id, -1 for the base model
+    targets: np.ndarray | None  # prompt log-probability targets (None: none)
+
+
+@dataclasses.dataclass(slots=True)
+class _Layout:
+    """Where each checked forward of one batch lies in the batch's rows (lists in its order)."""
+
+    items: list = dataclasses.field(default_factory=list)  # ItemPlan per forward
+    store_rows: list = dataclasses.field(default_factory=list)  # rows whose K/V are stored
+    store_slots: list = dataclasses.field(default_factory=list)  # ... and the slots they go to
+    positions: list = dataclasses.field(default_factory=list)
+    out_embeds: list = dataclasses.field(default_factory=list)
+    out_rows: list = dataclasses.field(default_factory=list)
+    lora_spans: list = dataclasses.field(default_factory=list)  # (first row, rows, adapter)
+    scored: list = dataclasses.field(default_factory=list)  # (result, first row, targets, top)
+    rows: int = 0
+
+    @classmethod
+    def of(cls, ok, stored_pos: np.ndarray | None) -> _Layout:
+        lay = cls()
+        for i, c, plan in ok:
+            row, n = lay.rows, len(plan.ins)
+            if plan.targets is not None:
+                lay.scored.append((i, row, plan.targets, c.logprob_top))
+            positions = plan.positions
+            if positions is None:
+                positions = stored_pos[row : row + n]
+            lay.positions.append(positions)
+            lay.items.append(ItemPlan(row, n, plan.ctx_slots, positions, plan.mask, plan.out_slots))
+            if plan.out_slots is not None:
+                lay.store_rows.append(np.arange(row, row + n))
+                lay.store_slots.append(plan.out_slots)
+            lay.out_embeds.append(plan.out_embeds)
+            lay.out_rows.append(plan.out_indices + row)
+            if plan.adapter >= 0:
+                lay.lora_spans.append((row, n, plan.adapter))
+            lay.rows += n
+        return lay
 
 
 class Invalid(Exception):
@@ -326,8 +378,8 @@ class Engine:
 
     # ------------------------------------------------------------------ forward
 
-    def _check_forward(self, c: Forward):
-        ps = self.page_size
+    def _check_forward(self, c: Forward) -> ForwardPlan:
+        """A forward checked against the pools, as the slots and arrays it runs on."""
         ins = self._embed_ids(c.in_embeds, "input embed")
         n = len(ins)
         if n == 0:
@@ -337,37 +389,8 @@ class Engine:
                 f"{n} inputs exceed the engine's max_batch_tokens ({self.config.max_batch_tokens}); "
                 "split the forward"
             )
-        ctx_pages = self._page_ids(c.ctx_pages, "context page")
-        last = 0
-        if len(ctx_pages):
-            last = self._scalar(c.ctx_last_len, 1, ps + 1, "ctx_last_len")
-            ctx_len = (len(ctx_pages) - 1) * ps + last
-            ctx_slots = (ctx_pages[:, None] * ps + np.arange(ps)).reshape(-1)[:ctx_len]
-        else:
-            if c.ctx_last_len != 0:
-                raise Invalid(f"ctx_last_len is {c.ctx_last_len} but there are no context pages")
-            ctx_slots = np.zeros(0, dtype=np.int64)
-        out_pages = self._page_ids(c.out_pages, "output page")
-        out_slots = None
-        if len(out_pages):
-            off = self._scalar(c.out_offset, 0, ps, "out_offset")
-            if len(out_pages) * ps - off < n:
-                raise Invalid(
-                    f"{len(out_pages)} output pages from offset {off} hold "
-                    f"{len(out_pages) * ps - off} tokens, not {n}"
-                )
-            out_list = out_pages.tolist()
-            if len(set(out_list)) != len(out_list):
-                raise Invalid("output pages repeat a page")
-            # New tokens may share only the last context page, after its valid tokens.
-            shared = set(out_list).intersection(ctx_pages.tolist())
-            if shared and (
-                shared != {int(ctx_pages[-1])} or out_list[0] != ctx_pages[-1] or off < last
-            ):
-                raise Invalid(
-                    "output slots overlap the context; a token cannot overwrite its own context"
-                )
-            out_slots = (out_pages[:, None] * ps + np.arange(ps)).reshape(-1)[off : off + n]
+        ctx_pages, last, ctx_slots = self._context_slots(c)
+        out_slots = self._output_slots(c, n, ctx_pages, last)
         out_embeds = self._embed_ids(c.out_embeds, "output embed")
         out_idx = self._ids(c.out_indices, n, "output index", " (number of inputs)")
         if len(out_idx) != len(out_embeds):
@@ -386,32 +409,76 @@ class Engine:
         adapter = self._scalar(c.adapter, -(1 << 62), 1 << 62, "adapter")
         if not -1 <= adapter < len(self._adapters):
             raise Invalid(f"adapter {adapter} is not loaded ({self._adapter_ids()})")
-        targets = None
-        if len(c.logprob_targets):
-            targets = np.asarray(c.logprob_targets)
-            vocab = self.cfg.vocab_size
-            if targets.ndim != 1 or targets.dtype.kind not in "iu":
-                raise Invalid("logprob_targets must be a 1-D integer array")
-            if targets.min() < -1 or targets.max() >= vocab:
-                raise Invalid(f"logprob_targets must be token ids below {vocab} or -1 (none)")
-            targets = targets.astype(np.int64, copy=False)
-            if len(targets) != n:
-                raise Invalid(f"{n} inputs but {len(targets)} logprob targets")
-            self._scalar(c.logprob_top, 0, MAX_LOGPROBS + 1, "logprob_top")
-        elif c.logprob_top:
-            raise Invalid("logprob_top needs logprob_targets")
-        return ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask, adapter, targets
+        targets = self._logprob_targets(c, n)
+        return ForwardPlan(ins, ctx_slots, out_slots, out_embeds, out_idx, positions, mask,
+                           adapter, targets)  # fmt: skip
+
+    def _context_slots(self, c: Forward) -> tuple[np.ndarray, int, np.ndarray]:
+        """(context pages, the last one's length, the context's slots in order)."""
+        ps = self.page_size
+        ctx_pages = self._page_ids(c.ctx_pages, "context page")
+        if not len(ctx_pages):
+            if c.ctx_last_len != 0:
+                raise Invalid(f"ctx_last_len is {c.ctx_last_len} but there are no context pages")
+            return ctx_pages, 0, np.zeros(0, dtype=np.int64)
+        last = self._scalar(c.ctx_last_len, 1, ps + 1, "ctx_last_len")
+        ctx_len = (len(ctx_pages) - 1) * ps + last
+        return ctx_pages, last, (ctx_pages[:, None] * ps + np.arange(ps)).reshape(-1)[:ctx_len]
+
+    def _output_slots(
+        self, c: Forward, n: int, ctx_pages: np.ndarray, last: int
+    ) -> np.ndarray | None:
+        """The slots the new tokens' K/V go to (None: not stored)."""
+        ps = self.page_size
+        out_pages = self._page_ids(c.out_pages, "output page")
+        if not len(out_pages):
+            return None
+        off = self._scalar(c.out_offset, 0, ps, "out_offset")
+        if len(out_pages) * ps - off < n:
+            raise Invalid(
+                f"{len(out_pages)} output pages from offset {off} hold "
+                f"{len(out_pages) * ps - off} tokens, not {n}"
+            )
+        out_list = out_pages.tolist()
+        if len(set(out_list)) != len(out_list):
+            raise Invalid("output pages repeat a page")
+        # New tokens may share only the last context page, after its valid tokens.
+        shared = set(out_list).intersection(ctx_pages.tolist())
+        if shared and (
+            shared != {int(ctx_pages[-1])} or out_list[0] != ctx_pages[-1] or off < last
+        ):
+            raise Invalid(
+                "output slots overlap the context; a token cannot overwrite its own context"
+            )
+        return (out_pages[:, None] * ps + np.arange(ps)).reshape(-1)[off : off + n]
+
+    def _logprob_targets(self, c: Forward, n: int) -> np.ndarray | None:
+        """The prompt log-probability targets (None: none asked)."""
+        if not len(c.logprob_targets):
+            if c.logprob_top:
+                raise Invalid("logprob_top needs logprob_targets")
+            return None
+        targets = np.asarray(c.logprob_targets)
+        vocab = self.cfg.vocab_size
+        if targets.ndim != 1 or targets.dtype.kind not in "iu":
+            raise Invalid("logprob_targets must be a 1-D integer array")
+        if targets.min() < -1 or targets.max() >= vocab:
+            raise Invalid(f"logprob_targets must be token ids below {vocab} or -1 (none)")
+        if len(targets) != n:
+            raise Invalid(f"{n} inputs but {len(targets)} logprob targets")
+        self._scalar(c.logprob_top, 0, MAX_LOGPROBS + 1, "logprob_top")
+        return targets.astype(np.int64, copy=False)
 
     def _forward(self, run, results) -> None:
         ok = self._accept(run, results, self._check_forward)
         # Split into sub-batches that respect max_batch_tokens.
         chunks, chunk, tokens = [], [], 0
-        for entry in ok:
-            n = len(entry[2][0])
+        for i, call, plan in ok:
+            n = len(plan.ins)
             if chunk and tokens + n > self.config.max_batch_tokens:
                 chunks.append(chunk)
                 chunk, tokens = [], 0
-            chunk.append(entry)
+            chunk.append((i, call, plan))
             tokens += n
         if chunk:
             chunks.append(chunk)
@@ -421,35 +488,15 @@ class Engine:
 
     def _forward_chunk(self, ok, results, on_layer=None) -> None:
         dev = self.device
-        in_slots = self._cat([plan[0] for _, _, plan in ok])
+        in_slots = self._cat([plan.ins for _, _, plan in ok])
         in_slots_t = torch.from_numpy(in_slots).to(dev)
         stored_pos = None
-        if any(plan[5] is None for _, _, plan in ok):
+        if any(plan.positions is None for _, _, plan in ok):
             stored_pos = take(self.embeds.positions, in_slots_t).cpu().numpy()
-        items, store_rows, store_slots, pos_all = [], [], [], []
-        out_embeds, out_rows = [], []
-        row = 0
-        lora_spans = []
-        scored = []  # (result index, first row, targets, top)
-        for i, c, (ins, ctx_slots, out_slots, oe, oi, positions, mask, adapter, targets) in ok:
-            if targets is not None:
-                scored.append((i, row, targets, c.logprob_top))
-            n = len(ins)
-            if positions is None:
-                positions = stored_pos[row : row + n]
-            pos_all.append(positions)
-            items.append(ItemPlan(row, n, ctx_slots, positions, mask, out_slots))
-            if out_slots is not None:
-                store_rows.append(np.arange(row, row + n))
-                store_slots.append(out_slots)
-            out_embeds.append(oe)
-            out_rows.append(oi + row)
-            if adapter >= 0:
-                lora_spans.append((row, n, adapter))
-            row += n
-        positions = self._cat(pos_all)
-        store_rows_np = self._cat(store_rows)
-        store_slots_np = self._cat(store_slots)
+        lay = _Layout.of(ok, stored_pos)
+        positions = self._cat(lay.positions)
+        store_rows_np = self._cat(lay.store_rows)
+        store_slots_np = self._cat(lay.store_slots)
         pos_t = torch.from_numpy(positions).to(dev)
         if len(store_slots_np):
             # Slots written by this batch are attendable (and positioned) for every item of
@@ -460,10 +507,10 @@ class Engine:
             rows_t = torch.from_numpy(store_rows_np).to(dev)
             self.kv.positions.index_copy_(0, slots_t, take(pos_t, rows_t))
         meta = build_metadata(
-            items,
+            lay.items,
             store_rows_np,
             store_slots_np,
-            row,
+            lay.rows,
             self.kv.attendable,
             self.kv.positions,
             self.cfg.sliding_window,
@@ -471,19 +518,19 @@ class Engine:
         )
         meta.on_layer = on_layer
         x = take(self.embeds.hidden, in_slots_t)
-        lora = plan_adapters(lora_spans, self._adapters, dev)
+        lora = plan_adapters(lay.lora_spans, self._adapters, dev)
         with forward_context(meta), use_adapters(lora):
             if lora is None and self.compiled is not None and self.compiled.accepts(meta):
                 hidden = self.compiled(x, pos_t, meta)
             else:
                 hidden = self.model(x, pos_t)
-        oe = self._cat(out_embeds)
+        oe = self._cat(lay.out_embeds)
         if len(oe):
             oe_t = torch.from_numpy(oe).to(dev)
-            rows_t = torch.from_numpy(self._cat(out_rows)).to(dev)
+            rows_t = torch.from_numpy(self._cat(lay.out_rows)).to(dev)
             self.embeds.hidden.index_copy_(0, oe_t, take(hidden, rows_t))
             self.embeds.positions.index_copy_(0, oe_t, take(pos_t, rows_t))
-        for i, first, targets, top in scored:
+        for i, first, targets, top in lay.scored:
             results[i] = self._prompt_logprobs(hidden, first, targets, top)
 
     def _prompt_logprobs(self, hidden, first: int, targets: np.ndarray, top: int) -> Logprobs:
