@@ -17,64 +17,15 @@ import pytest
 pytest.importorskip("wasmtime")
 pytest.importorskip("componentize_py")
 
-from inferlet_util import load_engine, result, start
+from inferlet_util import result, start
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.runtime.trusted import Program, ProgramError
 from pastry.runtime.wasm import SandboxLimits, WasmSandbox, sandboxed_program
 from test_inferlets import CONTEXT_TOKENS, GREEDY_LOOP, THREE_LINES
+from wasm_util import bound, engine_fixture, error, released, run, sandbox_fixture
 
-
-@pytest.fixture(scope="module")
-def box():
-    from pastry.runtime import build_pyrt
-
-    try:
-        build_pyrt.build()
-    except build_pyrt.BuildError as e:
-        pytest.skip(f"cannot build the Python runtime component: {e}")
-    box = WasmSandbox(pool_size=4)
-    yield box
-    box.close()
-
-
-def bound(box: WasmSandbox) -> list:
-    """The guests running a launch (the pool's pre-started ones are not)."""
-    return [g for g in box._guests.values() if g.session is not None]
-
-
-@pytest.fixture(scope="module")
-def eng(make_tiny):
-    return load_engine(make_tiny("llama"), num_pages=256)
-
-
-def run(eng, launches):
-    """Launch every (program, args) at once on one controller; events and controller."""
-
-    async def go():
-        controller, rt, handle = await start(eng)
-        insts = [rt.launch(p, a) for p, a in launches]
-        events = await asyncio.gather(*(_collect(i) for i in insts))
-        await controller.close()
-        handle.close()
-        return events, controller
-
-    return asyncio.run(go())
-
-
-async def _collect(inst):
-    return [ev async for ev in inst.events()]
-
-
-def error(events) -> str:
-    end = events[-1]
-    assert isinstance(end, Failed), end
-    return end.error
-
-
-def _released(controller) -> None:
-    res = next(iter(controller.models.values())).resources
-    res.check_integrity()
-    assert res.referenced("kv") == 0 and res.referenced("embed") == 0
+box = sandbox_fixture(pool_size=4)
+eng = engine_fixture()
 
 
 def test_same_source_same_results(eng, box):
@@ -89,7 +40,7 @@ def test_same_source_same_results(eng, box):
     events, controller = run(eng, launches)
     for i in range(0, len(events), 2):
         assert result(events[i + 1]) == result(events[i])
-    _released(controller)
+    released(controller)
 
 
 def test_sandboxed_and_trusted_batch_together(eng, box):
@@ -103,7 +54,7 @@ def test_sandboxed_and_trusted_batch_together(eng, box):
         assert result(a) == result(b)
     stats = next(iter(controller.models.values())).scheduler.stats
     assert stats.forward_items / stats.forward_batches > 6, stats  # mixed batches
-    _released(controller)
+    released(controller)
 
 
 MESSAGES = """
@@ -247,7 +198,7 @@ def test_limits_stop_only_that_inferlet(eng, box):
     assert "pending call 12345 does not exist" in errors["badcall"]
     alone, _ = run(eng, [(Program.from_source("t", HEALTHY[0]), HEALTHY[1])])
     assert result(events[-1]) == result(alone[0])
-    _released(controller)
+    released(controller)
 
 
 ESCAPES = """
@@ -346,7 +297,7 @@ def test_the_guest_imports_every_sdk_and_lang_module(eng, box):
     events, controller = run(eng, [(sandboxed_program("imports", IMPORTS, box=box), names)])
     out = json.loads(result(events[0]))
     assert out == dict.fromkeys(names, "ok")
-    _released(controller)
+    released(controller)
 
 
 def test_logit_processing_and_logprobs_in_the_sandbox(eng, box):
@@ -366,7 +317,7 @@ def test_logit_processing_and_logprobs_in_the_sandbox(eng, box):
         return [rounded(v) for v in x] if isinstance(x, list) else x
 
     assert rounded(list(boxed.values())) == rounded(list(trusted.values()))
-    _released(controller)
+    released(controller)
 
 
 GROWS = """

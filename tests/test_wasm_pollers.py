@@ -19,13 +19,14 @@ import pytest
 pytest.importorskip("wasmtime")
 pytest.importorskip("componentize_py")
 
-from inferlet_util import load_engine, result, start
+from inferlet_util import result, start
 from pastry.control.events import Failed, Message, Terminated
 from pastry.runtime.trusted import Program
 from pastry.runtime.wasm import SandboxLimits, WasmSandbox, sandboxed_program
 from pastry.runtime.wasm_pollers import GuestPollers
 from test_inferlets import CONTEXT_TOKENS, GREEDY_LOOP
 from test_wasm_safety import Ticker
+from wasm_util import bound, collect, engine_fixture, make_sandbox, sandbox_fixture
 
 SPIN = """
 import pastry.sdk as px
@@ -49,38 +50,16 @@ async def main(args):
 
 
 def _box(threads: int) -> WasmSandbox:
-    from pastry.runtime import build_pyrt
-
-    try:
-        build_pyrt.build()
-    except build_pyrt.BuildError as e:
-        pytest.skip(f"cannot build the Python runtime component: {e}")
-    return WasmSandbox(pool_size=4, poll_threads=threads)
+    return make_sandbox(pool_size=4, poll_threads=threads)
 
 
-@pytest.fixture(scope="module")
-def box():
-    box = _box(2)
-    yield box
-    box.close()
-
-
-@pytest.fixture(scope="module")
-def eng(make_tiny):
-    return load_engine(make_tiny("llama"), num_pages=256)
+box = sandbox_fixture(pool_size=4, poll_threads=2)
+eng = engine_fixture()
 
 
 def _prompts(n: int, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
     return [",".join(map(str, rng.integers(0, 500, 6).tolist())) for _ in range(n)]
-
-
-async def _events(inst) -> list:
-    return [ev async for ev in inst.events()]
-
-
-def _live(box: WasmSandbox) -> list:
-    return [g for g in box._guests.values() if g.session is not None]
 
 
 def test_a_computing_guest_blocks_neither_the_loop_nor_other_inferlets(eng, box):
@@ -99,14 +78,14 @@ def test_a_computing_guest_blocks_neither_the_loop_nor_other_inferlets(eng, box)
             for s in streams:
                 assert await anext(s) == Message("go")
             others = [rt.launch(work, [p, "6"]) for p in _prompts(4, 3)]
-            done = await asyncio.gather(*(_events(i) for i in others))
+            done = await asyncio.gather(*(collect(i) for i in others))
             t0 = time.perf_counter()
             for s in spinners:
                 rt.terminate(s.id, "stop")
             ends = [await anext(s) for s in streams]
             took = time.perf_counter() - t0
         await asyncio.sleep(0.05)  # the runners see the cancellation
-        live = _live(box)
+        live = bound(box)
         await controller.close()
         handle.close()
         return done, ends, took, ticker.worst, box.pollers.helped - helped, live
@@ -159,7 +138,7 @@ def test_parallel_and_serial_polling_give_the_same_results(eng, box):
                 assert await anext(s) == Message(f"ready {i}")
             for i, t in enumerate(talkers):
                 t.send(f"hello {i}")
-            events = await asyncio.gather(*(_events(i) for i in insts))
+            events = await asyncio.gather(*(collect(i) for i in insts))
             events += [[ev async for ev in s] for s in streams]
             await controller.close()
             handle.close()
@@ -185,7 +164,7 @@ def test_parallel_and_serial_polling_give_the_same_results(eng, box):
 async def _trusted(eng, launches) -> list:
     controller, rt, handle = await start(eng)
     insts = [rt.launch(Program.from_source("t", src), args) for src, args in launches]
-    events = await asyncio.gather(*(_events(i) for i in insts))
+    events = await asyncio.gather(*(collect(i) for i in insts))
     await controller.close()
     handle.close()
     return events

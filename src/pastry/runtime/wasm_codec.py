@@ -29,8 +29,9 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from wasmtime import _ffi as ffi
-from wasmtime.component import _types as t
+from wasmtime import component as t
+
+from pastry.runtime.wasmtime_raw import ffi
 
 Val = ffi.wasmtime_component_val_t
 VAL_SIZE = ctypes.sizeof(Val)

@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import wasmtime
-from wasmtime import _ffi as ffi
 
 from pastry.api import ApiError
 from pastry.paths import cwasm_dir
+from pastry.runtime import wasmtime_raw as raw
 from pastry.runtime.wasm_host import (
     Guest,
     Kill,
@@ -51,10 +51,10 @@ class _Mem:
     """The guest's linear memory during one host call (bounds-checked views)."""
 
     def __init__(self, g: Guest) -> None:
-        ctx = g.store._context()
-        data = ffi.wasmtime_memory_data(ctx, ctypes.byref(g.memory))
+        ctx = raw.context(g.store)
+        data = raw.ffi.wasmtime_memory_data(ctx, ctypes.byref(g.memory))
         self.base = ctypes.cast(data, ctypes.c_void_p).value or 0
-        self.size = ffi.wasmtime_memory_data_size(ctx, ctypes.byref(g.memory))
+        self.size = raw.ffi.wasmtime_memory_data_size(ctx, ctypes.byref(g.memory))
 
     def _addr(self, ptr: int, nbytes: int) -> int:
         ptr &= 0xFFFFFFFF
@@ -193,10 +193,7 @@ IMPORTS: dict[str, tuple[int, Callable]] = {
 _UncheckedFn = ctypes.CFUNCTYPE(
     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t
 )
-_caller_context = ffi.dll["wasmtime_caller_context"]  # a private function object
-_caller_context.argtypes = [ctypes.c_size_t]
-_caller_context.restype = ctypes.c_size_t
-_RAW = ctypes.sizeof(ffi.wasmtime_val_raw_t)  # 16 bytes per parameter / result
+_RAW = ctypes.sizeof(raw.ffi.wasmtime_val_raw_t)  # 16 bytes per parameter / result
 
 
 class CoreLinker:
@@ -211,22 +208,22 @@ class CoreLinker:
         self.engine = engine
         self.guests = guests
         self.names = [""]  # index 0: a NULL env, never used
-        self.host = ffi.wasmtime_func_async_callback_t(self._host_call)
+        self.host = raw.ffi.wasmtime_func_async_callback_t(self._host_call)
         self.raw = _UncheckedFn(self._raw_call)
-        self.done = ffi.wasmtime_func_async_continuation_callback_t(lambda env: True)
-        self.resume = ffi.wasmtime_func_async_continuation_callback_t(self._resume)
+        self.done = raw.ffi.wasmtime_func_async_continuation_callback_t(lambda env: True)
+        self.resume = raw.ffi.wasmtime_func_async_continuation_callback_t(self._resume)
         self.noop = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda env: None)
         self.linker = wasmtime.Linker(engine)
         i32 = wasmtime.ValType.i32()
         mod = MODULE.encode()
-        raw = ctypes.cast(self.raw, ffi.wasmtime_func_unchecked_callback_t)
+        unchecked = ctypes.cast(self.raw, raw.ffi.wasmtime_func_unchecked_callback_t)
         for name, (nparams, _) in IMPORTS.items():
             self.names.append(name)
             ty = wasmtime.FuncType([i32] * nparams, [i32])
             define, cb = (
-                (ffi.wasmtime_linker_define_async_func, self.host)
+                (raw.ffi.wasmtime_linker_define_async_func, self.host)
                 if name == "wait"
-                else (ffi.wasmtime_linker_define_func_unchecked, raw)
+                else (raw.ffi.wasmtime_linker_define_func_unchecked, unchecked)
             )
             err = define(
                 self.linker.ptr(), ctypes.create_string_buffer(mod), len(mod),
@@ -234,7 +231,7 @@ class CoreLinker:
                 len(self.names) - 1, self.noop,
             )  # fmt: skip
             if err:
-                raise wasmtime.WasmtimeError._from_ptr(err)
+                raise raw.error(err)
         self.modules: dict[bytes, wasmtime.Module] = {}
 
     def module(self, wasm: bytes) -> wasmtime.Module:
@@ -250,12 +247,12 @@ class CoreLinker:
         g = None
         name = self.names[env or 0]
         try:
-            g = self.guests.get(_caller_context(caller))
+            g = self.guests.get(raw.caller_context(caller))
             if g is None:
                 raise RuntimeError(f"host import {name} called by an unknown store")
             nparams, handler = IMPORTS[name]
-            raw = ctypes.string_at(values, max(nvalues, 1) * _RAW)
-            params = memoryview(raw).cast("i")[:: _RAW // 4][:nparams].tolist()
+            packed = ctypes.string_at(values, max(nvalues, 1) * _RAW)
+            params = memoryview(packed).cast("i")[:: _RAW // 4][:nparams].tolist()
             try:
                 value = call_host(handler, g, _Mem(g), *params)
             except ApiError as e:
@@ -271,7 +268,7 @@ class CoreLinker:
         if g is not None and isinstance(e, Kill):
             g.kill_reason = str(e)
         data = msg.encode("utf-8", "replace")
-        return ffi.wasmtime_trap_new(ctypes.create_string_buffer(data), len(data))
+        return raw.ffi.wasmtime_trap_new(ctypes.create_string_buffer(data), len(data))
 
     def _host_call(self, env, caller, args, nargs, results, nresults, trap_ret, cont):
         # ``wait`` only. Runs on the guest's fiber; never raises (a failure becomes a trap).
@@ -280,11 +277,11 @@ class CoreLinker:
         cont.contents.finalizer = self.noop
         g = None
         try:
-            ctx = ffi.wasmtime_caller_context(caller)
+            ctx = raw.ffi.wasmtime_caller_context(caller)
             g = self.guests.get(ctypes.cast(ctx, ctypes.c_void_p).value)
             if g is None:
                 raise RuntimeError("host import wait called by an unknown store")
-            results[0].kind = ffi.WASMTIME_I32
+            results[0].kind = raw.ffi.WASMTIME_I32
             self._wait(g, cont, results, args[0].of.i32)
         except BaseException as e:
             trap_ret[0] = self._trap(g, e)
@@ -321,40 +318,40 @@ def start(core: CoreLinker, g: Guest, name: str, wasm: bytes, args: Sequence[str
     """Instantiate ``wasm`` in ``g``'s store and start its ``run`` as ``g``'s call future
     (the caller drives it, and ends ``g`` if this raises)."""
     module = core.module(wasm)
-    ctx = g.store._context()
+    ctx = raw.context(g.store)
     g.core = True
-    inst = ffi.wasmtime_instance_t()
-    trap = ctypes.POINTER(ffi.wasm_trap_t)()
-    err = ctypes.POINTER(ffi.wasmtime_error_t)()
-    fut = ffi.wasmtime_linker_instantiate_async(
+    inst = raw.ffi.wasmtime_instance_t()
+    trap = ctypes.POINTER(raw.ffi.wasm_trap_t)()
+    err = ctypes.POINTER(raw.ffi.wasmtime_error_t)()
+    fut = raw.ffi.wasmtime_linker_instantiate_async(
         core.linker.ptr(), ctx, module.ptr(), ctypes.byref(inst), ctypes.byref(trap),
         ctypes.byref(err),
     )  # fmt: skip
     try:
-        while not ffi.wasmtime_call_future_poll(fut):
+        while not raw.ffi.wasmtime_call_future_poll(fut):
             pass
     finally:
-        ffi.wasmtime_call_future_delete(fut)
+        raw.ffi.wasmtime_call_future_delete(fut)
     if err:
-        raise SandboxError(f"instantiation failed: {wasmtime.WasmtimeError._from_ptr(err)}")
+        raise SandboxError(f"instantiation failed: {raw.error(err)}")
     if trap:
-        raise SandboxError(f"instantiation trapped: {wasmtime.Trap._from_ptr(trap)}")
+        raise SandboxError(f"instantiation trapped: {raw.trap(trap)}")
     exports = {}
     for ename in ("memory", "run"):
-        item = ffi.wasmtime_extern_t()
+        item = raw.ffi.wasmtime_extern_t()
         b = ename.encode()
-        if not ffi.wasmtime_instance_export_get(
+        if not raw.ffi.wasmtime_instance_export_get(
             ctx, ctypes.byref(inst), ctypes.create_string_buffer(b), len(b), ctypes.byref(item)
         ):
             raise SandboxError(f"{name}: the module does not export `{ename}`")
         exports[ename] = item
     g.memory = exports["memory"].of.memory
     run_fn = exports["run"].of.func
-    results = (ffi.wasmtime_val_t * 1)()
-    trap = ctypes.POINTER(ffi.wasm_trap_t)()
-    err = ctypes.POINTER(ffi.wasmtime_error_t)()
+    results = (raw.ffi.wasmtime_val_t * 1)()
+    trap = ctypes.POINTER(raw.ffi.wasm_trap_t)()
+    err = ctypes.POINTER(raw.ffi.wasmtime_error_t)()
     g.keep = [results, trap, err, run_fn, exports, list(args)]
-    g.future = ffi.wasmtime_func_call_async(
+    g.future = raw.ffi.wasmtime_func_call_async(
         ctx, ctypes.byref(run_fn), None, 0, results, 1, ctypes.byref(trap), ctypes.byref(err)
     )
 
@@ -363,14 +360,14 @@ def outcome(g: Guest) -> str | None:
     """The result text of a core guest whose ``run`` has finished (its call future is
     dropped); :class:`SandboxError` if it failed, trapped or was killed."""
     results, trap, err = g.keep[:3]
-    ffi.wasmtime_call_future_delete(g.future)
+    raw.ffi.wasmtime_call_future_delete(g.future)
     g.future = None
     if g.kill_reason is not None:
         raise SandboxError(g.kill_reason)
     if err:
-        raise SandboxError(f"the inferlet failed: {wasmtime.WasmtimeError._from_ptr(err)}")
+        raise SandboxError(f"the inferlet failed: {raw.error(err)}")
     if trap:
-        raise SandboxError(f"the inferlet trapped: {wasmtime.Trap._from_ptr(trap)}")
+        raise SandboxError(f"the inferlet trapped: {raw.trap(trap)}")
     rc = results[0].of.i32
     if rc != 0:
         raise SandboxError(g.core_result or g.core_error or f"run returned {rc}")

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import wasmtime
-from wasmtime import _ffi as ffi
 
 from pastry.api import ApiError
 from pastry.control.http import HttpError
 from pastry.control.session import QuotaError, Session
+from pastry.runtime import wasmtime_raw as raw
 from pastry.runtime.trusted import InferletFailure
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def engine(config: WasmEngineConfig = WasmEngineConfig()) -> wasmtime.Engine:
             cfg.wasm_component_model = True
             cfg.epoch_interruption = True
             cfg.max_wasm_stack = config.max_wasm_stack_bytes
-            ffi.wasmtime_config_async_stack_size_set(cfg.ptr(), config.async_stack_bytes)
+            raw.ffi.wasmtime_config_async_stack_size_set(cfg.ptr(), config.async_stack_bytes)
             eng = wasmtime.Engine(cfg)
             threading.Thread(
                 target=_tick, args=(eng, config.tick_ms / 1e3), name="wasm-epoch", daemon=True
@@ -100,7 +100,7 @@ class Kill(Exception):
 @dataclass(eq=False)
 class Guest:
     """One guest instance and its driving state. A pre-started one (``session`` None) is
-    parked in a launcher import until a launch binds it (:meth:`WasmSandbox._bind`)."""
+    parked in a launcher import until a launch binds it (:meth:`~pastry.runtime.wasm_run.Runner.bind`)."""
 
     id: int
     session: Session | None
@@ -133,7 +133,7 @@ class Guest:
     core_result: str | None = None
     core_error: str | None = None
     parked: bool = False  # blocked in a launcher import (load- or start-inferlet)
-    stage: int = 0  # launcher imports answered (wasm.LAUNCH_STAGES)
+    stage: int = 0  # launcher imports answered (wasm_waits.LAUNCH_STAGES)
     code: Any = None  # the wasm.Code it runs (set when loaded ahead, or at its launch)
     args: list[str] | None = None  # for start-inferlet, set when bound
     source: str | None = None  # the inferlet's source (for its tracebacks)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from wasmtime.component import _types as ctypes_
+from wasmtime.component import Variant
 
 from pastry import api
 from pastry.api import SPECS, ApiError, Sampling, Spec
@@ -29,7 +29,6 @@ from pastry.runtime.wasm_host import Guest, check_message, error_text, send
 
 TOKENIZE_ON_LOOP_CHARS = 4096  # a guest's shorter texts are tokenized in the call
 
-Variant = ctypes_.Variant
 _NONE = Variant("none")
 
 
