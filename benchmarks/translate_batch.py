@@ -25,14 +25,15 @@ import json
 import timeit
 
 from pastry.control.resources import ResourceManager
-from pastry.control.scheduler import Command, Stage
 from pastry.control.steps import Step
 
 try:  # commands as ops (issue 27); an older checkout's commands carry ``batched``
-    from pastry.control.scheduler import Op  # noqa: F401
+    from pastry.control.commands import Command, Stage
 
     OPS = True
 except ImportError:
+    from pastry.control.scheduler import Command, Stage
+
     OPS = False
 
 PAGES = (4, 32, 128, 512)

@@ -6,7 +6,7 @@ command whose call it chooses, so :class:`Fn` calls a test's function at prepara
 
 from __future__ import annotations
 
-from pastry.control.scheduler import Command, Op, Stage
+from pastry.control.commands import Command, Op, Stage
 
 
 class Fn(Op):

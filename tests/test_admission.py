@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from commands import fn_command
+from pastry.control.commands import Queue, Stage
 from pastry.control.policies import (
     ADMISSION_POLICIES,
     CacheAwareSchedule,
@@ -20,7 +21,6 @@ from pastry.control.policies import (
     RandomOrder,
     admission_policy,
 )
-from pastry.control.scheduler import Queue, Stage
 
 
 @dataclass(eq=False)
@@ -110,7 +110,7 @@ def test_policies_by_name():
 
 
 def test_kv_calls_of_one_queue_share_a_batch_unless_they_touch_the_same_page():
-    from pastry.control.scheduler import _conflicts
+    from pastry.control.commands import conflicts
     from pastry.engine.calls import CopyKv, MaskKv, SwapIn, SwapOut, ids
 
     def cmd(call):
@@ -123,10 +123,10 @@ def test_kv_calls_of_one_queue_share_a_batch_unless_they_touch_the_same_page():
 
     hidden = np.ones(4, dtype=np.bool_)
     earlier = [cmd(MaskKv(1, hidden)), cmd(CopyKv(2, 3, 0, 0, 4))]
-    assert not _conflicts(earlier, cmd(MaskKv(4, hidden)), 4)
-    assert _conflicts(earlier, cmd(MaskKv(3, hidden)), 4)  # the copy's destination
-    assert _conflicts(earlier, cmd(CopyKv(1, 5, 0, 0, 4)), 4)  # reads the masked page
+    assert not conflicts(earlier, cmd(MaskKv(4, hidden)), 4)
+    assert conflicts(earlier, cmd(MaskKv(3, hidden)), 4)  # the copy's destination
+    assert conflicts(earlier, cmd(CopyKv(1, 5, 0, 0, 4)), 4)  # reads the masked page
     # a swap-out then a swap-in through the same host page: the engine runs swap-ins first
     out = [cmd(SwapOut(ids([6]), ids([0])))]
-    assert _conflicts(out, cmd(SwapIn(ids([0]), ids([7]))), 4)
-    assert not _conflicts(out, cmd(SwapIn(ids([1]), ids([7]))), 4)
+    assert conflicts(out, cmd(SwapIn(ids([0]), ids([7]))), 4)
+    assert not conflicts(out, cmd(SwapIn(ids([1]), ids([7]))), 4)

@@ -15,8 +15,9 @@ import pytest
 
 from commands import fn_command
 from inferlet_util import load_engine, result, run_all, start
+from pastry.control.commands import Command, CommandError, Op, Stage
 from pastry.control.policies import KOnly
-from pastry.control.scheduler import BatchScheduler, Command, CommandError, Op, Stage
+from pastry.control.scheduler import BatchScheduler
 from pastry.engine.calls import CallError, EmbedTxt, Forward, Sample, ids
 from pastry.runtime.trusted import Program
 from test_scheduler import Recorder, cmd, fwd
@@ -179,7 +180,7 @@ def test_a_closed_queue_takes_its_batched_commands_out_of_the_batch_being_formed
         s.submit(b, batched("b", 10))
         s.form_batch()  # both prepared
         fc = s.submit(c, batched("c", 20))
-        s._take(c, s._forming, float("inf"))  # taken, not prepared yet
+        s.forming.take(c, float("inf"))  # taken, not prepared yet
         s.close_queue(c, "gone")  # (an instance ended while the batch was formed)
         batch = s.take_batch()
         with pytest.raises(CommandError, match="gone"):

@@ -164,7 +164,7 @@ def test_send_kv_refuses_bad_calls(engines):
 
 def test_slice_bounds_and_receive_buffers():
     from pastry.api import ApiError
-    from pastry.control.routing import RecvBuffer, slice_bounds
+    from pastry.control.kv_transfer import RecvBuffer, slice_bounds
 
     assert slice_bounds(10, None, -1) == (0, 9)
     assert slice_bounds(10, -1, None) == (9, 10)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from commands import fn_command
+from pastry.control.commands import Queue, Stage
 from pastry.control.policies import (
     BATCH_POLICIES,
     Adaptive,
@@ -19,7 +20,7 @@ from pastry.control.policies import (
     TOnly,
     batch_policy,
 )
-from pastry.control.scheduler import BatchScheduler, Queue, Stage
+from pastry.control.scheduler import BatchScheduler
 from pastry.engine.calls import Sample
 
 

@@ -10,8 +10,9 @@ import urllib.request
 import pytest
 
 from commands import fn_command
+from pastry.control.commands import Stage
 from pastry.control.programs import ProcessTable, session_key
-from pastry.control.scheduler import BatchScheduler, Stage
+from pastry.control.scheduler import BatchScheduler
 from pastry.engine.calls import Forward, Sample, ids
 
 

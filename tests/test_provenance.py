@@ -420,13 +420,14 @@ def test_the_race_free_shortcut_changes_nothing(seed, monkeypatch):
     records and embedding slots through the vectorised race check as through the
     per-page bookkeeping alone; and the check is taken for most of them."""
     import pastry.control.provenance as provenance
+    import pastry.control.races as races
 
     monkeypatch.setattr(provenance, "_VECTOR_MIN", 1)
     rng = random.Random(seed)
     queues = [Q(1), Q(1), Q(2), Q(3), Q(4)]
     fast, slow = prov(), prov()
     taken = 0
-    real = provenance._race_free
+    real = races.race_free
     for _ in range(300):
         calls = []
         for q in rng.sample(queues, rng.randint(1, 4)):
@@ -453,9 +454,9 @@ def test_the_race_free_shortcut_changes_nothing(seed, monkeypatch):
                     calls.append((q, MaskKv(rng.randrange(16), masked)))
         taken += real(calls)
         fast.observe(calls)
-        monkeypatch.setattr(provenance, "_race_free", lambda calls: False)
+        monkeypatch.setattr(races, "race_free", lambda calls: False)
         slow.observe(calls)
-        monkeypatch.setattr(provenance, "_race_free", real)
+        monkeypatch.setattr(races, "race_free", real)
         assert [tokens_of(fast, p) for p in range(16)] == [tokens_of(slow, p) for p in range(16)]
         assert np.array_equal(fast.embed_token, slow.embed_token)
         assert np.array_equal(fast.embed_position, slow.embed_position)
@@ -463,16 +464,16 @@ def test_the_race_free_shortcut_changes_nothing(seed, monkeypatch):
 
 
 def test_the_race_free_check_sees_every_kind_of_race():
-    from pastry.control.provenance import _race_free
+    from pastry.control.races import race_free
 
     a, b = Q(1), Q(2)
-    assert _race_free([(a, fwd([1], ctx=[3], last=2, out=[3], off=2)), (b, fwd([2], out=[4]))])
-    assert not _race_free([(a, fwd([1], out=[3])), (b, fwd([2], out=[3]))])  # both write 3
-    assert not _race_free([(a, fwd([1], ctx=[3], last=1, out=[5])), (b, fwd([2], out=[3]))])
-    assert not _race_free([(a, CopyKv(3, 5, 0, 0, 1)), (b, fwd([2], out=[3]))])  # copy source
+    assert race_free([(a, fwd([1], ctx=[3], last=2, out=[3], off=2)), (b, fwd([2], out=[4]))])
+    assert not race_free([(a, fwd([1], out=[3])), (b, fwd([2], out=[3]))])  # both write 3
+    assert not race_free([(a, fwd([1], ctx=[3], last=1, out=[5])), (b, fwd([2], out=[3]))])
+    assert not race_free([(a, CopyKv(3, 5, 0, 0, 1)), (b, fwd([2], out=[3]))])  # copy source
     masked = np.ones(PS, dtype=np.bool_)
-    assert not _race_free([(a, MaskKv(3, masked)), (b, CopyKv(4, 3, 0, 0, 1))])
-    assert not _race_free([(Q1, embed([1], 0, [4])), (Q2, embed([2], 0, [5]))])  # one instance
+    assert not race_free([(a, MaskKv(3, masked)), (b, CopyKv(4, 3, 0, 0, 1))])
+    assert not race_free([(Q1, embed([1], 0, [4])), (Q2, embed([2], 0, [5]))])  # one instance
 
 
 # ------------------------------------------------------------------------------ known chains

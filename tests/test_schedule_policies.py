@@ -8,6 +8,7 @@ import math
 import pytest
 
 from commands import fn_command
+from pastry.control.commands import Queue, Stage
 from pastry.control.policies import (
     SCHEDULES,
     Atlas,
@@ -19,7 +20,6 @@ from pastry.control.policies import (
     schedule_policy,
 )
 from pastry.control.programs import ProcessTable
-from pastry.control.scheduler import Queue, Stage
 
 
 class World:

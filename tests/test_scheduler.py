@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from commands import fn_command
+from pastry.control.commands import Stage
 from pastry.control.policies import Eager
-from pastry.control.scheduler import BatchScheduler, Stage
+from pastry.control.scheduler import BatchScheduler
 from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
 
 

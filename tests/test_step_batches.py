@@ -11,8 +11,8 @@ import re
 import pytest
 
 from pastry.api import ApiError
+from pastry.control.commands import Command, Stage
 from pastry.control.resources import ResourceManager
-from pastry.control.scheduler import Command, Stage
 from pastry.control.steps import Embed, Step
 
 

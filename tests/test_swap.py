@@ -337,7 +337,8 @@ def test_a_full_batch_does_not_bring_back_a_program_it_cannot_take():
     batch it is not in)."""
     import asyncio
 
-    from pastry.control.scheduler import BatchScheduler, Stage
+    from pastry.control.commands import Stage
+    from pastry.control.scheduler import BatchScheduler
 
     async def never(calls):
         raise AssertionError("not dispatched in this test")
@@ -368,7 +369,8 @@ def test_the_scheduler_admits_by_memory_instead_of_pushing_out_a_waiting_program
     keeps 2 waiting and runs 1; without it, 2 pushes 1 out and runs instead."""
     import asyncio
 
-    from pastry.control.scheduler import BatchScheduler, Stage
+    from pastry.control.commands import Stage
+    from pastry.control.scheduler import BatchScheduler
 
     async def never(calls):
         raise AssertionError("not dispatched in this test")

@@ -468,16 +468,43 @@ def test_charges_follow_swapped_pages():
     m.check_integrity()
 
 
-def test_pinned_exports_are_never_reclaimed():
-    """The server's own holds (pages a KV transfer is writing) survive memory pressure."""
+def test_a_hold_hands_pages_from_one_instance_to_another():
+    """How the router gives a requester the pages it received (start_generate)."""
+    m = manager(pages=4, users={1: "router", 2: "alice"})
+    pages = m.alloc(1, "kv", 2)
+    ids = m.translate(1, "kv", pages)
+    hold = m.hold(1, "kv", pages)
+    mine = m.claim(2, "kv", hold, "router")
+    m.release(hold, "router")
+    m.free(1, "kv", pages)
+    assert m.translate(2, "kv", mine) == ids
+    assert m.charged(1, "kv") == 0 and m.charged(2, "kv") == 2
+    assert m.user_charged("router", "kv") == 0 and m.user_charged("alice", "kv") == 2
+    with pytest.raises(ExportError, match="released"):
+        m.claim(2, "kv", hold, "router")
+    m.check_integrity()
+
+
+def test_the_servers_holds_are_never_reclaimed_listed_or_named():
+    """The server's own holds (pages a KV transfer is writing) survive memory pressure,
+    the instance's end and its user's export calls; released, they free their pages."""
     rec = Recorder()
     m = manager(pages=4, users={1: "router", 2: "alice"}, on_terminate=rec)
     pages = m.alloc(1, "kv", 2)
-    m.export(1, "kv", pages, "\0guard", persistent=True, pinned=True)
+    hold = m.hold(1, "kv", pages)
     m.free(1, "kv", pages)
     with pytest.raises(OutOfResources):
-        m.alloc(2, "kv", 3)  # only the pinned pages could make room: nobody else ends
-    assert m.list_exports("router") == [("\0guard", "kv", 2)]
-    m.unexport(None, "\0guard", owner="router")
+        m.alloc(2, "kv", 3)  # only the held pages could make room: nobody else ends
+    assert m.list_exports("router") == [] and m.list_exports() == []
+    assert m.user_charged("router", "kv") == 2  # counted as its user's
+    with pytest.raises(ExportError):
+        m.import_(1, "kv", str(hold))
+    m.remove_instance(1)
+    m.check_integrity()
+    with pytest.raises(OutOfResources):
+        m.alloc(2, "kv", 3)  # still held after the instance ended
+    m.release(hold, "router")
+    m.release(hold, "router")  # released once; again is a no-op
+    assert m.user_charged("router", "kv") == 0
     assert len(m.alloc(2, "kv", 3)) == 3
     m.check_integrity()

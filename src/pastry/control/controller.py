@@ -95,55 +95,65 @@ class Controller:
         self._http = None
         self.on_terminate: Callable[[int, str], None] = lambda instance, reason: None
         for eng in engines:
-            info = eng.info
-            replicas = self.engines.setdefault(info.model_name, [])
-            rank = len(replicas)
-            if replicas:
-                check_replica(replicas[0].info, info)
-            sched = BatchScheduler(
-                eng.execute, info.max_batch_tokens, info.page_size, batching,
-                CacheAwareSchedule(schedule(), admission()), programs=self.programs,
-                engine=info.model_name if not rank else f"{info.model_name}/{rank}",
-                max_batch=max_batch,
-            )  # fmt: skip
-            cache = provenance = None
-            if prefix_cache:  # one per engine: its pages are its own
-                cache = PrefixCache(info.page_size)
-                provenance = KvProvenance(
-                    info.page_size, info.num_pages, info.num_embeds, info.vocab_size,
-                    info.max_position, info.max_batch_tokens,
-                )  # fmt: skip
-            # Handles of different engines never collide (a page handle names its engine).
-            res = ResourceManager(
-                info.num_pages, info.num_embeds, policy=FairShare(), on_terminate=self._evict,
-                num_host_pages=info.num_host_pages if "kv_swap" in info.traits else 0,
-                first_handle=rank << 24, cache=cache, provenance=provenance,
-            )  # fmt: skip
-            swapper = KvSwapper(res, sched) if res.host_usage()[2] else None
-            prefiller = Prefiller(res, sched, info.page_size, cache, provenance)
-            if prefix_cache:
-                sched.on_dispatch = prefiller.on_dispatch
-                sched.on_complete = prefiller.on_complete
-            tok = (
-                replicas[0].tokenizer
-                if replicas
-                else Tokenizer.from_json(
-                    info.tokenizer_json, info.chat_template, info.special_tokens
-                )
-            )
-            # Adapters are loaded on the engine before serving and listed in its info.
-            adapters = {name: i for i, name in enumerate(info.adapters)}
-            tokens = (  # one tokenizer cache per model
-                replicas[0].tokens if replicas else Tokenization(tok, self.quotas.tokenize_bytes)
-            )
-            model = Model(
-                info.model_name, eng, info, tok, sched, res, adapters, swapper=swapper, rank=rank,
-                tokens=tokens, prefiller=prefiller,
-            )  # fmt: skip
-            replicas.append(model)
-            self.models.setdefault(info.model_name, model)
-            sched.start()
+            self._add_engine(eng, batching, schedule, admission, max_batch, prefix_cache)
         self.routing = Routing(self.engines, self.programs)
+
+    def _add_engine(
+        self,
+        eng: EngineHandle,
+        batching: BatchPolicy | None,
+        schedule: Callable[[], SchedulePolicy],
+        admission: Callable[[], AdmissionPolicy],
+        max_batch: int | None,
+        prefix_cache: bool,
+    ) -> None:
+        """One engine's model: its scheduler, resources, prefix cache and prefiller."""
+        info = eng.info
+        replicas = self.engines.setdefault(info.model_name, [])
+        rank = len(replicas)
+        if replicas:
+            check_replica(replicas[0].info, info)
+        sched = BatchScheduler(
+            eng.execute, info.max_batch_tokens, info.page_size, batching,
+            CacheAwareSchedule(schedule(), admission()), programs=self.programs,
+            engine=info.model_name if not rank else f"{info.model_name}/{rank}",
+            max_batch=max_batch,
+        )  # fmt: skip
+        cache = provenance = None
+        if prefix_cache:  # one per engine: its pages are its own
+            cache = PrefixCache(info.page_size)
+            provenance = KvProvenance(
+                info.page_size, info.num_pages, info.num_embeds, info.vocab_size,
+                info.max_position, info.max_batch_tokens,
+            )  # fmt: skip
+        # Handles of different engines never collide (a page handle names its engine).
+        res = ResourceManager(
+            info.num_pages, info.num_embeds, policy=FairShare(), on_terminate=self._evict,
+            num_host_pages=info.num_host_pages if "kv_swap" in info.traits else 0,
+            first_handle=rank << 24, cache=cache, provenance=provenance,
+        )  # fmt: skip
+        swapper = KvSwapper(res, sched) if res.host_usage()[2] else None
+        prefiller = Prefiller(res, sched, info.page_size, cache, provenance)
+        if prefix_cache:
+            sched.on_dispatch = prefiller.on_dispatch
+            sched.on_complete = prefiller.on_complete
+        tok = (
+            replicas[0].tokenizer
+            if replicas
+            else Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)
+        )
+        # Adapters are loaded on the engine before serving and listed in its info.
+        adapters = {name: i for i, name in enumerate(info.adapters)}
+        tokens = (  # one tokenizer cache per model
+            replicas[0].tokens if replicas else Tokenization(tok, self.quotas.tokenize_bytes)
+        )
+        model = Model(
+            info.model_name, eng, info, tok, sched, res, adapters, swapper=swapper, rank=rank,
+            tokens=tokens, prefiller=prefiller,
+        )  # fmt: skip
+        replicas.append(model)
+        self.models.setdefault(info.model_name, model)
+        sched.start()
 
     @property
     def default_model(self) -> str:

@@ -5,8 +5,10 @@ gives the importer new handles to the same ids (:mod:`pastry.control.resources`)
 are per user: an entry lives under ``(user, name)``. A non-persistent export ends with its
 exporter; a persistent one lives until unexported, or until it is *reclaimed*: persistent
 exports are a cache, dropped least recently imported first when memory is short or their
-user is over its limit (never a ``pinned`` one: the server's own holds). The registry
-keeps the entries and their order; the resource manager moves the references.
+user is over its limit. The server's own *holds* (:meth:`Sharing.hold`: pages that must
+stay allocated while another engine writes them) are entries under a :class:`Hold` key no
+inferlet can name: never listed, imported or reclaimed. The registry keeps the entries and
+their order; the resource manager moves the references.
 """
 
 from __future__ import annotations
@@ -18,8 +20,18 @@ from dataclasses import dataclass
 
 from pastry.control.pages import PLURAL, ExportError, Kind, ResourceError
 
-Key = tuple[object, str]  # (user, name)
 UNSET = object()  # no user given (a default that None, a user, cannot be)
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A hold of the server's own on some pages (:meth:`Sharing.hold`), and its key's
+    name in the registry (not a string: no inferlet can name, list or unexport it)."""
+
+    serial: int
+
+
+Key = tuple[object, "str | Hold"]  # (user, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +41,6 @@ class Export:
     owner: int  # the exporting instance
     persistent: bool
     user: object = None  # the namespace it lives in (the exporter's user)
-    pinned: bool = False  # never reclaimed (the server's holds, e.g. pages being written)
 
 
 class ExportRegistry:
@@ -88,7 +99,7 @@ class ExportRegistry:
         return [
             (name, exp.kind, len(exp.ids))
             for (user, name), exp in self.exports.items()
-            if owner is UNSET or user == owner
+            if type(name) is str and (owner is UNSET or user == owner)
         ]
 
     def lru(self, kind: Kind, user: object = UNSET) -> list[Key]:
@@ -96,7 +107,7 @@ class ExportRegistry:
         least recently imported first."""
         keys = [
             k for k, e in self.exports.items()
-            if e.persistent and not e.pinned and e.kind == kind
+            if e.persistent and type(k[1]) is str and e.kind == kind
             and (user is UNSET or e.user == user)
         ]  # fmt: skip
         return sorted(keys, key=self.last_import.__getitem__)
@@ -169,6 +180,7 @@ class Sharing:
 
     def __init__(self, m) -> None:
         self.m = m
+        self.serials = itertools.count(1)
 
     def export(
         self,
@@ -177,19 +189,35 @@ class Sharing:
         handles: Iterable[int],
         name: str,
         persistent: bool = False,
-        pinned: bool = False,
     ) -> None:
         """Publish the physical ids of ``handles`` under ``name`` in the instance's user's
         namespace (the registry takes its own references). A non-persistent export is
         dropped when ``instance`` ends and counts as the instance's; a persistent one lives
-        until :meth:`unexport` (or is reclaimed, unless ``pinned``: the server's own holds,
-        never an inferlet's) and counts as its user's. The handles stay the exporter's."""
+        until :meth:`unexport` (or is reclaimed) and counts as its user's. The handles stay
+        the exporter's."""
+        if not isinstance(name, str) or not name:
+            raise ExportError(f"export name must be a non-empty string, got {name!r}")
+        self._add(instance, kind, handles, name, persistent)
+
+    def hold(self, instance: int, kind: Kind, handles: Iterable[int]) -> Hold:
+        """The server's own reference to the physical ids of ``handles`` (e.g. pages another
+        engine is writing into): they stay allocated until :meth:`release`, whatever the
+        instance does meanwhile, even after it ends. Counted as its user's, like a
+        persistent export, but never reclaimed, listed or importable."""
+        hold = Hold(next(self.serials))
+        self._add(instance, kind, handles, hold, True)
+        return hold
+
+    def release(self, hold: Hold, user: object) -> None:
+        """Drop a :meth:`hold` of ``user``'s (a no-op once released)."""
+        if (user, hold) in self.m.exports.exports:
+            self.m.drop_export((user, hold))
+
+    def _add(self, instance: int, kind: Kind, handles, name: str | Hold, persistent: bool) -> None:
         table = self.m.table(instance, kind)
         handles = list(handles)
         if not all(h in table for h in handles):
             raise self.m.handles.invalid(instance, kind, handles)
-        if not isinstance(name, str) or not name:
-            raise ExportError(f"export name must be a non-empty string, got {name!r}")
         user = self.m.users[instance]
         key = (user, name)
         if key in self.m.exports.exports:
@@ -203,7 +231,7 @@ class Sharing:
                 "(the scheduler brings them back before the instance's commands run)"
             )
         self.m.take_refs(kind, ids)
-        self.m.exports.add(key, Export(kind, ids, instance, persistent, user, pinned))
+        self.m.exports.add(key, Export(kind, ids, instance, persistent, user))
         if persistent:
             self.m.accounting.add_user(kind, user, ids)
         else:
@@ -224,6 +252,21 @@ class Sharing:
                 f"export {name!r} holds {PLURAL[exp.kind]}, not {PLURAL[kind]}; "
                 f"import it as kind {exp.kind!r}"
             )
+        return self._take(instance, kind, key, exp)
+
+    def claim(self, instance: int, kind: Kind, hold: Hold, user: object) -> list[int]:
+        """New handles of ``instance`` for the ids of ``user``'s :meth:`hold` (a reference
+        each; the hold stays until released): how the server hands pages from one
+        instance to another. Over the instance's or its user's limit raises
+        :class:`QuotaExceeded`."""
+        self.m.table(instance, kind)
+        key = (user, hold)
+        exp = self.m.exports.exports.get(key)
+        if exp is None or exp.kind != kind:
+            raise ExportError(f"{hold} of {PLURAL[kind]} does not exist (released already?)")
+        return self._take(instance, kind, key, exp)
+
+    def _take(self, instance: int, kind: Kind, key: Key, exp: Export) -> list[int]:
         self.m.reclaiming.check_limit(instance, kind, exp.ids, keep=key)
         self.m.exports.touch(key)
         self.m.take_refs(kind, exp.ids)

@@ -1,7 +1,7 @@
 """The ops of the queued API calls: what each command does, as data.
 
 A request handler (:mod:`pastry.control.handlers`) checks a request once, snapshots its
-handles and queues one of these (:class:`~pastry.control.scheduler.Op`). When the batch
+handles and queues one of these (:class:`~pastry.control.commands.Op`). When the batch
 scheduler takes the command into a batch, ``prepare`` translates the instance's handles
 to physical ids (they may have moved since: swapped out and back) and returns the engine
 call; control ops act there instead (freeing, exporting) and return None. The decode hot
@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from pastry.api import ApiError
+from pastry.control.commands import Op
 from pastry.control.resources import Kind, ResourceError, ResourceManager
 from pastry.control.sampling import SampleSpec
-from pastry.control.scheduler import Op
 from pastry.control.steps import claim, sample_call
 from pastry.engine.calls import CopyKv, Dist, Forward, Logprobs, MaskKv, NextDist, Sample, ids
 

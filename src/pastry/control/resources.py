@@ -29,7 +29,7 @@ import numpy as np
 
 from pastry.control.accounting import Accounting
 from pastry.control.cached_pages import CachedPages
-from pastry.control.exports import UNSET, ExportRegistry, Sharing
+from pastry.control.exports import UNSET, ExportRegistry, Hold, Sharing
 from pastry.control.handles import HandleTables, Reservations
 from pastry.control.host_pages import HostPages, Swapping
 from pastry.control.ledger import PageLedger
@@ -262,10 +262,21 @@ class ResourceManager(PageLedger):
         handles: Iterable[int],
         name: str,
         persistent: bool = False,
-        pinned: bool = False,
     ) -> None:
         """Publish the ids of ``handles`` under ``name`` (:meth:`Sharing.export`)."""
-        self.sharing.export(instance, kind, handles, name, persistent, pinned)
+        self.sharing.export(instance, kind, handles, name, persistent)
+
+    def hold(self, instance: int, kind: Kind, handles: Iterable[int]) -> Hold:
+        """Keep the ids of ``handles`` allocated until :meth:`release` (:meth:`Sharing.hold`)."""
+        return self.sharing.hold(instance, kind, handles)
+
+    def claim(self, instance: int, kind: Kind, hold: Hold, user: object) -> list[int]:
+        """New handles of ``instance`` for the ids of a :meth:`hold` (:meth:`Sharing.claim`)."""
+        return self.sharing.claim(instance, kind, hold, user)
+
+    def release(self, hold: Hold, user: object) -> None:
+        """Drop a :meth:`hold` of ``user``'s."""
+        self.sharing.release(hold, user)
 
     def import_(self, instance: int, kind: Kind, name: str, owner: object = UNSET) -> list[int]:
         """New handles for the ids exported as ``name`` (:meth:`Sharing.import_`)."""

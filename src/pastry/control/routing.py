@@ -6,16 +6,8 @@ engine of a queue (``create_queue(model, engine)``; pages are allocated through 
 on its engine) and move KV between engines with LLM microserving's three calls, with the
 paper's semantics (Python slice indices, ``end=-1``):
 
-- ``prep_recv(q, prompt, end)`` on the receiver (``q``'s engine): match ``prompt[:end]`` in
-  its prefix cache (``matched_len``: the full pages of the longest cached prefix, in the
-  caller's user's tree, shared read-only; never the last prompt token), allocate pages for
-  the rest and return ``(kv_addr_info, matched_len)``. No compute. The pages are the
-  caller's, recorded in a :class:`RecvBuffer` that ``kv_addr_info`` names.
-- ``remote_send(q, prompt, kv_addr_info, recv_rank, begin, end)`` on the sender: compute
-  the K/V of ``prompt[:end]`` there and write ``prompt[begin:end]`` straight into the
-  receiver's pages, layer by layer as the forward computes them (``SendKv``,
-  :mod:`pastry.engine.transfer`); resolves when every write has landed. What ``prep_recv``
-  matched is never sent again (``begin`` below ``matched_len`` starts there).
+- ``prep_recv`` and ``remote_send`` (:mod:`pastry.control.kv_transfer`): prepare pages on
+  the receiver, and fill them with the K/V the sender computes.
 - ``start_generate(q, prompt, begin, request)``: hand a *routed request* to ``q``'s engine,
   where the K/V of ``prompt[:begin]`` now is: the requesting program's context continues
   there, prefilling ``prompt[begin:]`` and generating.
@@ -44,15 +36,12 @@ from dataclasses import dataclass, field
 
 from pastry.api import ApiError
 from pastry.control.handlers.caller import resource_call
+from pastry.control.kv_transfer import Transfers, slice_bounds, tokens_of
 from pastry.control.model import Model
 from pastry.control.programs import ProcessTable
-from pastry.control.scheduler import Op, Stage
 from pastry.control.session import Session
-from pastry.engine.calls import SendKv, ids
 
 log = logging.getLogger(__name__)
-
-PREFILL_CHUNK = 2048  # tokens per forward of a remote_send's prefill
 
 
 @dataclass(eq=False)
@@ -82,45 +71,6 @@ class Placement:
     pages: tuple[int, ...] = ()
 
 
-@dataclass(eq=False)
-class RecvBuffer:
-    """Pages prepared by ``prep_recv`` (what ``kv_addr_info`` names): the caller's handles
-    on engine ``rank`` for ``tokens`` (``prompt[:end]``); ``present`` holds the token ranges
-    whose K/V are in them."""
-
-    rank: int
-    tokens: tuple[int, ...]
-    matched: int
-    pages: list[int]
-    present: list[tuple[int, int]]
-
-    def holds(self, begin: int) -> bool:
-        """Whether the K/V of tokens ``[0, begin)`` are all present."""
-        covered = 0
-        for lo, hi in sorted(self.present):
-            if lo > covered:
-                break
-            covered = max(covered, hi)
-        return covered >= begin
-
-
-def slice_bounds(n: int, begin: int | None, end: int | None) -> tuple[int, int]:
-    """``prompt[begin:end]`` as absolute ``(begin, end)`` of a length-``n`` prompt (Python
-    slice semantics: negative counts from the end, out of range clamps)."""
-    for name, v in (("begin", begin), ("end", end)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ApiError(f"{name} must be an integer (a Python slice index), got {v!r}")
-    b, e, _ = slice(begin, end).indices(n)
-    return b, max(b, e)
-
-
-def _tokens(prompt: Sequence[int]) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in prompt)
-    except (TypeError, ValueError):
-        raise ApiError("prompt must be a list of token ids") from None
-
-
 class Routing:
     """The control layer's multi-engine service (see the module docstring)."""
 
@@ -134,7 +84,7 @@ class Routing:
         self._waiting: asyncio.Queue[RouteRequest] | None = None
         self._pending: dict[int, RouteRequest] = {}
         self._ids = itertools.count(1)
-        self._buffers: dict[int, dict[int, RecvBuffer]] = defaultdict(dict)
+        self.transfers = Transfers(self.engine)  # prep_recv / remote_send
         self._placed: dict[tuple[int, int], tuple[str, int]] = {}  # (instance, q) -> engine
         self._expected: dict[int, Callable[[RouteRequest], None]] = {}
         self.inflight: dict[tuple[str, int], int] = defaultdict(int)
@@ -186,7 +136,7 @@ class Routing:
 
     def end_instance(self, instance: int) -> None:
         """An instance ended: forget its buffers and placements; orphan its requests."""
-        self._buffers.pop(instance, None)
+        self.transfers.end_instance(instance)
         self._expected.pop(instance, None)
         for key in [k for k in self._placed if k[0] == instance]:
             self.inflight[self._placed.pop(key)] -= 1
@@ -229,7 +179,7 @@ class Routing:
         ``(begin, pages)`` once ``q`` runs on its engine, whose pages hold the K/V of
         ``prompt[:begin]`` (``whole``: begin is 0, the caller computes the prompt)."""
         ref = session.queue(q)
-        tokens = _tokens(prompt)
+        tokens = tokens_of(prompt)
         loop = asyncio.get_running_loop()
         out = loop.create_future()
         if ref.placed or len(self.engines(ref.model.name)) == 1:
@@ -323,15 +273,15 @@ class Routing:
         """Hand ``request`` to ``q``'s engine, where the K/V of ``prompt[:begin]`` is; with
         ``request=-1`` the caller itself starts there: returns the pages holding it."""
         if request == -1:
-            req = RouteRequest(-1, session.queue(q).model.name, _tokens(prompt),
+            req = RouteRequest(-1, session.queue(q).model.name, tokens_of(prompt),
                                session.instance, asyncio.get_running_loop().create_future())  # fmt: skip
             self.hand_over(session, q, req, begin, count=False)
             return list(req.future.result().pages)
         req = self._pending.get(request)
         if req is None or req.router != session.instance:
-            self._discard(session, q, _tokens(prompt))  # what was prepared for it
+            self.transfers.discard(session, q, tokens_of(prompt))  # what was prepared for it
         req = self._taken(session, request)
-        if _tokens(prompt) != req.prompt:
+        if tokens_of(prompt) != req.prompt:
             raise ApiError(f"prompt differs from request {request}'s prompt")
         self.hand_over(session, q, req, begin)
         return []
@@ -345,7 +295,7 @@ class Routing:
         tokens = req.prompt
         begin, _ = slice_bounds(len(tokens), begin, None)
         if req.whole and begin:  # it wants the prompt's outputs: what was sent is dropped
-            self._discard(session, q, tokens)
+            self.transfers.discard(session, q, tokens)
             begin = 0
         if tokens and begin >= len(tokens):
             raise ApiError(
@@ -360,21 +310,19 @@ class Routing:
             )
         pages: list[int] = []
         if begin:
-            buf = self._buffer_for(session, target.rank, tokens, begin)
+            buf = self.transfers.buffer_for(session, target.rank, tokens, begin)
             ps = target.info.page_size
             res = target.resources
-            name = f"\0handoff/{req.id}"
             keep = buf.pages[: -(-begin // ps)]
             if req.instance == session.instance:  # the caller keeps its own pages
                 pages, buf.pages = keep, buf.pages[len(keep) :]
-            else:
-                res.export(session.instance, "kv", keep, name, True, pinned=True)
-                owner = session.user  # the router's namespace (issue 17: names are per user)
+            else:  # the router's pages become the requester's
+                hold = res.hold(session.instance, "kv", keep)
                 try:  # a quota of the requester's refuses it here, as ApiError
-                    pages = resource_call(res.import_, req.instance, "kv", name, owner)
+                    pages = resource_call(res.claim, req.instance, "kv", hold, session.user)
                 finally:
-                    res.unexport(None, name, owner)
-            self._drop_buffer(session, q, buf)
+                    res.release(hold, session.user)
+            self.transfers.drop_buffer(session, q, buf)
         self._pending.pop(req.id, None)
         self.routed += count
         req.future.set_result(Placement(target.rank, begin, tuple(pages)))
@@ -401,235 +349,3 @@ class Routing:
                 "only the active router takes requests (pastry serve --router, or the "
                 "microserving /router endpoint, makes a program the router)"
             )
-
-    # ------------------------------------------------------------------ microserving
-
-    def prep_recv(
-        self, session: Session, q: int, prompt: Sequence[int], end: int
-    ) -> asyncio.Future:
-        ref = session.queue(q)
-        tokens = _tokens(prompt)
-        _, end = slice_bounds(len(tokens), None, end)
-        ps = ref.model.info.page_size
-        shared = self._match(session, ref.model, tokens, end)
-        matched = len(shared) * ps
-        try:
-            pages = shared + session.alloc_kvpages(q, -(-end // ps) - len(shared))  # masked
-        except ApiError:
-            ref.model.resources.free(session.instance, "kv", shared)
-            raise
-        buffers = self._buffers[session.instance]
-        handle = max(buffers, default=0) + 1
-        buffers[handle] = RecvBuffer(ref.model.rank, tokens[:end], matched, pages, [(0, matched)])
-        out = asyncio.get_running_loop().create_future()
-        # Resolve once the masks of the fresh pages have run: a write that lands after
-        # would otherwise be hidden again.
-        _chain(session.synchronize(q), out, (handle, matched))
-        return out
-
-    def _match(self, session: Session, model: Model, tokens: tuple, end: int) -> list[int]:
-        """New handles of ``session`` for the full pages of the longest prefix of
-        ``tokens[:end]`` in ``model``'s prefix cache (the caller's user's tree; shared
-        read-only, so ``remote_send`` never writes them). At least the last prompt token is
-        left to send (``start_generate`` computes it)."""
-        res, cache = model.resources, model.resources.cache
-        if cache is None or not end:
-            return []
-        ps = model.info.page_size
-        limit = min(end, len(tokens) - 1)
-        m = cache.match(tokens, limit, namespace=res.user_of(session.instance))
-        full = m.length // ps
-        if not full:
-            return []
-        handles = resource_call(res.reserve, session.instance, "kv", full)
-        res.bind_cached(session.instance, handles, m.pages[:full])
-        return handles
-
-    def remote_send(
-        self,
-        session: Session,
-        q: int,
-        prompt: Sequence[int],
-        kv_addr_info: int,
-        recv_rank: int,
-        begin: int,
-        end: int,
-        src_pages: Sequence[int] = (),
-        src_len: int = 0,
-    ) -> asyncio.Future:
-        ref = session.queue(q)
-        sender = ref.model
-        buf = self._buffers[session.instance].get(kv_addr_info)
-        if buf is None:
-            raise ApiError(f"kv_addr_info {kv_addr_info!r} is not a prep_recv of this inferlet")
-        if recv_rank != buf.rank:
-            raise ApiError(f"kv_addr_info {kv_addr_info} is on engine {buf.rank}, not {recv_rank}")
-        tokens = _tokens(prompt)
-        begin, end = slice_bounds(len(tokens), begin, end)
-        if end > len(buf.tokens) or tokens[:end] != buf.tokens[:end]:
-            raise ApiError(
-                f"prompt[:{end}] is not the prompt prep_recv prepared (its prompt[:{len(buf.tokens)}])"
-            )
-        # What prep_recv matched in the receiver's cache is there already (and shared: it
-        # must not be written), so it is never sent again.
-        begin = min(max(begin, buf.matched), end)
-        receiver = self.engine(sender.name, recv_rank)
-        if receiver is sender:
-            raise ApiError(
-                f"remote_send from engine {recv_rank} to itself: its K/V are computed there by "
-                "start_generate(prompt, begin)"
-            )
-        out = asyncio.get_running_loop().create_future()
-        if begin == end:
-            out.set_result(None)
-            return out
-        peer = self.peer(sender, receiver)
-        ps = sender.info.page_size
-        # What the sender holds already (Fig. 8): pages of the caller's with the K/V of
-        # prompt[:src_len] (the engines keep no context cache yet). Case 1: it holds more
-        # than the receiver, and sends that part without compute; case 2: the rest,
-        # prompt[held:end], is computed on top, and only prompt[begin:end] is sent.
-        src_pages = list(src_pages)
-        held = min(int(src_len), end) if src_pages else 0
-        if src_pages and not 0 <= src_len <= len(src_pages) * ps:
-            raise ApiError(f"src_len {src_len} does not fit {len(src_pages)} pages of {ps}")
-        resource_call(sender.resources.translate, session.instance, "kv", src_pages)  # fail now
-        work = session.alloc_kvpages(q, -(-end // ps) - held // ps) if held < end else []
-        # The page of every page index of prompt[:end] (a partial last held page is
-        # copied into work[0], where its page index continues).
-        view = src_pages[: held // ps] + work if work else src_pages[: -(-held // ps)]
-        guard = f"\0recv/{session.instance}/{kv_addr_info}/{id(out)}"
-        # Hold the receiver's pages until the writes have landed, whatever happens to
-        # the buffer meanwhile.
-        receiver.resources.export(session.instance, "kv", buf.pages, guard, True, pinned=True)
-        futs, sends = [], []
-        if held % ps and held < end:  # the partial last held page continues in work[0]
-            futs.append(session.copy_kvpage(q, src_pages[held // ps], work[0], 0, 0, held % ps))
-        if held < end:
-            chunk = min(PREFILL_CHUNK, sender.info.max_batch_tokens)
-            embeds = session.alloc_embeds(q, min(end - held, chunk))
-            for start in range(held, end, chunk):
-                stop = min(end, start + chunk)
-                m = stop - start
-                ctx = view[: -(-start // ps)]
-                last = start - (len(ctx) - 1) * ps if ctx else 0
-                futs.append(session.embed_txt(q, list(tokens[start:stop]), list(range(start, stop)),
-                                              embeds[:m]))  # fmt: skip
-                futs.append(session.forward(q, ctx, last, embeds[:m],
-                                            view[start // ps : -(-stop // ps)], start % ps, []))  # fmt: skip
-                lo = max(begin, start)
-                if lo < stop:
-                    sends.append(self._send(session, q, receiver, view, buf, lo, stop, peer))
-            futs.append(session.dealloc_embeds(q, embeds))
-        if begin < held:  # sent from what the sender holds, without compute
-            sends.append(self._send(session, q, receiver, view, buf, begin, held, peer))
-        if work:
-            futs.append(session.dealloc_kvpages(q, work))
-        # The receiver's pages are held until every send has ended (landed, failed, or
-        # dropped before it ran), even if the caller gives up earlier.
-        asyncio.gather(*sends, return_exceptions=True).add_done_callback(
-            lambda _: receiver.resources.unexport(None, guard, session.user)
-        )
-
-        def done(f: asyncio.Future) -> None:
-            if f.cancelled():
-                out.cancel()
-            elif f.exception() is not None:
-                out.set_exception(f.exception())
-            else:
-                buf.present.append((begin, end))
-                out.set_result(None)
-
-        asyncio.gather(*futs, *sends).add_done_callback(done)
-        return out
-
-    def _send(self, session, q, receiver, work, buf, lo, hi, peer) -> asyncio.Future:
-        ps = receiver.info.page_size
-        ref = session.queue(q)
-        src, dst = work[lo // ps : -(-hi // ps)], buf.pages[lo // ps : -(-hi // ps)]
-        op = Send(session.instance, ref.model, src, receiver, dst, hi - lo, lo % ps, peer)
-        return session.submit(ref, Stage.OUTPUT, op)
-
-    def peer(self, sender: Model, receiver: Model) -> str:
-        """The address through which ``sender`` writes into ``receiver``'s pool."""
-        peers = receiver.info.kv_peers
-        if sender.info.host and sender.info.host == receiver.info.host:
-            for p in peers:
-                if p.startswith("shm:"):
-                    return p
-        for p in peers:
-            if p.startswith("tcp://"):
-                return p
-        raise ApiError(
-            f"engine {receiver.rank} of '{receiver.name}' cannot receive K/V from engine "
-            f"{sender.rank}: it has no shared-memory pool on that host and no --kv-recv "
-            "endpoint (start it with `pastry engine --kv-recv tcp://HOST:PORT`)"
-        )
-
-    def _buffer_for(self, session: Session, rank: int, tokens: tuple, begin: int) -> RecvBuffer:
-        for buf in self._buffers[session.instance].values():
-            same = len(buf.tokens) >= begin and buf.tokens[:begin] == tokens[:begin]
-            if buf.rank == rank and same and buf.holds(begin):
-                return buf
-        raise ApiError(
-            f"the K/V of prompt[:{begin}] is not on engine {rank}: prepare it with prep_recv "
-            "there and remote_send from another engine first (or start at begin=0)"
-        )
-
-    def _discard(self, session: Session, q: int, tokens: tuple[int, ...]) -> None:
-        """Free the buffers this session prepared on ``q``'s engine for ``tokens``."""
-        rank = session.queue(q).model.rank
-        for buf in list(self._buffers[session.instance].values()):
-            if buf.rank == rank and tokens[: len(buf.tokens)] == buf.tokens:
-                self._drop_buffer(session, q, buf)
-
-    def _drop_buffer(self, session: Session, q: int, buf: RecvBuffer) -> None:
-        buffers = self._buffers[session.instance]
-        for h, b in list(buffers.items()):
-            if b is buf:
-                del buffers[h]
-        if buf.pages:
-            session.dealloc_kvpages(q, buf.pages).add_done_callback(_consume)
-
-
-class Send(Op):
-    """One ``SendKv`` of a ``remote_send``: the sender's pages ``src`` into the receiver's
-    ``dst`` (both the instance's handles, translated when batched)."""
-
-    __slots__ = ("dst", "instance", "length", "offset", "peer", "receiver", "sender", "src")
-
-    def __init__(self, instance, sender, src, receiver, dst, length, offset, peer) -> None:
-        self.instance, self.sender, self.src, self.receiver, self.dst = (
-            instance, sender, src, receiver, dst
-        )  # fmt: skip
-        self.length, self.offset, self.peer = length, offset, peer
-
-    def prepare(self) -> SendKv:
-        inst = self.instance
-        return SendKv(
-            src_pages=ids(self.sender.resources.translate(inst, "kv", self.src)),
-            dst_pages=ids(self.receiver.resources.translate(inst, "kv", self.dst)),
-            length=self.length,
-            peer=self.peer,
-            src_offset=self.offset,
-            dst_offset=self.offset,
-        )
-
-
-def _chain(src: asyncio.Future, dst: asyncio.Future, value: object) -> None:
-    def done(f: asyncio.Future) -> None:
-        if dst.done():
-            return
-        if f.cancelled():
-            dst.cancel()
-        elif f.exception() is not None:
-            dst.set_exception(f.exception())
-        else:
-            dst.set_result(value)
-
-    src.add_done_callback(done)
-
-
-def _consume(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()

@@ -44,29 +44,27 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pastry.api import ApiError
+from pastry.control.commands import (
+    STAGE_OF,
+    TYPE_ORDER,
+    Command,
+    CommandError,
+    Prepared,
+    Queue,
+    Stage,
+)
+from pastry.control.forming import Forming, prepare
 from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
 from pastry.control.programs import ProcessTable, Thread
 from pastry.control.resources import ResourceError
 from pastry.engine.calls import (
     Call,
     CallError,
-    CopyKv,
-    EmbedTxt,
     Forward,
-    MaskKv,
-    NextDist,
-    Result,
-    Sample,
-    SendKv,
-    SwapIn,
-    SwapOut,
 )
 
 
@@ -82,167 +80,6 @@ class Swapper(Protocol):
 
 
 log = logging.getLogger(__name__)
-
-
-class Stage(IntEnum):
-    """Order of call types inside one batch; a queue's commands batch while it rises."""
-
-    KV = 0  # SwapOut, SwapIn (the swapper's, first), CopyKv, MaskKv
-    EMBED = 1
-    FORWARD = 2
-    OUTPUT = 3  # NextDist, Sample
-    CONTROL = 9  # no engine call
-
-
-_STAGE = {
-    SwapOut: Stage.KV,  # out before in: a swap-in may fill pages a swap-out frees
-    SwapIn: Stage.KV,
-    CopyKv: Stage.KV,
-    MaskKv: Stage.KV,
-    EmbedTxt: Stage.EMBED,
-    Forward: Stage.FORWARD,
-    NextDist: Stage.OUTPUT,
-    Sample: Stage.OUTPUT,
-    SendKv: Stage.OUTPUT,  # after the forward that computes what it sends
-}
-# Within a batch, same-type calls must be adjacent for the engine to run them together;
-# a batch lists them in this order (``_STAGE`` lists the types in stage order).
-_TYPE_ORDER = {t: i for i, t in enumerate(_STAGE)}
-assert list(_STAGE.values()) == sorted(_STAGE.values())
-
-
-class CommandError(ApiError):
-    """A command was rejected (by the control layer or the engine); only its caller sees it."""
-
-
-class NotAdmitted(Exception):
-    """Raised by an op's ``prepare`` that cannot run yet (e.g. a prefill waiting for KV
-    pages): the command stays at the head of its queue and is offered again in a later
-    batch."""
-
-
-class Op:
-    """What a command does, as data: a record whose class says how it is prepared.
-
-    ``prepare()`` runs when the command is taken into a batch: it translates the
-    inferlet's handles and returns the engine call (or a tuple of calls for a fused
-    command); raising fails only this command (:class:`NotAdmitted`: not yet). For a
-    ``Stage.CONTROL`` command it is the action itself (run when the batch is dispatched,
-    in queue order) and returns None. ``finish(result)`` (None: the result as it is) turns
-    the engine's result into the value the caller awaits. An op class with ``batched``
-    set also has a static ``prepare_batch(commands)`` that prepares every command of that
-    class taken into a batch in one pass (:class:`~pastry.control.steps.Step`).
-
-    Ops hold no closures: a queued command can be ordered, batched, inspected, forwarded
-    to another process and run ahead like any other value.
-    """
-
-    __slots__ = ()
-    batched = False
-    finish = None
-
-    def prepare(self) -> Call | tuple[Call, ...] | None:
-        raise NotImplementedError
-
-    @staticmethod
-    def prepare_batch(commands: list[Command]) -> list[Command]:
-        """Set ``call`` of every command (its future's exception where it is refused), in
-        one pass and in order; returns those left for :meth:`prepare` one by one (before
-        anything was done for them)."""
-        raise NotImplementedError
-
-
-class Prepared(Op):
-    """A call the control layer made itself (the swapper's copies): nothing to translate."""
-
-    __slots__ = ("call",)
-
-    def __init__(self, call: Call) -> None:
-        self.call = call
-
-    def prepare(self) -> Call:
-        return self.call
-
-
-@dataclass(eq=False)
-class Command:
-    """One queued API call: its :class:`Op` (what it does, as data) and its place in the
-    batch.
-
-    A *fused* command (``last_stage`` set) prepares a tuple of calls whose stages rise
-    from ``stage`` to ``last_stage`` (the SDK's decode step: embed, forward, sample): they
-    go into one batch, the engine runs each with the calls of its type, and the command
-    resolves once, with ``finish`` of its last call's result (or the first call's error).
-    """
-
-    stage: Stage
-    op: Op
-    tokens: int = 0  # forward tokens, for the batch limit
-    future: asyncio.Future = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    created: float = field(default_factory=time.perf_counter)
-    call: Call | tuple[Call, ...] | None = None
-    queue: Queue | None = None  # set by submit
-    admission: Any = None  # what a waiting prefill asks for (control/policies/admission.py)
-    last_stage: Stage | None = None  # a fused command's last stage (None: one call)
-
-    @property
-    def end_stage(self) -> Stage:
-        """The stage of the command's last call."""
-        return self.stage if self.last_stage is None else self.last_stage
-
-    @property
-    def forwards(self) -> bool:
-        """Whether the command runs a forward (counts against the forward caps)."""
-        return self.stage <= Stage.FORWARD <= self.end_stage
-
-    def parts(self) -> tuple[Call, ...]:
-        """The prepared engine calls (none before ``prepare``, or for control commands)."""
-        call = self.call
-        if call is None:
-            return ()
-        return call if type(call) is tuple else (call,)
-
-    def result(self, r: Result) -> Any:
-        """The value its caller awaits, from the engine's result ``r``."""
-        finish = self.op.finish
-        return r if finish is None else finish(r)
-
-
-@dataclass(eq=False)
-class Queue:
-    """A command queue of one inferlet instance."""
-
-    instance: int
-    qid: int
-    priority: int = 0
-    pending: deque[Command] = field(default_factory=deque)
-    closed: bool = False
-    thread: Thread | None = None  # its entry in the process table
-
-
-@dataclass(eq=False)
-class _Forming:
-    """The batch being formed: commands taken so far and where each queue stopped."""
-
-    commands: list[Command] = field(default_factory=list)
-    tokens: int = 0
-    forwards: int = 0
-    per_queue: dict[Queue, list[Command]] = field(default_factory=dict)
-    stage: dict[Queue, Stage] = field(default_factory=dict)
-    blocked: set[Queue] = field(default_factory=set)  # no more from these in this batch
-    deferred: list[Command] = field(default_factory=list)  # batched ops, not prepared yet
-
-    def drop(self, q: Queue) -> list[Command]:
-        mine = self.per_queue.pop(q, [])
-        if mine:
-            gone = set(map(id, mine))
-            self.commands = [c for c in self.commands if id(c) not in gone]
-            self.deferred = [c for c in self.deferred if id(c) not in gone]
-            self.tokens -= sum(c.tokens for c in mine)
-            self.forwards -= sum(c.forwards for c in mine)
-        return mine
 
 
 @dataclass
@@ -304,7 +141,7 @@ class BatchScheduler:
         self._inflight = 0
         self._task: asyncio.Task | None = None
         self._qids = itertools.count()
-        self._forming: _Forming | None = None
+        self._forming: Forming | None = None
         # Called with (batch, seconds from dispatch to results) after each batch completes
         # (metrics); they must be quick and must not raise.
         self.observers: list[Callable[[list[Command], float], None]] = []
@@ -412,6 +249,11 @@ class BatchScheduler:
         """Look at the queues again (e.g. memory was released outside any batch)."""
         self._wake.set()
 
+    @property
+    def forming(self) -> Forming | None:
+        """The batch being formed (None between batches)."""
+        return self._forming
+
     def ready_count(self) -> int:
         """Commands taken into the batch being formed plus queues with a pending command."""
         taken = len(self._forming.commands) if self._forming is not None else 0
@@ -432,7 +274,7 @@ class BatchScheduler:
         """
         f = self._forming
         if f is None:
-            f = self._forming = _Forming()
+            f = self._forming = Forming(self.max_batch_tokens, self.page_size, self.programs)
         max_queues, max_forwards = self.batching.max_queues, self.batching.max_forwards
         order = self.schedule.order([q for q in self.queues if q.pending and q not in f.blocked])
         if max_queues is not None:  # continue the queues already in, then new ones
@@ -450,86 +292,14 @@ class BatchScheduler:
             if swapper is not None and not swapper.ensure_resident(q.instance):
                 swapped_out.append(q)  # preempted: its KV stays in host memory for now
                 continue
-            self._take(q, f, cap)
+            f.take(q, cap)
         if swapped_out and not f.commands and self._inflight == 0:
             q = swapped_out[0]
             if self._force_resident(q):
-                self._take(q, f, cap)
+                f.take(q, cap)
         if f.deferred:
-            self._prepare_deferred(f)
+            f.prepare_deferred()
         return f.commands or None
-
-    def _prepare_deferred(self, f: _Forming) -> None:
-        """Prepare the batched commands taken since the last call: each run of one kind in
-        one pass (:meth:`BatchPrepared.prepare_batch`), in the order they were taken; the
-        refused ones leave the batch (their futures hold the errors)."""
-        cmds, f.deferred = f.deferred, []
-        i = 0
-        while i < len(cmds):
-            kind = type(cmds[i].op)
-            j = i + 1
-            while j < len(cmds) and type(cmds[j].op) is kind:
-                j += 1
-            for cmd in kind.prepare_batch(cmds[i:j]):
-                self._prepare(cmd)
-            i = j
-        for cmd in cmds:
-            if cmd.call is None:  # refused
-                if not cmd.future.done():
-                    cmd.future.set_exception(CommandError("the command could not be prepared"))
-                q = cmd.queue
-                mine = f.per_queue.get(q, ())
-                if cmd not in mine:  # its queue was closed meanwhile
-                    continue
-                mine.remove(cmd)
-                f.commands.remove(cmd)
-                f.tokens -= cmd.tokens
-                f.forwards -= cmd.forwards
-                self.programs.dropped(q.thread)
-
-    def _take(self, q: Queue, f: _Forming, cap: float) -> None:
-        """Take ``q``'s commands into ``f`` while they keep the stage order, do not
-        conflict and fit."""
-        mine = f.per_queue.setdefault(q, [])
-        stage = f.stage.get(q, Stage.KV)
-        while q.pending:
-            cmd = q.pending[0]
-            forwards = cmd.forwards
-            if forwards and f.forwards >= cap:
-                f.blocked.add(q)
-                break
-            if cmd.stage != Stage.CONTROL:
-                over = f.tokens + cmd.tokens > self.max_batch_tokens and f.commands
-                if cmd.stage < stage or over:
-                    f.blocked.add(q)
-                    break
-                if cmd.op.batched and cmd.stage != stage:
-                    # Prepared with the batch's others of its kind (form_batch's end): none
-                    # of its queue's commands in the batch is at its stage, so it cannot
-                    # conflict with them.
-                    f.deferred.append(cmd)
-                else:
-                    if f.deferred:  # those taken before act first, as they were taken
-                        self._prepare_deferred(f)
-                    ok = self._prepare(cmd)
-                    if ok is None:  # not admitted yet: it stays first in its queue
-                        f.blocked.add(q)
-                        break
-                    if not ok:  # rejected: its future holds the error
-                        q.pending.popleft()
-                        self.programs.dropped(q.thread)
-                        continue
-                    if cmd.stage == stage and _conflicts(mine, cmd, self.page_size):
-                        cmd.call = None  # prepared again when it is taken later
-                        f.blocked.add(q)
-                        break
-                stage = cmd.end_stage
-                f.tokens += cmd.tokens
-                f.forwards += forwards
-            mine.append(cmd)
-            f.commands.append(cmd)
-            q.pending.popleft()
-        f.stage[q] = stage
 
     def _force_resident(self, q: Queue) -> bool:
         """Bring ``q``'s program back whatever it costs others; if even that cannot free
@@ -560,41 +330,28 @@ class BatchScheduler:
         self._forming = None
         return batch
 
-    def _prepare(self, cmd: Command) -> bool | None:
-        """Translate ``cmd``: True if prepared, False if rejected (its future holds the
-        error), None if it raised :class:`NotAdmitted`."""
-        try:
-            cmd.call = cmd.op.prepare()
-        except NotAdmitted:
-            return None
-        except Exception as e:  # the control layer rejected it: only this caller sees it
-            if not cmd.future.done():
-                cmd.future.set_exception(e if isinstance(e, ApiError) else CommandError(str(e)))
-            return False
-        return True
-
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, batch: list[Command]) -> None:
         # (command, engine call) pairs in execution order: by stage, then by call type so
         # that the engine runs each type once; a fused command contributes each of its calls.
         # Bucketed by type (the types are listed in stage order): O(batch), no sort.
-        buckets: list[list[tuple[Command, Call]]] = [[] for _ in _TYPE_ORDER]
+        buckets: list[list[tuple[Command, Call]]] = [[] for _ in TYPE_ORDER]
         for c in batch:
             call = c.call
             if call is None or c.stage == Stage.CONTROL:
                 continue
             if type(call) is tuple:
                 for part in call:
-                    buckets[_TYPE_ORDER[type(part)]].append((c, part))
+                    buckets[TYPE_ORDER[type(part)]].append((c, part))
             else:
-                buckets[_TYPE_ORDER[type(call)]].append((c, call))
+                buckets[TYPE_ORDER[type(call)]].append((c, call))
         calls = [pair for bucket in buckets for pair in bucket]
         if self.on_dispatch is not None:
             self.on_dispatch(calls)
         for c in batch:  # control commands act now, in queue order (see form_batch)
             if c.stage == Stage.CONTROL:
-                self._prepare(c)
+                prepare(c)
         if self.swapper is not None:  # pages to move first (they free or fill pages used here)
             calls[:0] = [(_internal(call), call) for call in self.swapper.take_calls()]
         self.stats.batches += 1
@@ -680,76 +437,9 @@ def _per_thread(batch: Sequence[Command]) -> dict[Thread, int]:
 
 def _internal(call: Call) -> Command:
     """A command of the control layer itself (no queue, nobody awaits it)."""
-    return Command(_STAGE[type(call)], Prepared(call), call=call)
+    return Command(STAGE_OF[type(call)], Prepared(call), call=call)
 
 
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("batch completion failed", exc_info=task.exception())
-
-
-def _conflicts(earlier: list[Command], cmd: Command, ps: int) -> bool:
-    """Whether ``cmd`` may not run in the same engine handler invocation as ``earlier``.
-
-    Same-stage commands of one queue run together. A forward may read KV written by an
-    earlier forward of the batch (each layer writes before it reads) but must not write
-    slots an earlier one reads or writes, nor read embeddings an earlier one produces.
-    Embedding writes must not overlap either. A fused command conflicts if any of its
-    calls does (its own calls rise in stage, so they never conflict with each other).
-    """
-    if cmd.last_stage is not None:
-        return any(_call_conflicts(earlier, call, ps) for call in cmd.parts())
-    return _call_conflicts(earlier, cmd.call, ps)
-
-
-def _call_conflicts(earlier: list[Command], call: Call, ps: int) -> bool:
-    """:func:`_conflicts` for one engine call against the calls of ``earlier``."""
-    if isinstance(call, Forward):
-        writes = _forward_writes(call, ps)
-        ins = set(call.in_embeds.tolist())
-        for e in _calls_of(earlier, Forward):
-            if writes & (_forward_reads(e, ps) | _forward_writes(e, ps)):
-                return True
-            if ins & set(e.out_embeds.tolist()):
-                return True
-        return False
-    if isinstance(call, EmbedTxt):
-        outs = set(call.out_embeds.tolist())
-        return any(outs & set(e.out_embeds.tolist()) for e in _calls_of(earlier, EmbedTxt))
-    if isinstance(call, (CopyKv, MaskKv, SwapIn, SwapOut)):
-        # The engine runs all copies of a batch, then all masks, then swaps: calls of one
-        # queue that touch different pages may share a batch, in any order.
-        mine = _kv_pages(call)
-        return any(mine & _kv_pages(e) for e in _calls_of(earlier, CopyKv, MaskKv, SwapIn, SwapOut))
-    return False
-
-
-def _calls_of(commands: list[Command], *types: type) -> list[Call]:
-    """The engine calls of ``types`` among ``commands`` (fused ones' parts included)."""
-    return [call for c in commands for call in c.parts() if isinstance(call, types)]
-
-
-def _kv_pages(call: Call) -> set[int]:
-    """The KV pages a copy, mask or swap reads or writes (host pages as ``-1 - id``)."""
-    if isinstance(call, CopyKv):
-        return {int(call.src_page), int(call.dst_page)}
-    if isinstance(call, MaskKv):
-        return {int(call.page)}
-    if isinstance(call, (SwapIn, SwapOut)):
-        return set(call.pages.tolist()) | {-1 - h for h in call.host_pages.tolist()}
-    return set()
-
-
-def _slots(pages, offset: int, n: int, ps: int) -> set[int]:
-    """Global slot numbers (page * ps + i) of ``n`` tokens from ``offset`` over ``pages``."""
-    return {int(pages[i // ps]) * ps + i % ps for i in range(offset, offset + n)}
-
-
-def _forward_writes(f: Forward, ps: int) -> set[int]:
-    return _slots(f.out_pages, f.out_offset, len(f.in_embeds), ps) if len(f.out_pages) else set()
-
-
-def _forward_reads(f: Forward, ps: int) -> set[int]:
-    if len(f.ctx_pages) == 0:
-        return set()
-    return _slots(f.ctx_pages, 0, (len(f.ctx_pages) - 1) * ps + f.ctx_last_len, ps)

@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from pastry.api import ApiError
+from pastry.control.commands import Command, Op
 from pastry.control.quotas import QuotaError
 from pastry.control.resources import QuotaExceeded, ResourceError, ResourceManager
 from pastry.control.sampling import SampleSpec
-from pastry.control.scheduler import Command, Op
 from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
 
 

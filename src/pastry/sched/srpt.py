@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, ClassVar
 from pastry.control.policies.schedule import SchedulePolicy, call_arrival
 
 if TYPE_CHECKING:
+    from pastry.control.commands import Queue
     from pastry.control.programs import Program
-    from pastry.control.scheduler import Queue
 
 
 class Srpt(SchedulePolicy):

@@ -37,7 +37,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pastry.sched.sim import SimProgram, SimThread, Simulator
+from pastry.sched.sim import Simulator
+from pastry.sched.sim_model import SimProgram, SimThread
 
 WATERMARK = 0.01  # vLLM's block-manager watermark: a fraction of the blocks kept free
 

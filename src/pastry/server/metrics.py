@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from pastry.control.scheduler import Stage
+from pastry.control.commands import Stage
 
 if TYPE_CHECKING:
     from pastry.server.service import PastryServer

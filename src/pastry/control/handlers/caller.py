@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pastry.api import ApiError
+from pastry.control.commands import Command, Op, Queue, Stage
 from pastry.control.constraints import MAX_CONSTRAINTS, HostConstraint
 from pastry.control.model import Model
 from pastry.control.outbox import Inbox, Outbox
 from pastry.control.quotas import QuotaError
 from pastry.control.resources import QuotaExceeded, ResourceError
-from pastry.control.scheduler import Command, Op, Queue, Stage
 from pastry.control.users import LOCAL, split_scoped
 
 T = TypeVar("T")

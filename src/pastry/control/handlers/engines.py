@@ -32,12 +32,12 @@ def route(s: Caller, r: api.Route) -> asyncio.Future:
 
 @handles(api.PrepRecv)
 def prep_recv(s: Caller, r: api.PrepRecv) -> asyncio.Future:
-    return s.controller.routing.prep_recv(s, r.q, r.prompt, r.end)
+    return s.controller.routing.transfers.prep_recv(s, r.q, r.prompt, r.end)
 
 
 @handles(api.RemoteSend)
 def remote_send(s: Caller, r: api.RemoteSend) -> asyncio.Future:
-    return s.controller.routing.remote_send(
+    return s.controller.routing.transfers.remote_send(
         s, r.q, r.prompt, r.kv_addr_info, r.recv_rank, r.begin, r.end, r.src_pages or (),
         r.src_len,
     )  # fmt: skip

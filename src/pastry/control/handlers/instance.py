@@ -6,11 +6,11 @@ import asyncio
 
 from pastry import api
 from pastry.api import ApiError
+from pastry.control.commands import Stage
 from pastry.control.events import Message
 from pastry.control.handlers.caller import Caller, QueueRef
 from pastry.control.handlers.registry import handles
 from pastry.control.ops import SYNC
-from pastry.control.scheduler import Stage
 
 API_VERSION = "0.1.0"
 

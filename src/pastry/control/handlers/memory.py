@@ -8,11 +8,11 @@ import numpy as np
 
 from pastry import api
 from pastry.api import ApiError
+from pastry.control.commands import Stage
 from pastry.control.handlers.caller import Caller, resource_call
 from pastry.control.handlers.registry import handles
 from pastry.control.ops import CopyPage, Export, Free, MaskPage
 from pastry.control.resources import Kind
-from pastry.control.scheduler import Stage
 
 
 def _consume(fut: asyncio.Future) -> None:

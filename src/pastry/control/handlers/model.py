@@ -15,11 +15,11 @@ import numpy as np
 
 from pastry import api
 from pastry.api import MAX_LOGPROBS, ApiError
+from pastry.control.commands import Stage
 from pastry.control.handlers.caller import Caller, resource_call
 from pastry.control.handlers.registry import handles
 from pastry.control.ops import ForwardOp, MaskPage, NextDistOp, SampledOp, SampleOp, ScoringForward
 from pastry.control.sampling import Release, sample_spec
-from pastry.control.scheduler import Stage
 from pastry.control.steps import Embed, SampledStep, Step
 from pastry.engine.calls import ids
 
