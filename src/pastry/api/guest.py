@@ -49,57 +49,10 @@ def converter(tree) -> Callable[[Any], Any]:
     lists, floats as floats, bitmasks as words), or raising ``TypeError`` for a value the
     binding would not take. Records go through :func:`record_converter`."""
     if isinstance(tree, str):
-        if tree in BOUNDS:
-            lo, hi = BOUNDS[tree]
-
-            def integer(v):
-                if type(v) is not int:
-                    if type(v) is bool or not hasattr(v, "__index__"):
-                        raise TypeError
-                    v = v.__index__()
-                if not lo <= v <= hi:
-                    raise TypeError
-                return v
-
-            return integer
-        if tree in ("f32", "f64"):
-
-            def number(v):
-                if type(v) is float:
-                    return v
-                if type(v) is bool or not isinstance(v, int | float):
-                    raise TypeError
-                return float(v)
-
-            return number
-        if tree == "bool":
-            return _bool
-        if tree == "string":
-            return lambda v: v if type(v) is str else _fail()
-        if tree == "bitmask":
-            return _words
-        raise ValueError(f"no converter for {tree!r}")
+        return _scalar(tree)
     kind, *parts = tree
     if kind == "list":
-        if parts[0] == "u32":  # handles and tokens: one pass in C
-
-            def u32s(v):
-                out = _u32_list(v)
-                if out is None:
-                    raise TypeError
-                return out
-
-            return u32s
-        if parts[0] == "u8":
-            return lambda v: bytes(v) if isinstance(v, bytes | bytearray | memoryview) else _fail()
-        each = converter(parts[0])
-
-        def items(v):
-            if isinstance(v, str | bytes | dict) or not hasattr(v, "__iter__"):
-                raise TypeError
-            return [each(x) for x in v]
-
-        return items
+        return _list(parts[0])
     if kind == "option":
         inner = (
             record_converter(Sampling)
@@ -117,6 +70,61 @@ def converter(tree) -> Callable[[Any], Any]:
 
         return tup
     raise ValueError(f"no converter for {tree!r}")
+
+
+def _scalar(tree: str) -> Callable[[Any], Any]:
+    if tree in BOUNDS:
+        lo, hi = BOUNDS[tree]
+
+        def integer(v):
+            if type(v) is not int:
+                if type(v) is bool or not hasattr(v, "__index__"):
+                    raise TypeError
+                v = v.__index__()
+            if not lo <= v <= hi:
+                raise TypeError
+            return v
+
+        return integer
+    if tree in ("f32", "f64"):
+        return _number
+    if tree == "bool":
+        return _bool
+    if tree == "string":
+        return lambda v: v if type(v) is str else _fail()
+    if tree == "bitmask":
+        return _words
+    raise ValueError(f"no converter for {tree!r}")
+
+
+def _number(v):
+    if type(v) is float:
+        return v
+    if type(v) is bool or not isinstance(v, int | float):
+        raise TypeError
+    return float(v)
+
+
+def _list(item) -> Callable[[Any], Any]:
+    if item == "u32":  # handles and tokens: one pass in C
+        return _u32s
+    if item == "u8":
+        return lambda v: bytes(v) if isinstance(v, bytes | bytearray | memoryview) else _fail()
+    each = converter(item)
+
+    def items(v):
+        if isinstance(v, str | bytes | dict) or not hasattr(v, "__iter__"):
+            raise TypeError
+        return [each(x) for x in v]
+
+    return items
+
+
+def _u32s(v):
+    out = _u32_list(v)
+    if out is None:
+        raise TypeError
+    return out
 
 
 class FieldError(TypeError):

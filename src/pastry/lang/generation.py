@@ -112,14 +112,7 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Gener
         stream = _Stream(on_text, lambda t: a.detokenize(q, t), ends, stops)
     bias = list(p.logit_bias)
     banned = bias + [(t, -math.inf) for t in sorted(ends)]
-    penalties: dict[str, Any] = {}
-    if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        penalties = dict(
-            penalty_prompt=prompt if p.repetition_penalty != 1.0 else None,
-            repetition_penalty=p.repetition_penalty,
-            frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty,
-        )
+    penalties = _penalties(p, prompt)
     fast_forward = not p.return_logprob  # a forced token has no log-probability
     out: list[int] = []
     chosen: list[tuple[float, int]] = []
@@ -141,24 +134,8 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Gener
                     reason = {"type": "stop", "matched": _matched(a, q, out, stops)}
                     break
                 continue
-        kw: dict[str, Any] = dict(
-            temperature=p.temperature,
-            top_k=max(p.top_k, 0),
-            top_p=p.top_p,
-            min_p=p.min_p,
-            seed=None if p.seed is None else p.seed + steps,
-        )
-        if len(out) < p.min_new_tokens and ends:
-            kw["logit_bias"] = banned
-        elif bias:
-            kw["logit_bias"] = bias
-        if penalties:
-            kw.update(penalties, penalty_tokens=out)
-        if p.return_logprob:
-            kw["logprobs"] = p.top_logprobs_num
-        if constraint is not None:
-            kw["constraint"] = constraint.handle
-        got = await sample_next(ctx, **kw)
+        bias_now = banned if len(out) < p.min_new_tokens and ends else bias
+        got = await sample_next(ctx, **_sample_args(p, steps, out, bias_now, penalties, constraint))
         steps += 1
         if constraint is not None:
             constraint.sampled()
@@ -176,6 +153,48 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Gener
         if _stopped(out, p, stop, stream, a, q):
             reason = {"type": "stop", "matched": _matched(a, q, out, stops)}
             break
+    gen = _generation(a, q, out, reason, stream)
+    if p.return_logprob:
+        gen.logprobs, gen.top_logprobs = chosen, tops
+    return gen
+
+
+def _penalties(p: SamplingParams, prompt: list[int]) -> dict[str, Any]:
+    """The penalty arguments of every step (none when no penalty is asked for)."""
+    if p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0:
+        return {}
+    return dict(
+        penalty_prompt=prompt if p.repetition_penalty != 1.0 else None,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+    )
+
+
+def _sample_args(
+    p: SamplingParams, steps: int, out: list[int], bias: list, penalties: dict, constraint
+) -> dict[str, Any]:
+    """The sampling arguments of the next step (``bias``: the logit bias now)."""
+    kw: dict[str, Any] = dict(
+        temperature=p.temperature,
+        top_k=max(p.top_k, 0),
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=None if p.seed is None else p.seed + steps,
+    )
+    if bias:
+        kw["logit_bias"] = bias
+    if penalties:
+        kw.update(penalties, penalty_tokens=out)
+    if p.return_logprob:
+        kw["logprobs"] = p.top_logprobs_num
+    if constraint is not None:
+        kw["constraint"] = constraint.handle
+    return kw
+
+
+def _generation(a, q, out: list[int], reason: dict[str, Any], stream) -> Generation:
+    """The output's text (without a matched end token or stop string) and the rest."""
     matched = reason.get("matched")
     ended = isinstance(matched, int) and bool(out) and out[-1] == matched
     text = a.detokenize(q, out[:-1] if ended else out)
@@ -183,10 +202,7 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Gener
         text = text[: text.find(matched)]
     if stream is not None:
         stream.flush(text)
-    gen = Generation(text, out, reason)
-    if p.return_logprob:
-        gen.logprobs, gen.top_logprobs = chosen, tops
-    return gen
+    return Generation(text, out, reason)
 
 
 def _stopped(out: list[int], p: SamplingParams, stop, stream, a, q) -> bool:

@@ -99,106 +99,119 @@ class Microserving:
 
 
 def routes(server: PastryServer) -> list[Route]:
+    """The microserving endpoints (a table: each handler takes the endpoints' state, the
+    JSON body and the calling user)."""
     ms = Microserving(server)
+    table = (
+        ("/microserving/prep_recv", _prep_recv, "POST"),
+        ("/microserving/remote_send", _remote_send, "POST"),
+        ("/microserving/start_generate", _start_generate, "POST"),
+        ("/microserving/engines", _engines, "GET"),
+        ("/microserving/router", _router, "POST"),
+    )
+    return [Route(path, _endpoint(ms, fn), methods=[m]) for path, fn, m in table]
 
-    def endpoint(fn):
-        async def run(request: Request) -> Response:
-            user = user_of(request.scope)
-            if not user.operator:  # issue 17: engine-wide calls are the operator's
-                return _Error(
-                    f"user {user.name} is not an operator: the microserving endpoints act on "
-                    "the engines for everyone (docs/security.md)",
-                    403,
-                ).response()
-            try:
-                body = await request.json() if request.method == "POST" else {}
-                if not isinstance(body, dict):
-                    raise _Error("the body must be a JSON object")
-                return await fn(body, user)
-            except _Error as e:
-                return e.response()
-            except (ApiError, ValueError) as e:
-                return _Error(str(e)).response()
 
-        return run
+def _endpoint(ms: Microserving, fn):
+    """The request handler of ``fn(ms, body, user)``: operators only, errors as 4xx."""
 
-    def arg(body: dict, name: str, default: Any = ...) -> Any:
-        value = body.get(name, default)
-        if value is ...:
-            raise _Error(f"'{name}' is required")
-        return value
+    async def run(request: Request) -> Response:
+        user = user_of(request.scope)
+        if not user.operator:  # issue 17: engine-wide calls are the operator's
+            return _Error(
+                f"user {user.name} is not an operator: the microserving endpoints act on "
+                "the engines for everyone (docs/security.md)",
+                403,
+            ).response()
+        try:
+            body = await request.json() if request.method == "POST" else {}
+            if not isinstance(body, dict):
+                raise _Error("the body must be a JSON object")
+            return await fn(ms, body, user)
+        except _Error as e:
+            return e.response()
+        except (ApiError, ValueError) as e:
+            return _Error(str(e)).response()
 
-    async def prep_recv(body: dict, user: User) -> Response:
-        model = ms.model(body)
-        q = ms.queue(model, arg(body, "engine"))
-        kv, matched = await ms.session.prep_recv(q, ms.prompt(body, model), arg(body, "end"))
-        return JSONResponse({"kv_addr_info": kv, "matched_len": matched})
+    return run
 
-    async def remote_send(body: dict, user: User) -> Response:
-        model = ms.model(body)
-        q = ms.queue(model, arg(body, "engine"))
-        await ms.session.remote_send(
-            q, ms.prompt(body, model), arg(body, "kv_addr_info"), arg(body, "recv_rank"),
-            arg(body, "begin"), arg(body, "end"),
-        )  # fmt: skip
-        return JSONResponse({"status": "ok"})
 
-    async def start_generate(body: dict, user: User) -> Response:
-        model = ms.model(body)
-        rank = arg(body, "engine")
-        q = ms.queue(model, rank)
-        prompt = ms.prompt(body, model)
-        begin = arg(body, "begin", 0)
-        unknown = sorted(set(body) - {"model", "engine", "prompt", "begin", *GENERATE_OPTIONS})
-        if unknown:
-            raise _Error(f"unknown fields {unknown}; options: {', '.join(GENERATE_OPTIONS)}")
-        opts = {k: body[k] for k in GENERATE_OPTIONS if k in body}
-        opts |= {"model": model, "prompt": prompt}
-        inst = server.launch("text-completion", [json.dumps(opts)], user=user, builtin=True)
-        routing = server.controller.routing
-        routing.expect(inst.id, lambda req: routing.hand_over(ms.session, q, req, begin))
-        if not opts.get("stream"):
-            end = await inst.wait()
-            if isinstance(end, Finished):
-                return Response(end.result or "null", media_type="application/json")
-            raise _Error(getattr(end, "error", None) or getattr(end, "reason", str(end)), 500)
+def _arg(body: dict, name: str, default: Any = ...) -> Any:
+    value = body.get(name, default)
+    if value is ...:
+        raise _Error(f"'{name}' is required")
+    return value
 
-        async def events():
-            async for ev in inst.events():
-                if isinstance(ev, Message):
-                    yield f"data: {ev.text}\n\n"
-                elif isinstance(ev, Finished):
-                    yield "data: [DONE]\n\n"
-                elif isinstance(ev, Failed | Terminated):
-                    err = getattr(ev, "error", None) or getattr(ev, "reason", "")
-                    yield f"data: {json.dumps({'error': {'message': err}})}\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+async def _prep_recv(ms: Microserving, body: dict, user: User) -> Response:
+    model = ms.model(body)
+    q = ms.queue(model, _arg(body, "engine"))
+    kv, matched = await ms.session.prep_recv(q, ms.prompt(body, model), _arg(body, "end"))
+    return JSONResponse({"kv_addr_info": kv, "matched_len": matched})
 
-    async def engines(body: dict, user: User) -> Response:
-        routing = server.controller.routing
-        out = {}
-        for model, replicas in server.controller.engines.items():
-            load = routing.load(model)
-            out[model] = [
-                {"rank": m.rank, "alive": bool(load[m.rank][0]), "routed": load[m.rank][1],
-                 "queued_tokens": load[m.rank][2], "kv_peers": list(m.info.kv_peers),
-                 "device": m.info.device}
-                for m in replicas
-            ]  # fmt: skip
-        return JSONResponse({"engines": out, "router": routing.router_name or None})
 
-    async def router(body: dict, user: User) -> Response:
-        spec = arg(body, "router")
-        if not isinstance(spec, str) or not spec:
-            raise _Error("'router' must be NAME[:ARG], e.g. pd-balance:0.2")
-        inst = await server.set_router(spec, user)
-        return JSONResponse({"router": spec, "instance": inst.id})
+async def _remote_send(ms: Microserving, body: dict, user: User) -> Response:
+    model = ms.model(body)
+    q = ms.queue(model, _arg(body, "engine"))
+    await ms.session.remote_send(
+        q, ms.prompt(body, model), _arg(body, "kv_addr_info"), _arg(body, "recv_rank"),
+        _arg(body, "begin"), _arg(body, "end"),
+    )  # fmt: skip
+    return JSONResponse({"status": "ok"})
 
-    return [
-        Route("/microserving/prep_recv", endpoint(prep_recv), methods=["POST"]),
-        Route("/microserving/remote_send", endpoint(remote_send), methods=["POST"]),
-        Route("/microserving/start_generate", endpoint(start_generate), methods=["POST"]),
-        Route("/microserving/engines", endpoint(engines), methods=["GET"]),
-        Route("/microserving/router", endpoint(router), methods=["POST"]),
-    ]
+
+async def _start_generate(ms: Microserving, body: dict, user: User) -> Response:
+    server = ms.server
+    model = ms.model(body)
+    rank = _arg(body, "engine")
+    q = ms.queue(model, rank)
+    prompt = ms.prompt(body, model)
+    begin = _arg(body, "begin", 0)
+    unknown = sorted(set(body) - {"model", "engine", "prompt", "begin", *GENERATE_OPTIONS})
+    if unknown:
+        raise _Error(f"unknown fields {unknown}; options: {', '.join(GENERATE_OPTIONS)}")
+    opts = {k: body[k] for k in GENERATE_OPTIONS if k in body}
+    opts |= {"model": model, "prompt": prompt}
+    inst = server.launch("text-completion", [json.dumps(opts)], user=user, builtin=True)
+    routing = server.controller.routing
+    routing.expect(inst.id, lambda req: routing.hand_over(ms.session, q, req, begin))
+    if not opts.get("stream"):
+        end = await inst.wait()
+        if isinstance(end, Finished):
+            return Response(end.result or "null", media_type="application/json")
+        raise _Error(getattr(end, "error", None) or getattr(end, "reason", str(end)), 500)
+    return StreamingResponse(_events(inst), media_type="text/event-stream")
+
+
+async def _events(inst):
+    """A streamed generation's server-sent events."""
+    async for ev in inst.events():
+        if isinstance(ev, Message):
+            yield f"data: {ev.text}\n\n"
+        elif isinstance(ev, Finished):
+            yield "data: [DONE]\n\n"
+        elif isinstance(ev, Failed | Terminated):
+            err = getattr(ev, "error", None) or getattr(ev, "reason", "")
+            yield f"data: {json.dumps({'error': {'message': err}})}\n\n"
+
+
+async def _engines(ms: Microserving, body: dict, user: User) -> Response:
+    routing = ms.server.controller.routing
+    out = {}
+    for model, replicas in ms.server.controller.engines.items():
+        load = routing.load(model)
+        out[model] = [
+            {"rank": m.rank, "alive": bool(load[m.rank][0]), "routed": load[m.rank][1],
+             "queued_tokens": load[m.rank][2], "kv_peers": list(m.info.kv_peers),
+             "device": m.info.device}
+            for m in replicas
+        ]  # fmt: skip
+    return JSONResponse({"engines": out, "router": routing.router_name or None})
+
+
+async def _router(ms: Microserving, body: dict, user: User) -> Response:
+    spec = _arg(body, "router")
+    if not isinstance(spec, str) or not spec:
+        raise _Error("'router' must be NAME[:ARG], e.g. pd-balance:0.2")
+    inst = await ms.server.set_router(spec, user)
+    return JSONResponse({"router": spec, "instance": inst.id})

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -90,82 +91,85 @@ class Job:
 
 
 def routes(server: PastryServer) -> list[Route]:
-    def model_name() -> str:
-        return server.models[0]
+    """SGLang's native endpoints (a table: each handler takes the server and the request)."""
+    table = (
+        ("/generate", _generate, ["POST", "PUT"]),
+        ("/get_model_info", _get_model_info, ["GET"]),
+        ("/get_server_info", _get_server_info, ["GET"]),
+        ("/flush_cache", _flush_cache, ["POST", "GET"]),
+    )
+    return [Route(path, partial(fn, server), methods=m) for path, fn, m in table]
 
-    async def get_model_info(request: Request) -> JSONResponse:
-        info = server.controller.models[model_name()].info
-        return JSONResponse(
-            {
-                "model_path": info.model_name,
-                "tokenizer_path": info.model_name,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-                "has_image_understanding": False,
-                "has_audio_understanding": False,
-                "model_type": info.arch,
-                "architectures": None,
-            }
+
+async def _get_model_info(server: PastryServer, request: Request) -> JSONResponse:
+    info = server.controller.models[server.models[0]].info
+    return JSONResponse(
+        {
+            "model_path": info.model_name,
+            "tokenizer_path": info.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": info.arch,
+            "architectures": None,
+        }
+    )
+
+
+async def _get_server_info(server: PastryServer, request: Request) -> JSONResponse:
+    info = server.controller.models[server.models[0]].info
+    cfg = server.config
+    return JSONResponse(
+        {
+            "version": f"pastry {pastry.__version__}",
+            "model_path": info.model_name,
+            "served_model_name": info.model_name,
+            "served_models": server.models,
+            "context_length": info.max_position,
+            "page_size": info.page_size,
+            "max_total_num_tokens": info.num_pages * info.page_size,
+            "max_batch_tokens": info.max_batch_tokens,
+            "dtype": info.dtype,
+            "device": info.device,
+            "host": cfg.host,
+            "port": cfg.port,
+            "schedule_policy": cfg.schedule,
+            "batching_policy": cfg.policy,
+            "admission_policy": cfg.admission,
+            "internal_states": [],
+        }
+    )
+
+
+async def _flush_cache(server: PastryServer, request: Request) -> PlainTextResponse:
+    """Evict every engine's prefix cache but the pages inferlets hold (those stay: a
+    running program keeps its KV); says how many KV pages were freed, per engine."""
+    engines = server.controller.all_engines()
+    if all(m.resources.cache is None for m in engines):
+        return PlainTextResponse(
+            "Cache flushed: nothing to flush (this server runs without a prefix cache, "
+            "--no-prefix-cache).\n"
         )
+    parts = [f"{m.name} engine {m.rank}: {m.resources.flush_cache()}" for m in engines]
+    return PlainTextResponse(f"Cache flushed. KV pages freed: {'; '.join(parts)}.\n")
 
-    async def get_server_info(request: Request) -> JSONResponse:
-        info = server.controller.models[model_name()].info
-        cfg = server.config
-        return JSONResponse(
-            {
-                "version": f"pastry {pastry.__version__}",
-                "model_path": info.model_name,
-                "served_model_name": info.model_name,
-                "served_models": server.models,
-                "context_length": info.max_position,
-                "page_size": info.page_size,
-                "max_total_num_tokens": info.num_pages * info.page_size,
-                "max_batch_tokens": info.max_batch_tokens,
-                "dtype": info.dtype,
-                "device": info.device,
-                "host": cfg.host,
-                "port": cfg.port,
-                "schedule_policy": cfg.schedule,
-                "batching_policy": cfg.policy,
-                "admission_policy": cfg.admission,
-                "internal_states": [],
-            }
-        )
 
-    async def flush_cache(request: Request) -> PlainTextResponse:
-        """Evict every engine's prefix cache but the pages inferlets hold (those stay: a
-        running program keeps its KV); says how many KV pages were freed, per engine."""
-        engines = server.controller.all_engines()
-        if all(m.resources.cache is None for m in engines):
-            return PlainTextResponse(
-                "Cache flushed: nothing to flush (this server runs without a prefix cache, "
-                "--no-prefix-cache).\n"
-            )
-        parts = [f"{m.name} engine {m.rank}: {m.resources.flush_cache()}" for m in engines]
-        return PlainTextResponse(f"Cache flushed. KV pages freed: {'; '.join(parts)}.\n")
-
-    async def generate(request: Request):
-        try:
-            body = await request.json()
-        except ValueError as e:
-            return ApiError(f"the request body is not valid JSON: {e}").response()
-        try:
-            job = parse(server, body)
-            await asyncio.to_thread(_check_texts, server, body)  # issue 17: off the loop
-            _admit(server, request, job)
-        except ApiError as e:
-            return e.response()
-        user = body.get("user") if isinstance(body, dict) else None
-        session = session_key(request.headers.get("x-session-id"), user)
-        return Generate(server, job, tenant_session(server, request.scope, session))
-
-    return [
-        Route("/generate", generate, methods=["POST", "PUT"]),
-        Route("/get_model_info", get_model_info, methods=["GET"]),
-        Route("/get_server_info", get_server_info, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
-    ]
+async def _generate(server: PastryServer, request: Request):
+    try:
+        body = await request.json()
+    except ValueError as e:
+        return ApiError(f"the request body is not valid JSON: {e}").response()
+    try:
+        job = parse(server, body)
+        await asyncio.to_thread(_check_texts, server, body)  # issue 17: off the loop
+        _admit(server, request, job)
+    except ApiError as e:
+        return e.response()
+    user = body.get("user") if isinstance(body, dict) else None
+    session = session_key(request.headers.get("x-session-id"), user)
+    return Generate(server, job, tenant_session(server, request.scope, session))
 
 
 # ---------------------------------------------------------------------- checking requests
@@ -184,26 +188,7 @@ def parse(server: PastryServer, body: Any) -> Job:
     if model not in server.controller.models:
         raise ApiError(f"no model {model!r}; this server serves {', '.join(server.models)}")
     vocab = server.controller.models[model].info.vocab_size
-    text, ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (ids is None):
-        raise ApiError("give exactly one of 'text' and 'input_ids'")
-    if text is not None:
-        batch = isinstance(text, list)
-        prompts: list[dict] = [{"text": t} for t in (text if batch else [text])]
-        if not all(isinstance(p["text"], str) for p in prompts) or not prompts:
-            raise ApiError("'text' must be a string or a non-empty list of strings")
-    else:
-        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        rows = ids if batch else [ids]
-        if not rows or not all(
-            isinstance(r, list) and r and all(type(t) is int and 0 <= t < vocab for t in r)
-            for r in rows
-        ):
-            raise ApiError(
-                f"'input_ids' must be a non-empty list of token ids (0 to {vocab - 1}) or a "
-                "list of such lists"
-            )
-        prompts = [{"input_ids": r} for r in rows]
+    batch, prompts = _prompts(body, vocab)
     k = len(prompts)
     sampling = _per_prompt(body.get("sampling_params"), k, "sampling_params", {})
     per = {
@@ -232,6 +217,31 @@ def parse(server: PastryServer, body: Any) -> Job:
         args.append(json.dumps(req))
     rids_out = tuple(r if r is not None else uuid.uuid4().hex for r in rids)
     return Job(tuple(args), tuple(ns), batch, stream, rids_out)
+
+
+def _prompts(body: dict, vocab: int) -> tuple[bool, list[dict]]:
+    """Whether the request is a batch, and its prompts (``text`` or ``input_ids``)."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError("give exactly one of 'text' and 'input_ids'")
+    if text is not None:
+        batch = isinstance(text, list)
+        prompts: list[dict] = [{"text": t} for t in (text if batch else [text])]
+        if not all(isinstance(p["text"], str) for p in prompts) or not prompts:
+            raise ApiError("'text' must be a string or a non-empty list of strings")
+    else:
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        rows = ids if batch else [ids]
+        if not rows or not all(
+            isinstance(r, list) and r and all(type(t) is int and 0 <= t < vocab for t in r)
+            for r in rows
+        ):
+            raise ApiError(
+                f"'input_ids' must be a non-empty list of token ids (0 to {vocab - 1}) or a "
+                "list of such lists"
+            )
+        prompts = [{"input_ids": r} for r in rows]
+    return batch, prompts
 
 
 def _per_prompt(value: Any, k: int, name: str, default: Any) -> list[Any]:
