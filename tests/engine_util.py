@@ -8,7 +8,16 @@ import numpy as np
 import torch
 
 from pastry.engine.calls import Dist, EmbedTxt, Forward, NextDist, Sample, ids
+from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
+
+# Pools big enough for the engine tests' sequences, small enough to start fast.
+SMALL_POOLS = dict(num_pages=256, num_embeds=2048, num_host_pages=16, page_size=4)
+
+
+def load(path, dtype: str = "float32", **kw) -> Engine:
+    """An engine on checkpoint ``path`` with :data:`SMALL_POOLS` (``kw`` overrides)."""
+    return Engine.load(path, EngineConfig(dtype=dtype, **{**SMALL_POOLS, **kw}))
 
 
 class Pages:
@@ -107,6 +116,39 @@ def dense(d: Dist, vocab: int) -> np.ndarray:
     p = np.zeros(vocab, dtype=np.float64)
     p[d.ids] = d.probs
     return p
+
+
+def every_output(alloc: Pages, tokens) -> tuple[list, np.ndarray]:
+    """Calls that prefill ``tokens`` into a new sequence with every position's output in an
+    embed slot of its own: (the calls, those slots)."""
+    calls, _ = Seq(alloc).forward_calls(tokens)
+    outs = alloc.embeds(len(tokens))
+    fwd = calls[1]
+    calls[1] = Forward(
+        in_embeds=fwd.in_embeds,
+        out_pages=fwd.out_pages,
+        out_embeds=outs,
+        out_indices=ids(range(len(tokens))),
+        positions=fwd.positions,
+    )
+    return calls, outs
+
+
+def all_probs(eng: Engine, tokens) -> np.ndarray:
+    """The engine's next-token distribution after every prefix of ``tokens``."""
+    calls, outs = every_output(Pages(eng), tokens)
+    v = eng.info.vocab_size
+    res = eng.execute([*calls, *[NextDist(int(o), k=v) for o in outs]])
+    return np.stack([dense(d, v) for d in res[2:]])
+
+
+def hf_from_gguf(f, **kw):
+    """transformers' GGUF loader on file ``f`` (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        f.parent, gguf_file=f.name, dtype=torch.float32, **kw
+    ).eval()
 
 
 def hf_model(path, dtype=torch.float32):

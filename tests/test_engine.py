@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_util import Pages, Seq, dense, hf_checkpoint, hf_model
+from engine_util import Pages, Seq, all_probs, dense, hf_checkpoint, hf_model, load
 from pastry.engine.calls import (
     CopyKv,
     EmbedTxt,
@@ -22,7 +22,6 @@ from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
-SMALL_POOLS = dict(num_pages=256, num_embeds=2048, num_host_pages=16, page_size=4)
 
 
 @pytest.fixture(scope="session")
@@ -49,10 +48,6 @@ def arch_ckpt(request, make_tiny, make_mistral):
     return request.param, make_tiny(request.param)
 
 
-def load(path, dtype="float32", **kw) -> Engine:
-    return Engine.load(path, EngineConfig(dtype=dtype, **{**SMALL_POOLS, **kw}))
-
-
 def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
@@ -63,22 +58,7 @@ def test_prefill_logits_match_transformers(arch_ckpt):
     toks = prompt(23, eng.info.vocab_size)
     with torch.no_grad():
         ref = hf(torch.tensor([toks])).logits[0].double().softmax(-1).numpy()
-    alloc = Pages(eng)
-    seq = Seq(alloc)
-    calls, _ = seq.forward_calls(toks)
-    # ask for every position's output
-    fwd = calls[1]
-    outs = alloc.embeds(len(toks))
-    calls[1] = Forward(
-        in_embeds=fwd.in_embeds,
-        out_pages=fwd.out_pages,
-        out_embeds=outs,
-        out_indices=ids(range(len(toks))),
-        positions=fwd.positions,
-    )
-    v = eng.info.vocab_size
-    res = eng.execute([*calls, *[NextDist(int(o), k=v) for o in outs]])
-    ours = np.stack([dense(d, v) for d in res[2:]])
+    ours = all_probs(eng, toks)  # every position's output
     np.testing.assert_allclose(ours, ref, atol=2e-5)
     assert (ours.argmax(-1) == ref.argmax(-1)).all(), arch
 

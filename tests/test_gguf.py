@@ -15,13 +15,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from engine_util import Pages, Seq, dense, hf_model
+from engine_util import Pages, Seq, all_probs, hf_from_gguf, hf_model, load
 from gguf_util import hf_weights, write_gguf
 from pastry.engine import gguf as pgguf
-from pastry.engine.calls import Forward, NextDist, ids
 from pastry.engine.checkpoint import load_checkpoint
-from pastry.engine.config import CheckpointError, EngineConfig
-from pastry.engine.engine import Engine
+from pastry.engine.config import CheckpointError
 
 TEXTS = [
     "Hello, world! The year 2024 had 366 days.",
@@ -60,37 +58,6 @@ def written(make_tiny, tmp_path_factory):
     return make
 
 
-def hf_from_gguf(f: Path, **kw):
-    """transformers' GGUF loader on ``f`` (float32)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        f.parent, gguf_file=f.name, dtype=torch.float32, **kw
-    )
-
-
-def load(path: Path) -> Engine:
-    return Engine.load(path, EngineConfig(dtype="float32", **POOLS))
-
-
-def all_probs(eng: Engine, toks: list[int]) -> np.ndarray:
-    """The engine's next-token distribution after every prefix of ``toks``."""
-    alloc = Pages(eng)
-    calls, _ = Seq(alloc).forward_calls(toks)
-    outs = alloc.embeds(len(toks))
-    fwd = calls[1]
-    calls[1] = Forward(
-        in_embeds=fwd.in_embeds,
-        out_pages=fwd.out_pages,
-        out_embeds=outs,
-        out_indices=ids(range(len(toks))),
-        positions=fwd.positions,
-    )
-    v = eng.info.vocab_size
-    res = eng.execute([*calls, *[NextDist(int(o), k=v) for o in outs]])
-    return np.stack([dense(d, v) for d in res[2:]])
-
-
 # -- parity with transformers ----------------------------------------------------------------
 
 
@@ -99,13 +66,13 @@ def all_probs(eng: Engine, toks: list[int]) -> np.ndarray:
 def test_random_qwen_gguf_matches_transformers(written, arch, qtype):
     f, src = written(arch, qtype)
     # transformers' GGUF config mapping drops qwen3's attention.key_length: give it head_dim
-    hf = hf_from_gguf(f, **({"head_dim": 32} if arch == "qwen3" else {})).eval()
+    hf = hf_from_gguf(f, **({"head_dim": 32} if arch == "qwen3" else {}))
     ckpt = load_checkpoint(f)
     ours = ckpt.load_state_dict(torch.float32)
     theirs = hf.state_dict()
     for name, w in ours.items():  # the same dequantized weights, bit for bit
         assert torch.equal(w, theirs[name]), name
-    eng = load(f)
+    eng = load(f, **POOLS)
     toks = ckpt.tokenizer.encode(TEXTS[0] + TEXTS[5], add_special_tokens=True)
     with torch.no_grad():
         ref = hf(torch.tensor([toks])).logits[0].double().softmax(-1).numpy()
@@ -140,7 +107,7 @@ def test_llama_gguf_equals_its_source_checkpoint(written):
     toks = ckpt.tokenizer.encode(TEXTS[1] + TEXTS[3], add_special_tokens=True)
     assert toks == load_checkpoint(src).tokenizer.encode(TEXTS[1] + TEXTS[3], True)
     assert toks[0] == ckpt.config.bos_token_id == 0  # llama-bpe adds BOS
-    eng = load(f)
+    eng = load(f, **POOLS)
     with torch.no_grad():
         ref = hf(torch.tensor([toks])).logits[0].double().softmax(-1).numpy()
     np.testing.assert_allclose(all_probs(eng, toks), ref, atol=2e-5)
@@ -193,8 +160,8 @@ def test_every_quantization_type_dequantizes_as_transformers(make_tiny, tmp_path
         err = {QType.F32: 0, QType.F16: 1e-3, QType.BF16: 1e-2, QType.Q8_0: 1e-2}.get(kind)
         if err is not None:
             torch.testing.assert_close(w, weights[hf_name], atol=err * 0.1, rtol=err)
-    hf = hf_from_gguf(f).eval()
-    eng = load(f)
+    hf = hf_from_gguf(f)
+    eng = load(f, **POOLS)
     toks = ckpt.tokenizer.encode(TEXTS[0], add_special_tokens=True)
     with torch.no_grad():
         ref = hf(torch.tensor([toks])).logits[0].double().softmax(-1).numpy()

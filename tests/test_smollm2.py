@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_util import Pages, Seq
+from engine_util import Pages, Seq, every_output, hf_from_gguf
 from inferlet_util import result, run_all
-from pastry.engine.calls import Forward, ids
 from pastry.engine.checkpoint import load_checkpoint
 from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
@@ -32,11 +31,7 @@ CORPUS = Path(__file__).parents[1] / "src" / "pastry" / "engine" / "data" / "pro
 
 @pytest.fixture(scope="module")
 def hf(smollm2_gguf: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    return hf_from_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +78,7 @@ def test_logits_match_transformers(engine, hf):
     tok = load_checkpoint_tokenizer(engine)
     for text in PROMPTS:
         toks = tok.encode(text, True)
-        alloc = Pages(engine)
-        calls, _ = Seq(alloc).forward_calls(toks)
-        outs = alloc.embeds(len(toks))
-        fwd = calls[1]
-        calls[1] = Forward(
-            in_embeds=fwd.in_embeds,
-            out_pages=fwd.out_pages,
-            out_embeds=outs,
-            out_indices=ids(range(len(toks))),
-            positions=fwd.positions,
-        )
+        calls, outs = every_output(Pages(engine), toks)
         assert engine.execute(calls) == [None, None]
         with torch.no_grad():
             ours = engine.model.logits(
