@@ -34,6 +34,7 @@ import json
 import re
 import ssl
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pastry.control.http_policy import (
@@ -80,6 +81,7 @@ _MANAGED_HEADERS = frozenset(
 )
 
 
+@dataclass(frozen=True)
 class HttpResponse:
     """A complete response. ``headers`` has lower-case names; repeated headers are joined
     with ``", "``."""

@@ -166,7 +166,6 @@ class HttpTarget:
         return host if self.port == DEFAULT_PORTS[self.scheme] else f"{host}:{self.port}"
 
 
-@dataclass(frozen=True)
 def check_url(url: str, allow: Sequence[AllowRule]) -> HttpTarget:
     """Apply the policy to ``url`` with the allowlist ``allow``: the split target, or
     :class:`HttpDenied` (not allowed) / ``ValueError`` (malformed)."""
