@@ -82,13 +82,13 @@ from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.control.http import HttpClient
 from pastry.control.users import LOCAL
-from pastry.engine.calls import Call, Forward, Result
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.handle import InProcessEngine
-from pastry.engine.tokenizer import Tokenizer
 from pastry.inferlets.react import ANSWER, OBSERVATION, THOUGHT, tool_url
 from pastry.runtime.trusted import Instance, Program, TrustedRuntime
+from pastry.wire.calls import Call, Forward, Result
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import InProcessEngine
+from pastry.wire.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_decode import small_checkpoint

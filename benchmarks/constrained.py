@@ -48,11 +48,11 @@ import torch
 from pastry.control import constraints
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
-from pastry.engine.calls import EmbedTxt, Forward, Sample, ids, mask_words
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.calls import EmbedTxt, Forward, Sample, ids, mask_words
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import InProcessEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_decode import prompts, small_checkpoint

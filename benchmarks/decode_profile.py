@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 from torch.profiler import ProfilerActivity, profile
 
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
 from pastry.engine.quant import QUANT_MODES
+from pastry.wire.config import EngineConfig
 
 PROMPT = 32
 STEPS = 32

@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
-from pastry.engine.calls import EmbedTxt, Forward, ids
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
 from pastry.paths import bench_dir
+from pastry.wire.calls import EmbedTxt, Forward, ids
+from pastry.wire.config import EngineConfig
 
 PROMPT = 32
 

@@ -39,7 +39,7 @@ from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
 OURS = """
 import sys, time
 import torch  # imported before timing, as in a serving process
-from pastry.engine.config import EngineConfig
+from pastry.wire.config import EngineConfig
 from pastry.engine.engine import Engine
 t = time.perf_counter()
 Engine.load(sys.argv[1], EngineConfig(dtype=sys.argv[2], num_pages=256, num_embeds=1024,

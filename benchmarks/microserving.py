@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pastry.engine.calls import EmbedTxt, Forward, SendKv, ids
+from pastry.wire.calls import EmbedTxt, Forward, SendKv, ids
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("microserving")
@@ -60,8 +60,8 @@ def engine_pair(model: str, dtype: str, pages: int):
     """Two engines in this process with shared-memory pools (bandwidth and Table 3)."""
     import uuid
 
-    from pastry.engine.config import EngineConfig
     from pastry.engine.engine import Engine
+    from pastry.wire.config import EngineConfig
 
     def one() -> Engine:
         shm = f"/dev/shm/pastry-kv-bench-{uuid.uuid4().hex[:8]}"

@@ -120,14 +120,14 @@ from pastry.control.controller import Controller
 from pastry.control.events import Event, Finished, Message
 from pastry.control.policies import BatchPolicy, batch_policy
 from pastry.control.scheduler import SchedulerStats
-from pastry.engine.calls import Call, EngineInfo, Result, Sample
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
-from pastry.engine.handle import EngineHandle, InProcessEngine
-from pastry.engine.remote import RemoteEngine
-from pastry.engine.spawn import spawn_engine
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.calls import Call, EngineInfo, Result, Sample
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import EngineHandle, InProcessEngine
+from pastry.wire.remote import RemoteEngine
+from pastry.wire.spawn import spawn_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_decode import prompts, small_checkpoint

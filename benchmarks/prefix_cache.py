@@ -65,11 +65,11 @@ from machine import cpu_name
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.control.policies import admission_policy
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.handle import InProcessEngine
 from pastry.paths import default_gguf
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import InProcessEngine
 
 PAGE_SIZE = 16
 

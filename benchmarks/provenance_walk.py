@@ -21,7 +21,7 @@ import json
 import timeit
 
 from pastry.control.provenance import KvProvenance
-from pastry.engine.calls import EmbedTxt, Forward, ids
+from pastry.wire.calls import EmbedTxt, Forward, ids
 
 PS = 16
 STEPS = 64  # rolling steps per run

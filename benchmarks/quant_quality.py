@@ -32,12 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pastry.engine.calls import EmbedTxt, Forward, ids
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine, build_model
 from pastry.engine.generate import FusedGenerator, Request
 from pastry.engine.quant import gguf_codes
 from pastry.paths import default_gguf
+from pastry.wire.calls import EmbedTxt, Forward, ids
+from pastry.wire.config import EngineConfig
 
 WINDOW = 512
 NEW = 64

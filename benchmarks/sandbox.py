@@ -69,10 +69,10 @@ import torch
 from pastry.control import gc_tuning
 from pastry.control.controller import Controller
 from pastry.control.events import Finished, Message
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import InProcessEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_decode import prompts, small_checkpoint

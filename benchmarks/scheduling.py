@@ -104,17 +104,17 @@ from machine import cpu_name
 from pastry.control.controller import Controller
 from pastry.control.events import Finished
 from pastry.control.policies import Adaptive, schedule_policy
-from pastry.engine.calls import SwapIn, SwapOut, ids
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request
-from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
 from pastry.sched import workloads
 from pastry.sched.hardware import KvMemory
 from pastry.sched.programs import ProgramSpec
 from pastry.sched.sim import SimConfig, simulate
 from pastry.sched.systems import system_named
+from pastry.wire.calls import SwapIn, SwapOut, ids
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import InProcessEngine
 
 POLICIES = ("fcfs", "mlfq", "plas", "atlas")
 AUTELLIX = {"sharegpt": "plas", "bfcl": "plas", "lats": "atlas", "mixed": "atlas"}

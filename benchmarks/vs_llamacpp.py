@@ -47,12 +47,12 @@ import numpy as np
 import torch
 
 from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
-from pastry.engine.calls import EmbedTxt, Forward, ids
-from pastry.engine.config import EngineConfig, ModelConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
 from pastry.engine.gguf_export import export_gguf
 from pastry.paths import bench_dir, default_gguf
+from pastry.wire.calls import EmbedTxt, Forward, ids
+from pastry.wire.config import EngineConfig, ModelConfig
 
 PROMPT = 32
 PREFILL = 512

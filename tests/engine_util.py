@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pastry.engine.calls import Dist, EmbedTxt, Forward, NextDist, Sample, ids
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
+from pastry.wire.calls import Dist, EmbedTxt, Forward, NextDist, Sample, ids
+from pastry.wire.config import EngineConfig
 
 # Pools big enough for the engine tests' sequences, small enough to start fast.
 SMALL_POOLS = dict(num_pages=256, num_embeds=2048, num_host_pages=16, page_size=4)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pastry.engine.calls import CallError, CopyKv, Dist, EngineInfo, NextDist, Result, Sample
-from pastry.engine.config import EngineConfig
+from pastry.wire.calls import CallError, CopyKv, Dist, EngineInfo, NextDist, Result, Sample
+from pastry.wire.config import EngineConfig
 
 
 class FakeEngine:

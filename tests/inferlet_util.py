@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from pastry.control.controller import Controller
 from pastry.control.events import Event, Finished
 from pastry.control.policies import BatchPolicy
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
-from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import InProcessEngine
 
 POOLS = dict(num_pages=512, num_embeds=4096, num_host_pages=4, page_size=4)
 

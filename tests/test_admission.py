@@ -111,7 +111,7 @@ def test_policies_by_name():
 
 def test_kv_calls_of_one_queue_share_a_batch_unless_they_touch_the_same_page():
     from pastry.control.commands import conflicts
-    from pastry.engine.calls import CopyKv, MaskKv, SwapIn, SwapOut, ids
+    from pastry.wire.calls import CopyKv, MaskKv, SwapIn, SwapOut, ids
 
     def cmd(call):
         async def make():

@@ -391,7 +391,7 @@ def test_controller_sees_an_adapter_loaded_after_wrapping(adapters):
     """``EngineHandle.info`` is live: an in-process engine that loads an adapter after its
     handle was made reports it, and a controller built on the handle serves it."""
     from pastry.control.controller import Controller
-    from pastry.engine.handle import InProcessEngine
+    from pastry.wire.handle import InProcessEngine
 
     path, dirs = adapters("llama")
     eng = load_engine(path)
@@ -413,7 +413,7 @@ def test_controller_sees_an_adapter_loaded_after_wrapping(adapters):
 def test_forward_with_adapter_from_an_inferlet(adapters):
     """The inferlet's adapted forward equals the engine's own adapted forward (which
     tests/test_lora.py checks against peft + transformers)."""
-    from pastry.engine.calls import EmbedTxt, Forward, NextDist, ids
+    from pastry.wire.calls import EmbedTxt, Forward, NextDist, ids
 
     path, dirs = adapters("llama")
     adapter_dir = dirs["all7"]

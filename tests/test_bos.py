@@ -10,8 +10,8 @@ import json
 import pytest
 
 from inferlet_util import load_engine, result, start
-from pastry.engine.tokenizer import Tokenizer
 from pastry.runtime.trusted import Program
+from pastry.wire.tokenizer import Tokenizer
 
 SOURCE = """
 import json

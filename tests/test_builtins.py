@@ -12,8 +12,8 @@ import pytest
 from inferlet_util import load_engine, run_all
 from pastry.control.events import Failed, Finished
 from pastry.engine.generate import FusedGenerator, Request
-from pastry.engine.tokenizer import Tokenizer
 from pastry.inferlets.text_completion import Deltas
+from pastry.wire.tokenizer import Tokenizer
 
 TEXT = resources.files("pastry.inferlets").joinpath("text_completion.py").read_text()
 CHAT = resources.files("pastry.inferlets").joinpath("chat.py").read_text()

@@ -22,7 +22,7 @@ from pastry.engine.checkpoint import (
     load_state_dict,
     weight_files,
 )
-from pastry.engine.config import CheckpointError, ModelConfig
+from pastry.wire.config import CheckpointError, ModelConfig
 
 
 class _Records(logging.Handler):

@@ -6,9 +6,9 @@ import torch
 
 from pastry.cli import main
 from pastry.engine.checkpoint import load_checkpoint
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request
+from pastry.wire.config import EngineConfig
 
 
 def test_generate_matches_in_process_greedy(make_tiny, capsys):

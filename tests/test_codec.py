@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from pastry.engine.calls import (
+from pastry.wire.calls import (
     CallError,
     CopyKv,
     Dist,
@@ -22,7 +22,7 @@ from pastry.engine.calls import (
     SwapOut,
     ids,
 )
-from pastry.engine.codec import (
+from pastry.wire.codec import (
     SUPPORTED_DTYPES,
     VERSION,
     CodecError,

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine_util import Pages, Seq, dense, hf_checkpoint, hf_model
-from pastry.engine.calls import (
+from pastry.engine.engine import Engine
+from pastry.wire.calls import (
     EmbedTxt,
     Forward,
     MaskKv,
@@ -25,8 +26,7 @@ from pastry.engine.calls import (
     ids,
     mask_words,
 )
-from pastry.engine.config import EngineConfig
-from pastry.engine.engine import Engine
+from pastry.wire.config import EngineConfig
 
 POOLS = dict(num_pages=256, num_embeds=2048, num_host_pages=16, page_size=4)
 
@@ -329,7 +329,7 @@ def test_kv_sent_from_a_compiled_decode_step_continues_exactly(make_tiny):
     (the per-layer hook runs after the graph) and the peer continues exactly."""
     import uuid
 
-    from pastry.engine.calls import Sample, SendKv, ids
+    from pastry.wire.calls import Sample, SendKv, ids
 
     path = make_tiny("llama")
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine_util import Pages, Seq, all_probs, dense, hf_checkpoint, hf_model, load
-from pastry.engine.calls import (
+from pastry.engine.engine import Engine
+from pastry.wire.calls import (
     CopyKv,
     EmbedTxt,
     Forward,
@@ -18,8 +19,7 @@ from pastry.engine.calls import (
     SwapOut,
     ids,
 )
-from pastry.engine.config import EngineConfig
-from pastry.engine.engine import Engine
+from pastry.wire.config import EngineConfig
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -404,8 +404,8 @@ def test_sampling_noise_is_finite_and_never_picks_a_masked_token(make_tiny):
     """The hash noise stays inside (0, 1): seed 28 with a 49152-token vocabulary once gave
     token 33574 u = 1.0 (24 bits of hash, rounded up in float32), so its Gumbel noise was
     +inf and a masked token came out of a constrained draw as NaN (-inf + inf)."""
-    from pastry.engine.calls import mask_words
     from pastry.engine.sampling import hash_uniform
+    from pastry.wire.calls import mask_words
 
     u = hash_uniform(torch.arange(64).unsqueeze(1), torch.arange(49152).unsqueeze(0))
     assert float(u.max()) < 1.0 and float(u.min()) > 0.0

@@ -18,8 +18,8 @@ from inferlet_util import load_engine, result, run_all, start
 from pastry.control.commands import Command, CommandError, Op, Stage
 from pastry.control.policies import KOnly
 from pastry.control.scheduler import BatchScheduler
-from pastry.engine.calls import CallError, EmbedTxt, Forward, Sample, ids
 from pastry.runtime.trusted import Program
+from pastry.wire.calls import CallError, EmbedTxt, Forward, Sample, ids
 from test_scheduler import Recorder, cmd, fwd
 
 

@@ -19,7 +19,7 @@ from engine_util import Pages, Seq, all_probs, hf_from_gguf, hf_model, load
 from gguf_util import hf_weights, write_gguf
 from pastry.engine import gguf as pgguf
 from pastry.engine.checkpoint import load_checkpoint
-from pastry.engine.config import CheckpointError
+from pastry.wire.config import CheckpointError
 
 TEXTS = [
     "Hello, world! The year 2024 had 366 days.",
@@ -132,8 +132,8 @@ def test_every_quantization_type_dequantizes_as_transformers(make_tiny, tmp_path
     config |= dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})  # fmt: skip
-    from pastry.engine.config import ModelConfig
     from pastry.engine.tiny import random_weights
+    from pastry.wire.config import ModelConfig
 
     weights = random_weights(ModelConfig.from_dict(config), seed=3, dtype=torch.float32)
     order = {n: MIXED[i % len(MIXED)] for i, n in enumerate(pgguf.gguf_name(h) for h in weights)}

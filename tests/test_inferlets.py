@@ -108,7 +108,7 @@ def test_three_line_context_matches_transformers(make_tiny):
     tok = eng.info
     events, _ = asyncio.run(run_all(eng, [(THREE_LINES, ["Hello,", "10"])]))
     text = result(events[0])
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     t = Tokenizer.from_json(tok.tokenizer_json, tok.chat_template, tok.special_tokens)
     prompt = t.encode("Hello,", True)

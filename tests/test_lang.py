@@ -149,7 +149,7 @@ async def main(args):
 
 
 def test_select_scores_equal_transformers(eng, path):
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(path)
     prompt = "The weather today is"

@@ -299,7 +299,7 @@ def reference(make_tiny):
     import torch
 
     from engine_util import hf_model
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     ckpt = make_tiny("llama")
     hf = hf_model(ckpt)

@@ -33,9 +33,9 @@ import pytest
 
 from inferlet_util import load_engine, result
 from pastry.control.controller import Controller
-from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
-from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.calls import EmbedTxt, Forward, Sample, ids
+from pastry.wire.handle import InProcessEngine
 
 
 def source(name: str) -> str:
@@ -353,7 +353,7 @@ def test_react_drops_used_observations(ckpt, tool):
     transcript in which, from the last token of that thought on, no token attends to the
     observation. Without dropping, the same forward with a causal mask gives the plain
     agent's tokens."""
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(ckpt)
     server = tool()
@@ -601,7 +601,7 @@ def test_swarm_delivers_every_message_and_matches_solo_runs(ckpt):
     for w, solo in zip((w0, w1, w2), alone[:3], strict=True):
         assert [r["tokens"] for r in w["rounds"]] == solo
     assert [r["summary"] for r in rounds] == alone[3]
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(ckpt)
     assert tasks[1:] == [tok.decode(r["summary"]) for r in rounds[:-1]]

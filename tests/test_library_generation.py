@@ -277,7 +277,7 @@ def test_output_validation_matches_transformers(path, hf):
 
 
 def test_text_prompts_equal_token_prompts(path):
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     info = load_engine(path).info
     tok = Tokenizer.from_json(info.tokenizer_json, info.chat_template, info.special_tokens)

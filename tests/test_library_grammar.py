@@ -29,7 +29,7 @@ import torch
 from engine_util import hf_model
 from inferlet_util import load_engine, result, run_all, start
 from pastry.control.events import Failed
-from pastry.engine.tokenizer import Tokenizer
+from pastry.wire.tokenizer import Tokenizer
 
 llg = pytest.importorskip("llguidance")
 

@@ -29,10 +29,10 @@ from engine_util import Pages, Seq
 from inferlet_util import load_engine, result
 from pastry.control.controller import Controller
 from pastry.control.events import Failed
-from pastry.engine.calls import Forward, Sample
-from pastry.engine.handle import InProcessEngine
 from pastry.inferlets.hierarchical_attention import HEADER, hierarchical_mask
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.calls import Forward, Sample
+from pastry.wire.handle import InProcessEngine
 
 PAGE = 4  # the page size of inferlet_util's engines
 

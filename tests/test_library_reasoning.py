@@ -27,8 +27,8 @@ import pytest
 
 from inferlet_util import load_engine, result, run_all, start
 from pastry.control.events import Failed
-from pastry.engine.tokenizer import Tokenizer
 from pastry.runtime.trusted import Program
+from pastry.wire.tokenizer import Tokenizer
 
 PS = 4  # KV page size of inferlet_util's pools
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine_util import Pages, Seq, hf_model
-from pastry.engine.calls import (
+from pastry.engine.engine import Engine
+from pastry.engine.logits import unpack_mask
+from pastry.wire.calls import (
     CallError,
     Forward,
     Logprobs,
@@ -18,9 +20,7 @@ from pastry.engine.calls import (
     ids,
     mask_words,
 )
-from pastry.engine.config import EngineConfig
-from pastry.engine.engine import Engine
-from pastry.engine.logits import unpack_mask
+from pastry.wire.config import EngineConfig
 
 POOLS = dict(num_pages=128, num_embeds=512, num_host_pages=0, page_size=4)
 
@@ -258,7 +258,7 @@ def test_logprobs_equal_transformers_on_real_weights(smollm2_gguf):
     pytest.importorskip("gguf", reason="transformers reads GGUF through the gguf package")
     from transformers import AutoModelForCausalLM
 
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     eng = Engine.load(smollm2_gguf, EngineConfig(dtype="float32", **POOLS))
     hf = AutoModelForCausalLM.from_pretrained(

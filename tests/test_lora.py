@@ -13,10 +13,10 @@ import torch
 
 from engine_util import Pages, Seq, dense, hf_model
 from pastry.engine import lora
-from pastry.engine.calls import CallError, EmbedTxt, Forward, NextDist, ids
-from pastry.engine.codec import decode_batch, encode_batch
-from pastry.engine.config import CheckpointError, EngineConfig
 from pastry.engine.engine import Engine
+from pastry.wire.calls import CallError, EmbedTxt, Forward, NextDist, ids
+from pastry.wire.codec import decode_batch, encode_batch
+from pastry.wire.config import CheckpointError, EngineConfig
 
 peft = pytest.importorskip("peft")
 

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 
 from pastry.control.events import Failed, Finished
-from pastry.engine.calls import CallError, EmbedTxt, Forward, Sample, SendKv, ids
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
 from pastry.engine.pool import KvLayout
 from pastry.engine.serve import parse_cpus
@@ -24,6 +22,8 @@ from pastry.engine.transfer import KvReceiver
 from pastry.runtime.trusted import Program
 from pastry.server.engines import cpu_shares
 from pastry.server.service import PastryServer, ServerConfig
+from pastry.wire.calls import CallError, EmbedTxt, Forward, Sample, SendKv, ids
+from pastry.wire.config import EngineConfig
 
 SMALL = dict(num_pages=256, num_embeds=1024, dtype="float32", page_size=16)
 ROUTERS = ("round-robin", "least-loaded", "pd", "pd-balance:0.3", "locality:24", "migrate:1")
@@ -524,8 +524,8 @@ def test_engine_listen_accepts_only_its_token(make_tiny, tmp_path):
     import subprocess
     import sys
 
-    from pastry.engine.handle import EngineDied, EngineTimeout
-    from pastry.engine.remote import EngineAuthError, RemoteEngine
+    from pastry.wire.handle import EngineDied, EngineTimeout
+    from pastry.wire.remote import EngineAuthError, RemoteEngine
     from server_util import free_port
 
     port = free_port()
@@ -563,7 +563,7 @@ def test_engine_listen_accepts_only_its_token(make_tiny, tmp_path):
 
 
 def test_engines_on_two_hosts_send_kv_over_tcp(make_tiny, tmp_path, single_engine_texts):
-    from pastry.engine.spawn import spawn_engine
+    from pastry.wire.spawn import spawn_engine
     from server_util import free_port
 
     procs = []

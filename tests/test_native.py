@@ -258,7 +258,7 @@ logging.basicConfig(level=logging.INFO)
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from engine_util import Pages, Seq
 from pastry.engine import compiled, native
-from pastry.engine.config import EngineConfig
+from pastry.wire.config import EngineConfig
 from pastry.engine.engine import Engine
 kw = dict(dtype="float32", num_pages=64, num_embeds=256, num_host_pages=1, page_size=4)
 comp = Engine.load({str(path)!r}, EngineConfig(compile=True, **kw))

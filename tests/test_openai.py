@@ -14,7 +14,7 @@ import pytest
 
 from inferlet_util import load_engine
 from pastry.engine.generate import FusedGenerator, Request
-from pastry.engine.tokenizer import Tokenizer
+from pastry.wire.tokenizer import Tokenizer
 from server_util import call, integrity, running_server
 
 

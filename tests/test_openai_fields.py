@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine_util import hf_model
-from pastry.engine.tokenizer import Tokenizer
 from pastry.server.openai_tools import HermesFormat
+from pastry.wire.tokenizer import Tokenizer
 from server_util import integrity, running_server
 
 PROMPT = "The capital of France is"

@@ -21,7 +21,7 @@ from pastry.control.policies import (
     batch_policy,
 )
 from pastry.control.scheduler import BatchScheduler
-from pastry.engine.calls import Sample
+from pastry.wire.calls import Sample
 
 
 class FakeState:

@@ -19,8 +19,8 @@ from inferlet_util import load_engine, result
 from pastry.control.controller import Controller
 from pastry.control.events import Failed, Finished
 from pastry.control.users import LOCAL
-from pastry.engine.handle import InProcessEngine
 from pastry.runtime.trusted import Program, TrustedRuntime
+from pastry.wire.handle import InProcessEngine
 
 INFERLETS = Path(pastry.inferlets.__file__).parent
 

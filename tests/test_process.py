@@ -19,7 +19,8 @@ import pytest
 import zmq
 
 from fake_engine import FakeEngine
-from pastry.engine.calls import (
+from pastry.engine.serve import handle_request
+from pastry.wire.calls import (
     CallError,
     CopyKv,
     Dist,
@@ -29,19 +30,18 @@ from pastry.engine.calls import (
     Sample,
     ids,
 )
-from pastry.engine.codec import decode_results, encode_batch, encode_info
-from pastry.engine.config import EngineConfig
-from pastry.engine.handle import (
+from pastry.wire.codec import decode_results, encode_batch, encode_info
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import (
     EngineDied,
     EngineError,
     EngineStartError,
     EngineTimeout,
     InProcessEngine,
 )
-from pastry.engine.remote import RemoteEngine
-from pastry.engine.serve import handle_request
-from pastry.engine.spawn import spawn_engine
-from pastry.engine.wire import Op, Status
+from pastry.wire.protocol import Op, Status
+from pastry.wire.remote import RemoteEngine
+from pastry.wire.spawn import spawn_engine
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 CONFIG = EngineConfig(page_size=32, num_pages=10, max_batch_tokens=512, seed=3)

@@ -13,7 +13,7 @@ from commands import fn_command
 from pastry.control.commands import Stage
 from pastry.control.programs import ProcessTable, session_key
 from pastry.control.scheduler import BatchScheduler
-from pastry.engine.calls import Forward, Sample, ids
+from pastry.wire.calls import Forward, Sample, ids
 
 
 class Clock:

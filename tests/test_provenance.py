@@ -13,7 +13,7 @@ import pytest
 from pastry.control.prefix_cache import PrefixCache
 from pastry.control.provenance import ROOT_KEY, KvProvenance
 from pastry.control.resources import ResourceError, ResourceManager
-from pastry.engine.calls import CallError, CopyKv, EmbedTxt, Forward, MaskKv, SwapIn, ids
+from pastry.wire.calls import CallError, CopyKv, EmbedTxt, Forward, MaskKv, SwapIn, ids
 
 PS = 4
 

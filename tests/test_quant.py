@@ -9,10 +9,10 @@ import torch
 from engine_util import Pages, Seq
 from pastry.engine import quant
 from pastry.engine.checkpoint import load_checkpoint, load_state_dict
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine, build_model
 from pastry.engine.gguf_export import export_gguf, permute_qk
 from pastry.engine.quant import Int4Codes, Int4Weight, Int8Codes, Int8Weight
+from pastry.wire.config import EngineConfig
 
 gguf = pytest.importorskip("gguf")
 POOLS = dict(num_pages=128, num_embeds=1024, num_host_pages=8, page_size=4)

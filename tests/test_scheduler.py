@@ -8,7 +8,7 @@ from commands import fn_command
 from pastry.control.commands import Stage
 from pastry.control.policies import Eager
 from pastry.control.scheduler import BatchScheduler
-from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
+from pastry.wire.calls import EmbedTxt, Forward, Sample, ids
 
 
 class Recorder:

@@ -17,8 +17,8 @@ import torch
 from engine_util import Pages, Seq, every_output, hf_from_gguf
 from inferlet_util import result, run_all
 from pastry.engine.checkpoint import load_checkpoint
-from pastry.engine.config import EngineConfig
 from pastry.engine.engine import Engine
+from pastry.wire.config import EngineConfig
 
 PROMPTS = [
     "The capital of France is",
@@ -172,7 +172,7 @@ def test_perplexity_through_the_api_matches_transformers(engine, hf):
 
 
 def load_checkpoint_tokenizer(engine: Engine):
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     i = engine.info
     return Tokenizer.from_json(i.tokenizer_json, i.chat_template, i.special_tokens)

@@ -14,7 +14,7 @@ from pastry.control.policies.memory import MemoryAdmission
 from pastry.control.programs import ProcessTable
 from pastry.control.resources import OutOfResources, ResourceError, ResourceManager
 from pastry.control.swap import KvSwapper
-from pastry.engine.calls import SwapIn, SwapOut, ids
+from pastry.wire.calls import SwapIn, SwapOut, ids
 
 
 def manager(pages=6, host=4) -> ResourceManager:

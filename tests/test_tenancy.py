@@ -381,7 +381,7 @@ def test_quotas():
 
 
 def test_tokenization_off_the_loop(make_tiny):
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(make_tiny("llama"))
     t = Tokenization(tok, max_bytes=1000, cache_min_chars=100)

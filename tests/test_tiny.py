@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from pastry.cli import main
 from pastry.engine import tiny
 from pastry.engine.checkpoint import expected_shapes, load_checkpoint
-from pastry.engine.config import ModelConfig
 from pastry.engine.tiny import (
     MAX_TOKENIZER_VOCAB,
     create_tiny,
@@ -27,6 +26,7 @@ from pastry.engine.tiny import (
     hf_config,
     train_tokenizer,
 )
+from pastry.wire.config import ModelConfig
 
 
 def _sha(path: Path) -> str:

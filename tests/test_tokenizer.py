@@ -12,8 +12,8 @@ import tokenizers
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pastry.engine.config import CheckpointError
-from pastry.engine.tokenizer import Tokenizer, bytes_to_unicode
+from pastry.wire.config import CheckpointError
+from pastry.wire.tokenizer import Tokenizer, bytes_to_unicode
 
 TEXTS = [
     "Hello, world!",

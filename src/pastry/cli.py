@@ -162,13 +162,13 @@ def _engine_speed_options(p: argparse.ArgumentParser, compile_default: bool) -> 
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    from pastry.engine.config import CheckpointError, EngineConfig
     from pastry.engine.default_model import default_model
     from pastry.engine.generate import FusedGenerator, Request
-    from pastry.engine.handle import EngineError
-    from pastry.engine.remote import RemoteEngine
-    from pastry.engine.spawn import spawn_engine
-    from pastry.engine.tokenizer import Tokenizer
+    from pastry.wire.config import CheckpointError, EngineConfig
+    from pastry.wire.handle import EngineError
+    from pastry.wire.remote import RemoteEngine
+    from pastry.wire.spawn import spawn_engine
+    from pastry.wire.tokenizer import Tokenizer
 
     if args.max_tokens <= 0:
         print("pastry generate: error: --max-tokens must be positive", file=sys.stderr)
@@ -363,7 +363,7 @@ def _engine(args: argparse.Namespace) -> int:
     import secrets
 
     from pastry.engine import serve
-    from pastry.engine.auth import new_token
+    from pastry.wire.auth import new_token
 
     host = args.listen.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     if not args.listen.startswith("tcp://") or not host:

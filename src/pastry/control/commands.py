@@ -21,7 +21,7 @@ from typing import Any
 
 from pastry.api import ApiError
 from pastry.control.programs import Thread
-from pastry.engine.calls import (
+from pastry.wire.calls import (
     Call,
     CopyKv,
     EmbedTxt,

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from pastry.api import ApiError
-from pastry.engine.calls import mask_words
-from pastry.engine.tokenizer import Tokenizer
+from pastry.wire.calls import mask_words
+from pastry.wire.tokenizer import Tokenizer
 
 MAX_CONSTRAINTS = 64
 """Live constraint handles one instance may hold, unless its runner sets another limit."""

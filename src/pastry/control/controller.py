@@ -40,9 +40,9 @@ from pastry.control.session import Session
 from pastry.control.swap import KvSwapper
 from pastry.control.tokenization import Tokenization
 from pastry.control.users import LOCAL, Grants
-from pastry.engine.calls import EngineInfo
-from pastry.engine.handle import EngineHandle
-from pastry.engine.tokenizer import Tokenizer
+from pastry.wire.calls import EngineInfo
+from pastry.wire.handle import EngineHandle
+from pastry.wire.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from pastry.control.exports import Hold
 from pastry.control.handlers.caller import resource_call
 from pastry.control.model import Model
 from pastry.control.session import Session
-from pastry.engine.calls import SendKv, ids
+from pastry.wire.calls import SendKv, ids
 
 PREFILL_CHUNK = 2048  # tokens per forward of a remote_send's prefill
 

@@ -16,9 +16,9 @@ from pastry.control.resources import ResourceManager
 from pastry.control.scheduler import BatchScheduler
 from pastry.control.swap import KvSwapper
 from pastry.control.tokenization import Tokenization
-from pastry.engine.calls import EngineInfo
-from pastry.engine.handle import EngineHandle
-from pastry.engine.tokenizer import Tokenizer
+from pastry.wire.calls import EngineInfo
+from pastry.wire.handle import EngineHandle
+from pastry.wire.tokenizer import Tokenizer
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pastry.control.commands import Op
 from pastry.control.resources import Kind, ResourceError, ResourceManager
 from pastry.control.sampling import SampleSpec
 from pastry.control.steps import claim, sample_call
-from pastry.engine.calls import CopyKv, Dist, Forward, Logprobs, MaskKv, NextDist, Sample, ids
+from pastry.wire.calls import CopyKv, Dist, Forward, Logprobs, MaskKv, NextDist, Sample, ids
 
 
 def translate(res: ResourceManager, instance: int, kind: Kind, handles) -> list[int]:

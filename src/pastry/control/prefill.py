@@ -51,7 +51,7 @@ from pastry.control.prefix_cache import PrefixCache
 from pastry.control.provenance import KvProvenance
 from pastry.control.resources import ResourceManager
 from pastry.control.scheduler import BatchScheduler
-from pastry.engine.calls import Call, CallError, Forward
+from pastry.wire.calls import Call, CallError, Forward
 
 
 @dataclass

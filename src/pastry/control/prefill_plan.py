@@ -19,7 +19,7 @@ import numpy as np
 from pastry.control.commands import Command, CommandError, NotAdmitted, Op, Queue, Stage
 from pastry.control.prefix_cache import Match, RadixNode
 from pastry.control.resources import ResourceError
-from pastry.engine.calls import Call, CopyKv, EmbedTxt, Forward, MaskKv, ids
+from pastry.wire.calls import Call, CopyKv, EmbedTxt, Forward, MaskKv, ids
 
 
 @dataclass(eq=False)

@@ -45,7 +45,7 @@ import numpy as np
 from pastry.control import races
 from pastry.control.page_records import ROOT_KEY, KnownChains, PageRecord
 from pastry.control.races import MANY
-from pastry.engine.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn
+from pastry.wire.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn
 
 # Contexts of up to this many pages are walked in full (cheaper than looking them up).
 _WALKED = 4

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pastry.engine.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn
+from pastry.wire.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn
 
 MANY = object()  # written by more than one queue in the batch
 

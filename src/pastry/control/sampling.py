@@ -3,7 +3,7 @@
 :func:`sample_spec` is the boundary where a sampling record enters the control layer: it
 checks every field (:meth:`pastry.api.Sampling.check`, errors naming the field and what it
 takes), resolves the grammar constraint of ``constraint`` and builds what the engine's
-``Sample`` / ``NextDist`` calls take (:mod:`pastry.engine.calls`): the scalar parameters,
+``Sample`` / ``NextDist`` calls take (:mod:`pastry.wire.calls`): the scalar parameters,
 and the logit processing as int64 / float32 / int32 arrays. Ops keep the resulting
 :class:`SampleSpec` and build their calls from it per batch; ``None`` (no sampling record)
 is greedy with no processing, the fast path that builds nothing.
@@ -17,7 +17,7 @@ import numpy as np
 
 from pastry.api import ApiError, Sampling
 from pastry.control.constraints import HostConstraint
-from pastry.engine.calls import Sampled, ids
+from pastry.wire.calls import Sampled, ids
 
 
 class SampleSpec:

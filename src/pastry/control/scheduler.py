@@ -61,7 +61,7 @@ from pastry.control.forming import Forming, prepare
 from pastry.control.policies import Adaptive, BatchPolicy, Fcfs, SchedulePolicy
 from pastry.control.programs import ProcessTable, Thread
 from pastry.control.resources import ResourceError
-from pastry.engine.calls import (
+from pastry.wire.calls import (
     Call,
     CallError,
     Forward,

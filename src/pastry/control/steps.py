@@ -26,7 +26,7 @@ from pastry.control.commands import Command, Op
 from pastry.control.quotas import QuotaError
 from pastry.control.resources import QuotaExceeded, ResourceError, ResourceManager
 from pastry.control.sampling import SampleSpec
-from pastry.engine.calls import EmbedTxt, Forward, Sample, ids
+from pastry.wire.calls import EmbedTxt, Forward, Sample, ids
 
 
 def claim(res: ResourceManager, instance: int, pages: list[int]) -> None:

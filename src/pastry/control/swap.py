@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pastry.control.policies.memory import MemoryAdmission
 from pastry.control.resources import ResourceManager
 from pastry.control.scheduler import BatchScheduler
-from pastry.engine.calls import Call, SwapIn, SwapOut, ids
+from pastry.wire.calls import Call, SwapIn, SwapOut, ids
 
 MIN_RESIDENT_BATCHES = 8
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pastry.engine.tokenizer import Tokenizer
+from pastry.wire.tokenizer import Tokenizer
 
 NORMALIZE_FACTOR = 4  # input characters one token may cover per byte of its own (margin
 # for normalizers that compose characters)

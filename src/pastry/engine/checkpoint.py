@@ -1,11 +1,11 @@
 """Loading a checkpoint: a Hugging Face directory (Llama family, safetensors) or a GGUF file.
 
 :func:`load_checkpoint` reads what the control layer needs without touching the weights:
-the normalised :class:`~pastry.engine.config.ModelConfig` (with BOS/EOS resolved) and the
-:class:`~pastry.engine.tokenizer.Tokenizer`; :meth:`Checkpoint.load_state_dict` then reads the
+the normalised :class:`~pastry.wire.config.ModelConfig` (with BOS/EOS resolved) and the
+:class:`~pastry.wire.tokenizer.Tokenizer`; :meth:`Checkpoint.load_state_dict` then reads the
 weights by HF name, validated against the shapes the config implies (:func:`expected_shapes`).
 A ``.gguf`` file is handed to :mod:`pastry.engine.gguf`, which converts it once into a cached
-directory of the same form. Every error is a :class:`~pastry.engine.config.CheckpointError`
+directory of the same form. Every error is a :class:`~pastry.wire.config.CheckpointError`
 naming the file and the field or tensor. Importing this module does not import torch.
 """
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
-from pastry.engine.config import CheckpointError, ModelConfig
-from pastry.engine.tokenizer import Tokenizer
+from pastry.wire.config import CheckpointError, ModelConfig
+from pastry.wire.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch loads only when weights are read
     import torch

@@ -2,7 +2,7 @@
 
 ``Engine.execute(batch)`` validates each call (a bad call becomes a :class:`CallError`
 result and has no effect), then runs each run of consecutive same-type calls as one batched
-operation, in batch order. It is synchronous and single-threaded; ``engine/handle.py`` runs
+operation, in batch order. It is synchronous and single-threaded; ``wire/handle.py`` runs
 it on a worker thread, ``engine/serve.py`` serves it over ZeroMQ.
 """
 
@@ -23,7 +23,23 @@ import torch
 
 from pastry.engine import native
 from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
-from pastry.engine.calls import (
+from pastry.engine.compiled import CompiledDecode
+from pastry.engine.hugepages import huge_pages
+from pastry.engine.logits import (
+    LogitsProcessor,
+    log_softmax,
+    mask_allows_any,
+    needs_processing,
+    token_logprobs,
+    top_logprobs,
+)
+from pastry.engine.lora import Adapter, plan_adapters, use_adapters
+from pastry.engine.model import LlamaModel
+from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
+from pastry.engine.quant import Codes, Int4Codes, Int8Codes, kept_codes
+from pastry.engine.sampling import SamplingParams, sample, top_k_dist
+from pastry.engine.transfer import KvSender
+from pastry.wire.calls import (
     MAX_LOGPROBS,
     Call,
     CallError,
@@ -43,23 +59,7 @@ from pastry.engine.calls import (
     SwapOut,
     mask_words,
 )
-from pastry.engine.compiled import CompiledDecode
-from pastry.engine.config import EngineConfig, ModelConfig
-from pastry.engine.hugepages import huge_pages
-from pastry.engine.logits import (
-    LogitsProcessor,
-    log_softmax,
-    mask_allows_any,
-    needs_processing,
-    token_logprobs,
-    top_logprobs,
-)
-from pastry.engine.lora import Adapter, plan_adapters, use_adapters
-from pastry.engine.model import LlamaModel
-from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
-from pastry.engine.quant import Codes, Int4Codes, Int8Codes, kept_codes
-from pastry.engine.sampling import SamplingParams, sample, top_k_dist
-from pastry.engine.transfer import KvSender
+from pastry.wire.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pastry.engine.calls import Call, CallError, EmbedTxt, EngineInfo, Forward, Result, Sample, ids
+from pastry.wire.calls import Call, CallError, EmbedTxt, EngineInfo, Forward, Result, Sample, ids
 
 
 @dataclass

@@ -5,7 +5,7 @@ usually quantized, under llama.cpp's names. :func:`load_gguf` turns one into a
 :class:`~pastry.engine.checkpoint.Checkpoint` like a Hugging Face directory's:
 
 - **config**: ``{arch}.block_count``, ``{arch}.attention.head_count``, ... written as an HF
-  ``config.json`` and normalised by :class:`~pastry.engine.config.ModelConfig` (llama,
+  ``config.json`` and normalised by :class:`~pastry.wire.config.ModelConfig` (llama,
   mistral, qwen2, qwen3; q/k/v biases and q/k norms from the tensors present; tied
   embeddings when there is no ``output.weight``; Llama 3 RoPE scaling from ``rope_freqs``).
 - **tokenizer**: a ``tokenizers`` object rebuilt from ``tokenizer.ggml.*``: byte-level BPE
@@ -50,9 +50,9 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
 from pastry.engine.checkpoint import Checkpoint, expected_shapes, load_checkpoint, read_weights
-from pastry.engine.config import SUPPORTED_ARCHS, CheckpointError, ModelConfig
-from pastry.engine.tokenizer import set_special_post_processor
 from pastry.paths import models_dir, publish_dir
+from pastry.wire.config import SUPPORTED_ARCHS, CheckpointError, ModelConfig
+from pastry.wire.tokenizer import set_special_post_processor
 
 if TYPE_CHECKING:  # torch and gguf load only when a file is converted (not from the cache)
     import gguf

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pastry.engine.config import ModelConfig, RopeScaling
 from pastry.engine.layers import rope_inv_freq
+from pastry.wire.config import ModelConfig, RopeScaling
 
 # llama.cpp's general.file_type for the types written here
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pastry.engine import native
-from pastry.engine.config import ModelConfig
 from pastry.engine.quant import QuantizedWeight
+from pastry.wire.config import ModelConfig
 
 _HAS_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"

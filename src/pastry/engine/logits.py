@@ -1,7 +1,7 @@
 """Logit processing and log-probabilities on the device, for a batch of output rows.
 
 Each row of an output batch (a ``NextDist`` or ``Sample`` call, see
-:mod:`pastry.engine.calls`) may carry a token bitmask, a sparse logit bias and
+:mod:`pastry.wire.calls`) may carry a token bitmask, a sparse logit bias and
 repetition / frequency / presence penalties over a token history. :class:`LogitsProcessor`
 gathers them once per batch into a few device tensors and applies them in place, in vLLM's
 order: mask, bias, penalties. Rows without processing are untouched and cost nothing; rows

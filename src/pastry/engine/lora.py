@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-from pastry.engine.config import CheckpointError, ModelConfig
+from pastry.wire.config import CheckpointError, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

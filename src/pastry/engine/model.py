@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pastry.engine.attention import layer_done, paged_attention
-from pastry.engine.config import CheckpointError, ModelConfig
 from pastry.engine.layers import Linear, RMSNorm, RotaryEmbedding, apply_rope
 from pastry.engine.lora import DOWN, GATE_UP, OUT, QKV, add_lora
 from pastry.engine.quant import (
@@ -25,6 +24,7 @@ from pastry.engine.quant import (
     pack,
     quantize,
 )
+from pastry.wire.config import CheckpointError, ModelConfig
 
 
 class Attention(nn.Module):

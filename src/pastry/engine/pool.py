@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pastry.engine.config import EngineConfig, ModelConfig
+from pastry.wire.config import EngineConfig, ModelConfig
 
 
 def available_memory(device: torch.device) -> int:

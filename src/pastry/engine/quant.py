@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from pastry.engine import native
-from pastry.engine.config import CheckpointError
+from pastry.wire.config import CheckpointError
 
 if TYPE_CHECKING:
-    from pastry.engine.config import ModelConfig
+    from pastry.wire.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

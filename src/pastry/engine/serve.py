@@ -2,8 +2,8 @@
 
 ``python -m pastry.engine.serve --model DIR --endpoint ipc:///PATH`` (or ``tcp://HOST:PORT``)
 loads an engine and serves it until a ``SHUTDOWN`` request, SIGTERM, or (with
-``--exit-with-parent``, set by :func:`~pastry.engine.spawn.spawn_engine`) the parent's exit.
-Wire protocol: :mod:`pastry.engine.wire`.
+``--exit-with-parent``, set by :func:`~pastry.wire.spawn.spawn_engine`) the parent's exit.
+Wire protocol: :mod:`pastry.wire.protocol`.
 
 The server handles one request at a time, in arrival order. A malformed request gets an
 ``ERROR`` reply naming the problem; an exception inside ``engine.execute`` (a bug) turns
@@ -26,12 +26,12 @@ from typing import Any
 
 import zmq
 
-from pastry.engine.auth import secure_server, start_authenticator
-from pastry.engine.calls import Call, CallError
-from pastry.engine.codec import CodecError, Frames, decode_batch, encode_info, encode_results
-from pastry.engine.config import CheckpointError, EngineConfig
-from pastry.engine.handle import EngineLike, run_batch
-from pastry.engine.wire import OPS, Op, Status, parse_header, reply
+from pastry.wire.auth import secure_server, start_authenticator
+from pastry.wire.calls import Call, CallError
+from pastry.wire.codec import CodecError, Frames, decode_batch, encode_info, encode_results
+from pastry.wire.config import CheckpointError, EngineConfig
+from pastry.wire.handle import EngineLike, run_batch
+from pastry.wire.protocol import OPS, Op, Status, parse_header, reply
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ DEFAULT_ENGINE_FACTORY = "pastry.engine.engine:Engine.load"
 
 def serve(engine: EngineLike, endpoint: str, token: str | None = None) -> None:
     """Serve ``engine`` on ``endpoint`` (binds a ROUTER) until a SHUTDOWN request. With a
-    ``token``, only clients holding it can connect (:mod:`pastry.engine.auth`)."""
+    ``token``, only clients holding it can connect (:mod:`pastry.wire.auth`)."""
     ctx = zmq.Context()
     auth = start_authenticator(ctx, token)
     sock = ctx.socket(zmq.ROUTER)

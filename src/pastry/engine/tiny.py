@@ -29,8 +29,8 @@ from tokenizers import (
 )
 
 from pastry.engine.checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes
-from pastry.engine.config import ModelConfig
 from pastry.paths import models_dir, publish_dir
+from pastry.wire.config import ModelConfig
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SIZES = ("tiny", "small")

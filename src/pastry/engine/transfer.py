@@ -11,7 +11,7 @@ its pool (``prep_recv``) and the *sender* writes K/V straight into them, like an
   the pool while the engine keeps running its batches; the sender streams each layer as a
   msgpack header plus the raw K and V rows (``tcp://HOST:PORT`` peers).
 
-:class:`KvSender` runs the :class:`~pastry.engine.calls.SendKv` calls of a batch on a
+:class:`KvSender` runs the :class:`~pastry.wire.calls.SendKv` calls of a batch on a
 *communication thread*, the analogue of a communication stream: the engine declares a
 batch's sends before its forward (:meth:`KvSender.declare`, microserving's ``mark_send``),
 the model calls :meth:`KvSender.on_layer` after each decoder layer (through the forward
@@ -33,9 +33,9 @@ import numpy as np
 import torch
 import zmq
 
-from pastry.engine.auth import secure_client, secure_server, start_authenticator
-from pastry.engine.calls import SendKv
 from pastry.engine.pool import KvLayout, KvPool
+from pastry.wire.auth import secure_client, secure_server, start_authenticator
+from pastry.wire.calls import SendKv
 
 log = logging.getLogger(__name__)
 

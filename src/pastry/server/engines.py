@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pastry.control.users import LOCAL_USER, User
-from pastry.engine.config import EngineConfig
-from pastry.engine.handle import EngineHandle
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import EngineHandle
 
 if TYPE_CHECKING:
     from pastry.runtime.trusted import Instance
@@ -72,7 +72,7 @@ async def start_engines(server: PastryServer, model: Path) -> list[EngineHandle]
                 kw["token"] = cfg.engine_token
             handles.append(await server._start_engine(model, econf, **kw))
         for endpoint in cfg.remote_engines:
-            from pastry.engine.remote import RemoteEngine
+            from pastry.wire.remote import RemoteEngine
 
             handles.append(await RemoteEngine.connect(endpoint, token=cfg.engine_token))
     except BaseException:

@@ -3,7 +3,7 @@
 Ray places the processes; Pastry does the rest as for engines on one host. Each engine is
 an :class:`EngineActor` on some node of the cluster (``num_cpus`` each, the engine pinned
 to none: Ray's scheduler shares the node), which starts an engine server there
-(:func:`~pastry.engine.spawn.spawn_engine`) on ``tcp://NODE_IP:PORT``, token-authenticated,
+(:func:`~pastry.wire.spawn.spawn_engine`) on ``tcp://NODE_IP:PORT``, token-authenticated,
 with a shared-memory KV pool (engines on one node write K/V straight into each other) and a
 ``--kv-recv`` endpoint (engines on other nodes send it K/V over TCP). The control layer
 connects to each as to any remote engine. The model path must exist on every node.
@@ -22,8 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pastry.engine.config import EngineConfig
-from pastry.engine.handle import EngineHandle
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import EngineHandle
 
 if TYPE_CHECKING:
     from pastry.server.service import PastryServer
@@ -37,7 +37,7 @@ class EngineActor:
     def __init__(self, model: str, config: dict, token: str) -> None:
         import ray
 
-        from pastry.engine.spawn import spawn_engine
+        from pastry.wire.spawn import spawn_engine
 
         ip = ray.util.get_node_ip_address()
         with socket.socket() as s:  # a free port on the node's address
@@ -82,7 +82,7 @@ async def start_ray_engines(server: PastryServer, model: Path, n: int) -> list[E
         import ray
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'pastry[ray]' (the `ray` extra)") from None
-    from pastry.engine.remote import RemoteEngine
+    from pastry.wire.remote import RemoteEngine
 
     cfg = server.config
     token = cfg.engine_token or secrets.token_urlsafe(24)

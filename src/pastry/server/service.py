@@ -30,12 +30,12 @@ from pastry.control.policies import (
 )
 from pastry.control.quotas import Quotas
 from pastry.control.users import LOCAL_USER, Account, Directory, User, UsersError, check_token
-from pastry.engine.config import EngineConfig
-from pastry.engine.handle import EngineHandle
 from pastry.paths import programs_dir
 from pastry.runtime.trusted import Instance, TrustedRuntime
 from pastry.server.engines import start_engines, swap_router
 from pastry.server.registry import ProgramRegistry
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import EngineHandle
 
 log = logging.getLogger(__name__)
 
@@ -210,15 +210,15 @@ class PastryServer:
     async def _start_engine(self, model: Path, econf: EngineConfig, **spawn_kw) -> EngineHandle:
         if self.config.in_process:
             from pastry.engine.engine import Engine
-            from pastry.engine.handle import InProcessEngine
+            from pastry.wire.handle import InProcessEngine
 
             engine = Engine.load(model, econf)
             for name, path in self.config.adapters:
                 engine.load_adapter(path, name)
             self._in_process.append(engine)
             return InProcessEngine(engine)
-        from pastry.engine.remote import RemoteEngine
-        from pastry.engine.spawn import spawn_engine
+        from pastry.wire.remote import RemoteEngine
+        from pastry.wire.spawn import spawn_engine
 
         proc = spawn_engine(model, econf, adapters=self.config.adapters, **spawn_kw)
         self._procs.append(proc)

@@ -21,7 +21,7 @@ from pastry.control.handlers.registry import handles
 from pastry.control.ops import ForwardOp, MaskPage, NextDistOp, SampledOp, SampleOp, ScoringForward
 from pastry.control.sampling import Release, sample_spec
 from pastry.control.steps import Embed, SampledStep, Step
-from pastry.engine.calls import ids
+from pastry.wire.calls import ids
 
 _I64 = 1 << 63
 _NO_TARGETS = ids(())

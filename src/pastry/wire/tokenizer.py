@@ -25,7 +25,7 @@ import tokenizers
 import tokenizers.processors
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from pastry.engine.config import CheckpointError
+from pastry.wire.config import CheckpointError
 
 # The named special tokens transformers reads from tokenizer_config.json, in its order.
 SPECIAL_TOKEN_NAMES = (

@@ -1,15 +1,15 @@
-"""The wire protocol between an engine client (:mod:`pastry.engine.remote`) and server
+"""The wire protocol between an engine client (:mod:`pastry.wire.remote`) and server
 (:mod:`pastry.engine.serve`), over ZeroMQ DEALER (client) -> ROUTER (server).
 
 Every message is a list of frames:
 
 - request: ``[msgpack([op, request_id]), *payload]`` with ``op`` an :class:`Op`;
-  the payload of ``EXECUTE`` is :func:`~pastry.engine.codec.encode_batch`, others have none.
+  the payload of ``EXECUTE`` is :func:`~pastry.wire.codec.encode_batch`, others have none.
 - reply: ``[msgpack([status, request_id, error_text | None]), *payload]``; the payload of
-  ``INFO`` is :func:`~pastry.engine.codec.encode_info`, of ``EXECUTE``
-  :func:`~pastry.engine.codec.encode_results`.
+  ``INFO`` is :func:`~pastry.wire.codec.encode_info`, of ``EXECUTE``
+  :func:`~pastry.wire.codec.encode_results`.
 
-The payloads are :mod:`pastry.engine.codec`'s; this module owns only the headers.
+The payloads are :mod:`pastry.wire.codec`'s; this module owns only the headers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from pastry.engine.codec import CodecError, Frames
+from pastry.wire.codec import CodecError, Frames
 
 
 class Op(IntEnum):

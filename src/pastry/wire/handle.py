@@ -2,8 +2,8 @@
 
 :class:`EngineHandle` is the interface (the controller types its engines as handles).
 :class:`InProcessEngine` runs an engine on a worker thread of this process;
-:class:`~pastry.engine.remote.RemoteEngine` talks to an engine server in another process
-(:mod:`pastry.engine.serve`, started by :func:`~pastry.engine.spawn.spawn_engine`).
+:class:`~pastry.wire.remote.RemoteEngine` talks to an engine server in another process
+(:mod:`pastry.engine.serve`, started by :func:`~pastry.wire.spawn.spawn_engine`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from pastry.engine.calls import Call, CallError, EngineInfo, Result
+from pastry.wire.calls import Call, CallError, EngineInfo, Result
 
 log = logging.getLogger(__name__)
 

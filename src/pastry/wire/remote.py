@@ -1,5 +1,5 @@
 """A client of an engine server (:mod:`pastry.engine.serve`) over ZeroMQ: IPC on one host,
-TCP across hosts (wire protocol: :mod:`pastry.engine.wire`)."""
+TCP across hosts (wire protocol: :mod:`pastry.wire.protocol`)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pastry.engine.auth import secure_client
-from pastry.engine.calls import Call, EngineInfo, Result
-from pastry.engine.codec import CodecError, Frames, decode_info, decode_results, encode_batch
-from pastry.engine.handle import EngineDied, EngineError, EngineHandle, EngineTimeout
-from pastry.engine.wire import Op, Status, no_payload, parse_header, request
+from pastry.wire.auth import secure_client
+from pastry.wire.calls import Call, EngineInfo, Result
+from pastry.wire.codec import CodecError, Frames, decode_info, decode_results, encode_batch
+from pastry.wire.handle import EngineDied, EngineError, EngineHandle, EngineTimeout
+from pastry.wire.protocol import Op, Status, no_payload, parse_header, request
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any, Final
 import msgpack
 import numpy as np
 
-from pastry.engine.calls import (
+from pastry.wire.calls import (
     CALL_TYPES,
     Call,
     CallError,

@@ -2,7 +2,7 @@
 
 :func:`spawn_engine` runs ``python -m pastry.engine.serve``, waits until it answers a ping
 and returns an :class:`EngineProcess`; connect to its ``endpoint`` with
-:class:`~pastry.engine.remote.RemoteEngine`.
+:class:`~pastry.wire.remote.RemoteEngine`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import zmq
 
-from pastry.engine.auth import secure_client
-from pastry.engine.config import EngineConfig
-from pastry.engine.handle import EngineStartError
-from pastry.engine.wire import Op, Status, parse_header, request
+from pastry.wire.auth import secure_client
+from pastry.wire.config import EngineConfig
+from pastry.wire.handle import EngineStartError
+from pastry.wire.protocol import Op, Status, parse_header, request
 
 log = logging.getLogger(__name__)
 
