@@ -581,7 +581,7 @@ def test_engines_on_two_hosts_send_kv_over_tcp(make_tiny, tmp_path, single_engin
                                    engine_token="t0k")  # fmt: skip
             try:
                 first, second = server.controller.engines[server.models[0]]
-                assert server.controller.routing.peer(first, second).startswith("tcp://")
+                assert server.controller.routing.transfers.peer(first, second).startswith("tcp://")
                 return await _complete(server, PROMPTS)
             finally:
                 await server.stop()

@@ -482,8 +482,8 @@ def test_the_race_free_check_sees_every_kind_of_race():
 def full_walk(num_pages: int = 40) -> KvProvenance:
     """A provenance that knows no chain: every step walks its whole context (as before)."""
     p = prov_n(num_pages)
-    p._known = lambda ctx: (None, 0)  # type: ignore[method-assign]
-    p._remember = lambda *args: None  # type: ignore[method-assign]
+    p.chains.known = lambda ctx: (None, 0)  # type: ignore[method-assign]
+    p.chains.remember = lambda *args: None  # type: ignore[method-assign]
     return p
 
 
@@ -538,19 +538,26 @@ def test_a_write_in_the_middle_of_a_known_chain_is_caught():
             for n in range(25, 27):
                 decode(p, pages, n, 50 + n, 30)
             assert p.certified([6]) == [3]
-            assert not known or p._chains[5].pages == [0, 1, 2, 3, 4, 5]  # the steps know them
+            assert not known or p.chains.chains[5].pages == [
+                0,
+                1,
+                2,
+                3,
+                4,
+                5,
+            ]  # the steps know them
             p.observe(write(p))
             decode(p, pages, 27, 65, 30)
             assert p.certified([6]) == [3], name  # the step is not certified
             assert p.record(0).tokens == (1, 2, 3, 4)
-            assert 5 not in p._chains
+            assert 5 not in p.chains.chains
             p.check_chains()
     # a context that names another page in the middle: not certified, even after a known
     # chain of the right one
     p = prov_n(16)
     p.observe([(Q1, embed(toks, 0, range(25))), (Q1, fwd(range(25), out=pages[:7]))])
     decode(p, pages, 25, 9, 30)
-    assert p._chains[5].pages == [0, 1, 2, 3, 4, 5]
+    assert p.chains.chains[5].pages == [0, 1, 2, 3, 4, 5]
     other = [0, 1, 10, 3, 4, 5, 6]
     p.observe([(Q1, embed([8], 26, [31])), (Q1, fwd([31], other, 2, [6], 2))])
     assert p.certified([6]) == [2]
@@ -738,14 +745,14 @@ def test_known_chains_certify_exactly_what_a_full_walk_does(seed, walked, monkey
     monkeypatch.setattr(provenance, "_WALKED", walked)
     fast, slow = prov_n(40), full_walk()
     work = Sequences(seed)
-    real, reused = fast._known, []
+    real, reused = fast.chains.known, []
 
     def known(ctx):
         c, start = real(ctx)
         reused.append((start, len(ctx)))
         return c, start
 
-    fast._known = known  # type: ignore[method-assign]
+    fast.chains.known = known  # type: ignore[method-assign]
     for _ in range(1500):
         calls = work.batch()
         for p in (fast, slow):
@@ -761,14 +768,14 @@ def test_known_chains_certify_exactly_what_a_full_walk_does(seed, walked, monkey
 
 
 def test_the_race_lookup_for_long_contexts_is_the_plain_one():
-    """``_reads_raced`` looks a long context up the other way round (the few pages a batch
+    """``reads_raced`` looks a long context up the other way round (the few pages a batch
     writes in it): the same answer as asking page by page."""
-    from pastry.control.provenance import _MANY, _reads_raced
+    from pastry.control.races import MANY, reads_raced
 
     rng = random.Random(0)
     q, other = Q(1), Q(2)
     for _ in range(3000):
-        table = {rng.randrange(40): rng.choice([q, other, _MANY]) for _ in range(rng.randint(0, 6))}
+        table = {rng.randrange(40): rng.choice([q, other, MANY]) for _ in range(rng.randint(0, 6))}
         keys = rng.sample(range(40), rng.randint(0, 30))
         plain = any(table.get(k) is not None and table[k] is not q for k in keys)
-        assert _reads_raced(table, ids(keys), q) == plain
+        assert reads_raced(table, ids(keys), q) == plain
