@@ -45,7 +45,10 @@ from pastry.server.openai_tools import RequiredCalls, ToolCall, new_call_id, par
 from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 
-__all__ = ["MAX_N", "Job", "OpenAIError", "routes"]
+__all__ = [
+    "MAX_N", "ChoiceStream", "Job", "JobRun", "OpenAIError", "admit", "chat_message",
+    "instance_error", "model_name", "read_body", "routes",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +75,17 @@ def routes(server: PastryServer) -> list[Route]:
 
     async def model(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(card(_model(server, {"model": request.path_params["model"]})))
+            return JSONResponse(card(model_name(server, {"model": request.path_params["model"]})))
         except OpenAIError as e:
             return _error_response(e)
 
     def endpoint(parse, name: str):
         async def run(request: Request):
             try:
-                body = await _body(request)
-                m = server.controller.models[_model(server, body)]
+                body = await read_body(request)
+                m = server.controller.models[model_name(server, body)]
                 job = await asyncio.to_thread(parse, m, body)  # issue 17: tokenizes off the loop
-                _admit(server, request, job, body)
+                admit(server, request, job, body)
             except OpenAIError as e:
                 metrics.request_done(name, e.status)
                 return _error_response(e)
@@ -93,8 +96,8 @@ def routes(server: PastryServer) -> list[Route]:
 
     async def tokenize(request: Request) -> JSONResponse:
         try:
-            body = await _body(request)
-            m = server.controller.models[_model(server, body, optional=True)]
+            body = await read_body(request)
+            m = server.controller.models[model_name(server, body, optional=True)]
             tokens = await asyncio.to_thread(_tokenize, m, body)  # issue 17: off the loop
         except OpenAIError as e:
             return _error_response(e)
@@ -110,8 +113,8 @@ def routes(server: PastryServer) -> list[Route]:
 
     async def detokenize(request: Request) -> JSONResponse:
         try:
-            body = await _body(request)
-            m = server.controller.models[_model(server, body, optional=True)]
+            body = await read_body(request)
+            m = server.controller.models[model_name(server, body, optional=True)]
             tokens = body.get("tokens")
             vocab = m.info.vocab_size
             if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
@@ -176,7 +179,7 @@ def _tokenize(m, body: dict) -> list[int]:
 # ---------------------------------------------------------------------- tenant limits (issue 17)
 
 
-def _admit(server: PastryServer, request: Request, job: Job, body: dict) -> None:
+def admit(server: PastryServer, request: Request, job: Job, body: dict) -> None:
     """Prompts x choices under the per-request cap; instances under the user's quota."""
     limit = server.config.quotas.request_choices
     per = max(job.n, body.get("best_of") or 1)
@@ -194,7 +197,7 @@ def _admit(server: PastryServer, request: Request, job: Job, body: dict) -> None
         raise OpenAIError(str(e), None, 429, "quota_exceeded", "rate_limit_error") from None
 
 
-async def _body(request: Request) -> dict:
+async def read_body(request: Request) -> dict:
     try:
         body = await request.json()
     except ValueError as e:
@@ -204,7 +207,7 @@ async def _body(request: Request) -> dict:
     return body
 
 
-def _model(server: PastryServer, body: dict, optional: bool = False) -> str:
+def model_name(server: PastryServer, body: dict, optional: bool = False) -> str:
     name = body.get("model")
     served = ", ".join(server.models)
     if name is None and optional:
@@ -303,14 +306,17 @@ class JobRun:
 
     prefix = "req-"
 
-    def __init__(self, server: PastryServer, job: Job, session: str | None = None) -> None:
+    def __init__(
+        self, server: PastryServer, job: Job, session: str | None = None, endpoint: str = ""
+    ) -> None:
         self.server = server
         self.job = job
         self.id = self.prefix + uuid.uuid4().hex
         self.program = session or f"request:{self.id}"  # its entry in the process table
         self.created = int(time.time())
         self.writer = Writer(server.controller.models[job.model].tokenizer, job)
-        self.clock = metrics.RequestClock(job.endpoint)
+        self.endpoint = endpoint or job.endpoint  # for the metrics
+        self.clock = metrics.RequestClock(self.endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         user = user_of(scope)
@@ -354,7 +360,7 @@ class Run(JobRun):
                 case Finished(result):
                     results[k] = json.loads(result)
                 case Failed() | Terminated():
-                    error = _instance_error(ev)
+                    error = instance_error(ev)
                     metrics.request_done(self.job.endpoint, error.status)
                     await send_json(send, error.status, error.body())
                     return
@@ -447,7 +453,7 @@ class Run(JobRun):
                             await emit(self._chunk(i, delta, end, lps))
                     left -= 1
                 case Failed() | Terminated():
-                    error = _instance_error(ev)
+                    error = instance_error(ev)
                     metrics.request_done(self.job.endpoint, error.status)
                     await emit(error.body())
                     failed = True
@@ -496,6 +502,7 @@ def chat_message(job: Job, text: str, finish: str) -> tuple[dict, str]:
         return message, finish
     if tools.mode == "auto":
         content, calls = tools.fmt.parse(text)
+        calls = calls if tools.parallel else calls[:1]  # parallel_tool_calls false: one
     elif tools.mode == "named":
         content, calls = None, [ToolCall(tools.name, text, new_call_id())]
     else:  # the complete calls, also of an output cut short by max_tokens
@@ -556,9 +563,11 @@ class ChoiceStream:
         out: list[tuple[Any, dict | None]] = []
         if shown or lps:
             out.append((shown, lps))
-        for c in calls:
+        for c in calls if tools.parallel or not self.calls else []:
             out.append(({"tool_calls": [c.to_openai(self.calls)]}, None))
             self.calls += 1
+            if not tools.parallel:
+                break
         return out
 
     def finish(self, c: dict, finish: str) -> list[tuple[Any, dict | None, str | None]]:
@@ -586,7 +595,7 @@ class ChoiceStream:
         return out
 
 
-def _instance_error(ev: Failed | Terminated) -> OpenAIError:
+def instance_error(ev: Failed | Terminated) -> OpenAIError:
     if isinstance(ev, Terminated):
         return OpenAIError(f"the request was ended: {ev.reason}", None, 503, None, "server_error")
     log.warning("a built-in inferlet failed:\n%s", ev.error)

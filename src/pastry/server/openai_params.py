@@ -79,6 +79,7 @@ class Tools:
 
     mode: str  # "auto" (parse the model's format), "required" (a JSON array), "named"
     name: str | None = None  # the function, when named
+    parallel: bool = True  # False: at most one call
     fmt: ToolCallFormat = field(default=TOOL_FORMAT)
 
 
@@ -199,9 +200,8 @@ def parse_chat(
             [tool] = [t for t in tool_list if t["function"]["name"] == tools.name]
             opts["grammar"] = {"json_schema": named_schema(tool)}
         else:
-            parallel = _get(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")  # fmt: skip
-            opts["grammar"] = {"json_schema": required_schema(tool_list, parallel)}
-            opts["stop_repeated_item"] = parallel  # a repeated call ends the array
+            opts["grammar"] = {"json_schema": required_schema(tool_list, tools.parallel)}
+            opts["stop_repeated_item"] = tools.parallel  # a repeated call ends the array
         _compile("tools", opts["grammar"])
     opts.update(kv_import=kv_import, **(options or {}))
     args = (json.dumps({"prompt": prompt, **opts}),)
@@ -436,8 +436,9 @@ def _tools(body: dict) -> tuple[Tools | None, str | None, list[dict]]:
         return None, None, tools
     if not tools:
         raise OpenAIError("'tool_choice' needs 'tools'", "tool_choice")
+    parallel = _get(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")
     if choice in ("auto", "required"):
-        return Tools(choice), choice, tools
+        return Tools(choice, parallel=parallel), choice, tools
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in names:
@@ -573,6 +574,12 @@ def _encode(model, texts: list[str], what: str, start: bool = False) -> list[lis
 def _check_length(length: int, max_tokens: int, max_position: int, what: str, name: str) -> None:
     if length == 0:
         raise OpenAIError(f"'{what}' is empty: give at least one token to continue from", what)
+    if length >= max_position:  # the prompt alone leaves no room
+        raise OpenAIError(
+            f"this model's maximum context length is {max_position} tokens, but the {what} has "
+            f"{length}: shorten the {what}",
+            what,
+        )
     if length + max(max_tokens, 1) > max_position:
         raise OpenAIError(
             f"this model's maximum context length is {max_position} tokens, but the {what} has "
