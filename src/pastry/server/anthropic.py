@@ -35,6 +35,7 @@ from pastry.server.auth import tenant_session
 from pastry.server.openai import (
     ChoiceStream,
     JobRun,
+    adapter_name,
     admit,
     chat_message,
     instance_error,
@@ -218,7 +219,7 @@ def _output_format(config: Any) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def parse_messages(model, body: dict) -> Job:
+def parse_messages(model, body: dict, adapter: str | None = None) -> Job:
     for name in body:
         if name not in FIELDS and body[name] is not None:
             raise _error(f"'{name}' is not supported by this server", name)
@@ -257,7 +258,7 @@ def parse_messages(model, body: dict) -> Job:
         "response_format": _output_format(body.get("output_config")),
     }
     try:
-        return parse_chat(model, {k: v for k, v in chat.items() if v is not None})
+        return parse_chat(model, {k: v for k, v in chat.items() if v is not None}, adapter=adapter)
     except OpenAIError as e:
         message, param = str(e), e.param
         for ours, theirs in _CHAT_NAMES.items():
@@ -325,7 +326,7 @@ class MessagesRun(JobRun):
             "id": self.id,
             "type": "message",
             "role": "assistant",
-            "model": self.job.model,
+            "model": self.job.served,
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
@@ -438,7 +439,7 @@ def routes(server: PastryServer) -> list[Route]:
         try:
             body = await read_body(request)
             m = server.controller.models[model_name(server, body)]
-            job = await asyncio.to_thread(parse_messages, m, body)
+            job = await asyncio.to_thread(parse_messages, m, body, adapter_name(server, body))
             admit(server, request, job, body)
         except OpenAIError as e:
             metrics.request_done(ENDPOINT, e.status)

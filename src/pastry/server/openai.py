@@ -24,12 +24,13 @@ from collections.abc import Awaitable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
+from pastry.engine.handle import EngineError
 from pastry.runtime.trusted import Instance
 from pastry.server import metrics
 from pastry.server.auth import tenant_session, user_of
@@ -46,7 +47,7 @@ from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 
 __all__ = [
-    "MAX_N", "ChoiceStream", "Job", "JobRun", "OpenAIError", "admit", "chat_message",
+    "MAX_N", "ChoiceStream", "Job", "JobRun", "OpenAIError", "adapter_name", "admit", "chat_message",
     "instance_error", "model_name", "read_body", "routes",
 ]  # fmt: skip
 
@@ -60,31 +61,85 @@ def _error_response(e: OpenAIError) -> JSONResponse:
 def routes(server: PastryServer) -> list[Route]:
     created = int(time.time())
 
+    lora_paths = {name: str(path) for name, path in server.config.adapters}
+
     def card(name: str) -> dict:
-        info = server.controller.models[name].info
-        return {
+        base = name if name in server.controller.models else adapters(server)[name]
+        info = server.controller.models[base].info
+        out = {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "pastry",
             "max_model_len": info.max_position,
         }
+        if base != name:  # a LoRA adapter, as vLLM lists them
+            out.update(root=lora_paths.get(name), parent=base)
+        return out
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card(m) for m in server.models]})
+        names = [*server.models, *adapters(server)]
+        return JSONResponse({"object": "list", "data": [card(m) for m in names]})
 
     async def model(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(card(model_name(server, {"model": request.path_params["model"]})))
+            name = request.path_params["model"]
+            model_name(server, {"model": name})
+            return JSONResponse(card(name))
         except OpenAIError as e:
             return _error_response(e)
+
+    async def load_lora(request: Request):
+        """vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (a PEFT
+        directory on the server), on every engine of the model (``"model"``, default the
+        first); operators only."""
+        try:
+            body = await lora_request(request, ("lora_name", "lora_path"))
+            name, path = body["lora_name"], body["lora_path"]
+            if name in server.controller.models or name in adapters(server):
+                raise OpenAIError(f"the name '{name}' is already taken by a model or adapter", "lora_name")  # fmt: skip
+            base = model_name(server, {"model": body.get("model")}, optional=True)
+            try:
+                await server.controller.load_adapter(base, name, path)
+            except (ValueError, OSError, EngineError) as e:
+                raise OpenAIError(f"cannot load '{path}' as a LoRA adapter: {e}", "lora_path") from None  # fmt: skip
+        except OpenAIError as e:
+            return _error_response(e)
+        lora_paths[name] = path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(request: Request):
+        try:
+            body = await lora_request(request, ("lora_name",))
+            name = body["lora_name"]
+            base = adapters(server).get(name)
+            if base is None:
+                raise OpenAIError(f"no LoRA adapter named '{name}' is loaded", "lora_name", 404, "model_not_found")  # fmt: skip
+            await server.controller.unload_adapter(base, name)
+        except OpenAIError as e:
+            return _error_response(e)
+        lora_paths.pop(name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def lora_request(request: Request, needed: tuple[str, ...]) -> dict:
+        if not user_of(request.scope).operator:
+            raise OpenAIError("loading and unloading adapters is for operators", None, 403, None, "permission_error")  # fmt: skip
+        body = await read_body(request)
+        for key in body:
+            if key not in (*needed, "model", "load_inplace") or (key == "load_inplace" and body[key]):  # fmt: skip
+                raise OpenAIError(f"'{key}' is not supported by this server", key)
+        for key in needed:
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise OpenAIError(f"'{key}' is required (a string)", key)
+        return body
 
     def endpoint(parse, name: str):
         async def run(request: Request):
             try:
                 body = await read_body(request)
                 m = server.controller.models[model_name(server, body)]
-                job = await asyncio.to_thread(parse, m, body)  # issue 17: tokenizes off the loop
+                adapter = adapter_name(server, body)
+                job = await asyncio.to_thread(parse, m, body, adapter=adapter)  # off the loop
                 admit(server, request, job, body)
             except OpenAIError as e:
                 metrics.request_done(name, e.status)
@@ -145,6 +200,8 @@ def routes(server: PastryServer) -> list[Route]:
             endpoint(parse_chat, "/v1/chat/completions"),
             methods=["POST"],
         ),
+        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
@@ -208,13 +265,18 @@ async def read_body(request: Request) -> dict:
 
 
 def model_name(server: PastryServer, body: dict, optional: bool = False) -> str:
+    """The served model ``body["model"]`` names: a model, or a LoRA adapter of one (then
+    its base model; :func:`adapter_name` says which adapter)."""
     name = body.get("model")
-    served = ", ".join(server.models)
+    served = ", ".join([*server.models, *adapters(server)])
     if name is None and optional:
         return server.controller.default_model
     if not isinstance(name, str):
         raise OpenAIError(f"'model' is required: one of {served}", "model")
     if name not in server.controller.models:
+        base = adapters(server).get(name)
+        if base is not None:
+            return base
         raise OpenAIError(
             f"The model '{name}' does not exist; this server serves {served}",
             "model",
@@ -222,6 +284,19 @@ def model_name(server: PastryServer, body: dict, optional: bool = False) -> str:
             "model_not_found",
         )
     return name
+
+
+def adapters(server: PastryServer) -> dict[str, str]:
+    """Every loaded LoRA adapter's name -> its base model."""
+    return {a: name for name, m in server.controller.models.items() for a in m.adapters}
+
+
+def adapter_name(server: PastryServer, body: dict) -> str | None:
+    """The LoRA adapter ``body["model"]`` names (None: a base model)."""
+    name = body.get("model")
+    if not isinstance(name, str) or name in server.controller.models:
+        return None
+    return name if name in adapters(server) else None
 
 
 # ---------------------------------------------------------------------- writing answers
@@ -375,7 +450,7 @@ class Run(JobRun):
             "id": self.id,
             "object": "chat.completion" if self.job.chat else "text_completion",
             "created": self.created,
-            "model": self.job.model,
+            "model": self.job.served,
             "system_fingerprint": None,
             "choices": choices,
             "usage": usage,
@@ -483,7 +558,7 @@ class Run(JobRun):
             "id": self.id,
             "object": "chat.completion.chunk" if self.job.chat else "text_completion",
             "created": self.created,
-            "model": self.job.model,
+            "model": self.job.served,
             "system_fingerprint": None,
             "choices": [choice],
         }

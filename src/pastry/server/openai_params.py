@@ -97,6 +97,12 @@ class Job:
     echo: bool = False
     tools: Tools | None = None
     prompt_text: str | None = None  # a chat's rendered prompt
+    adapter: str | None = None  # the LoRA adapter the request named as its model
+
+    @property
+    def served(self) -> str:
+        """The model name answers carry: the one the request gave."""
+        return self.adapter or self.model
 
     @property
     def program(self) -> str:
@@ -107,8 +113,9 @@ class Job:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
-def parse_completion(model, body: dict) -> Job:
-    """``model``: the served model (``controller.models[name]``)."""
+def parse_completion(model, body: dict, adapter: str | None = None) -> Job:
+    """``model``: the served model (``controller.models[name]``); ``adapter``: one of its
+    LoRA adapters, applied to every forward."""
     _known(body, COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"), model)
     echo = _get(body, "echo", bool, False, lambda v: True, "true or false")
@@ -127,10 +134,12 @@ def parse_completion(model, body: dict) -> Job:
     if best_of is not None and best_of > opts["n"] and opts["stream"]:
         raise OpenAIError("'best_of' greater than 'n' cannot be streamed", "best_of")
     opts["best_of"] = best_of
+    opts["adapter"] = adapter
     args = tuple(json.dumps({"prompt": p, **opts}) for p in prompts)
     return Job(
-        False, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs, echo
-    )
+        False, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs, echo,
+        adapter=adapter,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,7 @@ def parse_chat(
     fields: frozenset[str] | None = None,
     history: History | None = None,
     options: dict | None = None,
+    adapter: str | None = None,
 ) -> Job:
     """``fields``: what the body may hold (default :data:`CHAT_FIELDS`). ``history``: when
     the rendered prompt starts with its text, the prompt is its tokens plus the rest
@@ -203,11 +213,11 @@ def parse_chat(
             opts["grammar"] = {"json_schema": required_schema(tool_list, tools.parallel)}
             opts["stop_repeated_item"] = tools.parallel  # a repeated call ends the array
         _compile("tools", opts["grammar"])
-    opts.update(kv_import=kv_import, **(options or {}))
+    opts.update(kv_import=kv_import, adapter=adapter, **(options or {}))
     args = (json.dumps({"prompt": prompt, **opts}),)
     return Job(
         True, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs,
-        tools=tools, prompt_text=text,
+        tools=tools, prompt_text=text, adapter=adapter,
     )  # fmt: skip
 
 

@@ -50,6 +50,7 @@ from pastry.server.auth import tenant_session, user_of
 from pastry.server.openai import (
     ChoiceStream,
     JobRun,
+    adapter_name,
     admit,
     chat_message,
     instance_error,
@@ -95,6 +96,7 @@ class Stored:
     conversation: list[dict]
     history: History | None
     model: str
+    served: str = ""  # the model name it was asked for (a LoRA adapter's, or the model's)
 
 
 @dataclass
@@ -155,8 +157,11 @@ class Spec:
     obfuscate: bool
 
 
-def parse_response(model, body: dict, store: ResponseStore, user: str) -> Spec:
-    """``model``: the served model; errors are :class:`OpenAIError` naming the field."""
+def parse_response(
+    model, body: dict, store: ResponseStore, user: str, adapter: str | None = None
+) -> Spec:
+    """``model``: the served model, ``adapter``: its LoRA adapter the request names (if
+    any); errors are :class:`OpenAIError` naming the field."""
     for name in body:
         if name not in FIELDS and body[name] is not None:
             raise _error(f"'{name}' is not supported by this server", name)
@@ -230,10 +235,12 @@ def parse_response(model, body: dict, store: ResponseStore, user: str) -> Spec:
     if not isinstance(obfuscate, bool):
         raise _error("'stream_options.include_obfuscation' must be true or false", "stream_options")  # fmt: skip
     rid = "resp_" + uuid.uuid4().hex
-    history = previous.history if previous else None
+    served = adapter or model.name
+    # KV computed with another adapter (or without one) is not this request's
+    history = previous.history if previous and previous.served == served else None
     options = {"kv_export": f"responses/{rid}"} if stored else None
     try:
-        job = parse_chat(model, {k: v for k, v in chat.items() if v is not None}, history=history, options=options)  # fmt: skip
+        job = parse_chat(model, {k: v for k, v in chat.items() if v is not None}, history=history, options=options, adapter=adapter)  # fmt: skip
     except OpenAIError as e:
         raise _renamed(e) from None
     if job.n != 1:  # never: Responses has no n
@@ -244,7 +251,7 @@ def parse_response(model, body: dict, store: ResponseStore, user: str) -> Spec:
         "max_output_tokens": max_out,
         "max_tool_calls": None,
         "metadata": metadata,
-        "model": model.name,
+        "model": served,
         "parallel_tool_calls": body.get("parallel_tool_calls", True) is not False,
         "previous_response_id": prev_id,
         "reasoning": {"effort": None, "summary": None},
@@ -519,7 +526,7 @@ class ResponsesRun(JobRun):
         # the answer as the model wrote it: what the follow-up's prompt shows it
         answer = {"role": "assistant", "content": text, "raw": True}
         conversation = [*self.spec.conversation, answer]
-        self.store.put(self.user, self.id, Stored(body, self.spec.input_items, conversation, history, self.job.model))  # fmt: skip
+        self.store.put(self.user, self.id, Stored(body, self.spec.input_items, conversation, history, self.job.model, self.job.served))  # fmt: skip
         self.kept = True
 
     def output_items(self, c: dict) -> tuple[list[dict], str]:
@@ -677,7 +684,8 @@ def routes(server: PastryServer) -> list[Route]:
         try:
             body = await read_body(request)
             m = server.controller.models[model_name(server, body)]
-            spec = await asyncio.to_thread(parse_response, m, body, store, user)
+            adapter = adapter_name(server, body)
+            spec = await asyncio.to_thread(parse_response, m, body, store, user, adapter)
             admit(server, request, spec.job, body)
         except OpenAIError as e:
             metrics.request_done(ENDPOINT, e.status)
