@@ -123,6 +123,7 @@ def test_load_select_batch_and_unload(setup):
     # the base request again reuses its cache; the adapter's K/V never entered it
     r = complete(url, base)
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert r["choices"][0]["text"] == want_base
     assert complete(url, "ad")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
     # the other endpoints select it by model= too
