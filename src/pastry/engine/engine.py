@@ -246,7 +246,8 @@ class Engine:
 
     def _adapter_ids(self) -> str:
         ids = [i for i, a in enumerate(self._adapters) if a is not None]
-        loaded = f"{ids} for the {len(ids)} loaded adapters" if ids else "no adapter is loaded"
+        spans = f"0..{len(ids) - 1}" if ids == list(range(len(ids))) else ", ".join(map(str, ids))
+        loaded = f"{spans} for the {len(ids)} loaded adapters" if ids else "no adapter is loaded"
         return f"valid ids: -1 for the base model, {loaded}"
 
     # ------------------------------------------------------------------ execution
