@@ -7,6 +7,9 @@ With tokens configured (``--auth-token``, ``--users``), every HTTP request must 
 ``Authorization: Bearer <token>`` and every WebSocket connection must authenticate first;
 the token names the user the request is for (``server/auth.py``). Every HTTP request then
 passes :class:`~pastry.server.limits.RequestLimits` (body size, JSON depth, Unicode).
+Outermost, :class:`~pastry.server.errors.RequestIds` gives every request an id
+(``X-Request-Id``) and logs every 5xx answer under it, with the traceback the client does
+not get.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from starlette.routing import Route
 
 from pastry.server import metrics, microserving, openai, sglang_api, ws
 from pastry.server.auth import BearerAuth
+from pastry.server.errors import RequestIds
 from pastry.server.limits import RequestLimits
 from pastry.server.service import PastryServer, ServerConfig
 
@@ -50,6 +54,7 @@ def create_app(server: PastryServer) -> Starlette:
     routes += metrics.routes()
     routes += microserving.routes(server)  # microserving's engine calls, the router
     middleware = [  # outermost first: nobody's body is read before they authenticate
+        Middleware(RequestIds),  # every answer has an id; every 5xx is logged under it
         Middleware(BearerAuth, server=server),
         Middleware(RequestLimits, quotas=server.config.quotas),
     ]

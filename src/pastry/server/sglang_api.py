@@ -33,6 +33,7 @@ from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import MAX_LOGPROBS, check
 from pastry.runtime.trusted import Instance
+from pastry.server import errors
 from pastry.server.auth import tenant_session, user_of
 from pastry.server.limits import token_counts
 from pastry.server.relay import Events, relay, send_json
@@ -438,5 +439,7 @@ class Generate:
 def _failure(ev: Failed | Terminated) -> tuple[int, str]:
     if isinstance(ev, Terminated):
         return 503, f"the request was ended: {ev.reason}"
-    last = (ev.error.strip().splitlines() or ["unknown error"])[-1]
-    return 500, f"generation failed: {last}"
+    errors.note_failure(f"a built-in inferlet failed:\n{ev.error}")  # the log, not the client
+    message = f"generation failed: {errors.failure_reason(ev.error)}"
+    rid = errors.current_request_id()
+    return 500, message if rid is None else f"{message} (logged as request {rid})"
