@@ -418,3 +418,30 @@ def test_single_token_items_without_context_or_storage(make_tiny):
     for i, t in enumerate([5, 9, 13]):
         alone = Seq(Pages(eng, first_page=100, first_embed=500 + 10 * i)).step([t])
         np.testing.assert_allclose(dense(res[6 + i], v), alone, atol=1e-6)
+
+
+def test_sampling_noise_is_finite_and_never_picks_a_masked_token(make_tiny):
+    """The hash noise stays inside (0, 1): seed 28 with a 49152-token vocabulary once gave
+    token 33574 u = 1.0 (24 bits of hash, rounded up in float32), so its Gumbel noise was
+    +inf and a masked token came out of a constrained draw as NaN (-inf + inf)."""
+    from pastry.engine.calls import mask_words
+    from pastry.engine.sampling import hash_uniform
+
+    u = hash_uniform(torch.arange(64).unsqueeze(1), torch.arange(49152).unsqueeze(0))
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    eng = load(make_tiny("llama"))
+    v = eng.info.vocab_size
+    seq = Seq(Pages(eng))
+    calls, out = seq.forward_calls(prompt(6, v, 8))
+    eng.execute(calls)
+    allowed = [3, 70]
+    mask = np.zeros(mask_words(v), np.uint32)
+    for t in allowed:
+        mask[t >> 5] |= np.uint32(1 << (t & 31))
+    mask = mask.view(np.int32)
+    draws = eng.execute([Sample(out, temperature=1.0, seed=s, mask=mask) for s in range(300)])
+    assert set(draws) <= set(allowed)
+    draws = eng.execute(
+        [Sample(out, temperature=1.0, top_p=0.95, seed=s, mask=mask) for s in range(300)]
+    )
+    assert set(draws) <= set(allowed)

@@ -26,15 +26,12 @@ class SamplingParams:
 
 
 def hash_uniform(seed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 noise in the open interval (0, 1) from a 32-bit integer hash of
-    (seed, id), elementwise: ``(k + 0.5) / 2**23`` for the hash's top 23 bits ``k``, every
-    value exact in float32, the largest ``1 - 2**-24``.
+    """Uniform (0, 1) float32 noise from a 32-bit integer hash of (seed, id), elementwise.
 
-    Never 1.0: at 1.0 the Gumbel noise ``-log(-log(u))`` is +inf, which turns a token the
-    logit processing removed (-inf: masked, top-k/top-p filtered) into NaN, and argmax
-    picks a NaN; with 24 bits, ``2**24 - 0.5`` rounded to ``2**24`` once per 2**24 draws,
-    so a 49k-token row drew a forbidden (or, unfiltered, an arbitrary) token about 0.3%
-    of the time."""
+    23 bits of the hash, so that ``k + 0.5`` is exact in float32 and the largest value
+    stays below 1 (with 24 bits, ``2**24 - 0.5`` rounds to ``2**24``: u = 1, Gumbel noise
+    +inf, and that token won the draw whatever its probability, or a masked one came out
+    as NaN = -inf + inf: about 0.3% of sampled steps over a 49k vocabulary)."""
     s = (seed ^ (seed >> 32)) & _M32
     x = (s * 0x9E3779B1 + ids * 0x85EBCA77 + 0x165667B1) & _M32
     x = x ^ (x >> 16)
@@ -42,13 +39,7 @@ def hash_uniform(seed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _M32
     x = x ^ (x >> 16)
-    return unit_interval(x)
-
-
-def unit_interval(bits: torch.Tensor) -> torch.Tensor:
-    """float32 ``(k + 0.5) / 2**23`` for the top 23 bits ``k`` of 32-bit integers ``bits``:
-    strictly between 0 and 1 (see :func:`hash_uniform`)."""
-    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def sample(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

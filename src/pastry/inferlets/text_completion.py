@@ -27,6 +27,9 @@ log-probability), ``logprobs`` (the sampled token's log-probability and that man
 raw: before processing), ``echo`` (the prompt comes back with the text, and its
 log-probabilities when ``logprobs`` is set) and ``grammar`` ({"json_schema": ...} |
 {"regex": ...} | {"lark": ...}: the output is a word of it; see :mod:`pastry.sdk.grammar`).
+``stop_repeated_item``: for an output that is a JSON array (a grammar's), stop as soon as an
+item equals an earlier one (``finish_reason`` "stop"): what ends a small model's forced tool
+calls, which greedy decoding otherwise repeats until ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ OPTIONS = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "grammar": None,
+    "stop_repeated_item": False,
 }
 
 
@@ -187,6 +191,7 @@ async def generate(
         constraint = Constraint(ctx, opts["grammar"])
     stop: StopCondition = MaxTokens(opts["max_tokens"]) | StopStrings(stops)
     entries: list = []
+    repeated = RepeatedItem() if opts["stop_repeated_item"] else None
     deltas = None
     if plain or opts["stream"]:
         sent = [0]
@@ -244,6 +249,9 @@ async def generate(
         if stops and StopStrings(stops).should_stop(out, tail):
             finish = "stop"
             break
+        if repeated is not None and repeated.closes_a_repeat(lambda: a.detokenize(q, out)):
+            finish = "stop"
+            break
     if constraint is not None:
         constraint.free()
     shown = out[:-1] if out and out[-1] in stop_ids else out
@@ -294,3 +302,30 @@ class Deltas(StopCondition):
         if len(text) > self.sent:
             self.send(text[self.sent :])
             self.sent = len(text)
+
+
+class RepeatedItem:
+    """Watches an output that is a JSON array for an item equal to an earlier one."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.at = 1  # where the next item starts (after "[")
+        self.decoder = json.JSONDecoder()
+
+    def closes_a_repeat(self, text) -> bool:
+        """Whether the output so far (``text()``, decoded only when an item may have ended)
+        has just completed an item equal to an earlier one."""
+        s = text()
+        if "}" not in s[self.at :] and "]" not in s[self.at :]:
+            return False
+        while True:
+            while self.at < len(s) and s[self.at] in ", \n\t":
+                self.at += 1
+            try:
+                item, end = self.decoder.raw_decode(s, self.at)
+            except ValueError:
+                return False
+            if item in self.items:
+                return True
+            self.items.append(item)
+            self.at = end

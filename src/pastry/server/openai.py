@@ -41,7 +41,7 @@ from pastry.server.openai_params import (
     parse_chat,
     parse_completion,
 )
-from pastry.server.openai_tools import ToolCall, new_call_id, parse_required
+from pastry.server.openai_tools import RequiredCalls, ToolCall, new_call_id, parse_required
 from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 
@@ -295,14 +295,18 @@ def _prompt_entries(prompt: dict) -> list:
     return [[t, None, None] if e is None else e for t, e in zip(prompt["tokens"], lps, strict=True)]
 
 
-class Run:
+class JobRun:
     """The answer to one request, as an ASGI response: launches the job's instances, relays
-    their events as JSON or server-sent events, and ends them if the client goes away."""
+    their events to ``_reply`` (a JSON body) or ``_stream`` (server-sent events), and ends
+    them if the client goes away. The endpoints' answers (chat and completions here, the
+    Responses and Messages APIs in their modules) are subclasses."""
+
+    prefix = "req-"
 
     def __init__(self, server: PastryServer, job: Job, session: str | None = None) -> None:
         self.server = server
         self.job = job
-        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        self.id = self.prefix + uuid.uuid4().hex
         self.program = session or f"request:{self.id}"  # its entry in the process table
         self.created = int(time.time())
         self.writer = Writer(server.controller.models[job.model].tokenizer, job)
@@ -325,6 +329,20 @@ class Run:
             await relay(self.server, self, self.job.args, launch, answer, receive)
         finally:
             self.clock.close()
+
+    async def _reply(self, events: Events, send: Send) -> None:
+        raise NotImplementedError
+
+    async def _stream(self, events: Events, send: Send) -> None:
+        raise NotImplementedError
+
+
+class Run(JobRun):
+    """Chat and completions."""
+
+    def __init__(self, server: PastryServer, job: Job, session: str | None = None) -> None:
+        self.prefix = "chatcmpl-" if job.chat else "cmpl-"
+        super().__init__(server, job, session)
 
     # ------------------------------------------------------------------ plain answers
 
@@ -375,27 +393,7 @@ class Run:
         return {"index": index, **body, "finish_reason": finish}
 
     def _message(self, text: str, finish: str) -> tuple[dict, str]:
-        """The assistant message of a chat choice, with its tool calls read from the text."""
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-        tools = self.job.tools
-        calls: list[ToolCall] = []
-        if tools is None:
-            return message, finish
-        if tools.mode == "auto":
-            content, calls = tools.fmt.parse(text)
-        elif tools.mode == "named":
-            content, calls = None, [ToolCall(tools.name, text, new_call_id())]
-        else:
-            try:
-                content, calls = None, parse_required(text)
-            except ValueError:  # cut short by max_tokens: not a complete call
-                return message, finish
-        if calls:
-            message["content"] = content
-            message["tool_calls"] = [c.to_openai() for c in calls]
-            if tools.mode != "named" and finish == "stop":
-                finish = "tool_calls"
-        return message, finish
+        return chat_message(self.job, text, finish)
 
     # ------------------------------------------------------------------ streams
 
@@ -412,11 +410,11 @@ class Run:
             await send({"type": "http.response.body", "body": body, "more_body": True})
 
         n = self.job.n
-        states: dict[int, _ChoiceStream] = {}
+        states: dict[int, ChoiceStream] = {}
 
-        def state(i: int) -> _ChoiceStream:
+        def state(i: int) -> ChoiceStream:
             if i not in states:
-                states[i] = _ChoiceStream(self.job, self.writer)
+                states[i] = ChoiceStream(self.job, self.writer)
             return states[i]
 
         if self.job.chat:  # one prompt
@@ -488,7 +486,30 @@ class Run:
         return chunk
 
 
-class _ChoiceStream:
+def chat_message(job: Job, text: str, finish: str) -> tuple[dict, str]:
+    """The assistant message of a chat choice, with its tool calls read from the text, and
+    its finish reason ("tool_calls" when it ended on calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    tools = job.tools
+    calls: list[ToolCall] = []
+    if tools is None:
+        return message, finish
+    if tools.mode == "auto":
+        content, calls = tools.fmt.parse(text)
+    elif tools.mode == "named":
+        content, calls = None, [ToolCall(tools.name, text, new_call_id())]
+    else:  # the complete calls, also of an output cut short by max_tokens
+        content, calls = None, parse_required(text)
+        message["content"] = None
+    if calls:
+        message["content"] = content
+        message["tool_calls"] = [c.to_openai() for c in calls]
+        if tools.mode != "named" and finish == "stop":
+            finish = "tool_calls"
+    return message, finish
+
+
+class ChoiceStream:
     """The stream of one choice: text deltas (or tool call deltas) and their logprobs."""
 
     def __init__(self, job: Job, writer: Writer) -> None:
@@ -499,6 +520,7 @@ class _ChoiceStream:
         self.calls = 0
         tools = job.tools
         self.tool_stream = tools.fmt.stream() if tools and tools.mode == "auto" else None
+        self.required = RequiredCalls() if tools and tools.mode == "required" else None
 
     def _lps(self, entries: list | None) -> dict | None:
         if not entries:
@@ -515,8 +537,12 @@ class _ChoiceStream:
         if tools is None:
             self.offset += len(delta)
             return [(delta, lps)]
-        if tools.mode == "required":
-            return [({}, lps)] if lps else []
+        if self.required is not None:  # each call once it is complete
+            out = [({}, lps)] if lps else []
+            for call in self.required.feed(delta):
+                out.append(({"tool_calls": [call.to_openai(self.calls)]}, None))
+                self.calls += 1
+            return out
         if tools.mode == "named":
             first = self.calls == 0
             self.calls = 1
@@ -541,14 +567,10 @@ class _ChoiceStream:
         lps = self._lps(rest)
         out: list[tuple[Any, dict | None, str | None]] = []
         tools = self.job.tools
-        if tools is not None and tools.mode == "required":
-            try:
-                calls = parse_required(c["text"])
-            except ValueError:
-                calls = []
-            for i, call in enumerate(calls):
-                out.append(({"tool_calls": [call.to_openai(i)]}, None, None))
-            self.calls = len(calls)
+        if self.required is not None:  # the text's calls not yet sent (a stop string cut)
+            for call in parse_required(c["text"])[self.calls :]:
+                out.append(({"tool_calls": [call.to_openai(self.calls)]}, None, None))
+                self.calls += 1
         elif tools is not None and tools.mode == "named" and self.calls == 0:
             call = ToolCall(tools.name, c["text"], new_call_id())
             out.append(({"tool_calls": [call.to_openai(0)]}, None, None))

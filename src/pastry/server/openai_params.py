@@ -20,6 +20,7 @@ import jinja2
 from pastry.server.openai_tools import (
     HermesFormat,
     ToolCallFormat,
+    closed_schema,
     inline_tools,
     named_schema,
     required_schema,
@@ -94,6 +95,7 @@ class Job:
     logprobs: int | None = None  # top log-probabilities per token; None: no logprobs
     echo: bool = False
     tools: Tools | None = None
+    prompt_text: str | None = None  # a chat's rendered prompt
 
     @property
     def program(self) -> str:
@@ -130,8 +132,28 @@ def parse_completion(model, body: dict) -> Job:
     )
 
 
-def parse_chat(model, body: dict) -> Job:
-    _known(body, CHAT_FIELDS)
+@dataclass(frozen=True)
+class History:
+    """A conversation the server computed before (a stored response): its token ids, the
+    text they spell, and the persistent KV export that holds them (None: not kept)."""
+
+    tokens: list[int]
+    text: str
+    export: str | None = None
+
+
+def parse_chat(
+    model,
+    body: dict,
+    fields: frozenset[str] | None = None,
+    history: History | None = None,
+    options: dict | None = None,
+) -> Job:
+    """``fields``: what the body may hold (default :data:`CHAT_FIELDS`). ``history``: when
+    the rendered prompt starts with its text, the prompt is its tokens plus the rest
+    tokenized, and its KV export is imported instead of computed again. ``options``: more
+    options of the ``chat`` inferlet (e.g. ``kv_export``)."""
+    _known(body, CHAT_FIELDS if fields is None else fields)
     messages = check_messages(body.get("messages"))
     tools, choice, tool_list = _tools(body)
     render = template_messages(messages)
@@ -146,7 +168,14 @@ def parse_chat(model, body: dict) -> Job:
         raise OpenAIError(
             f"'messages' cannot be rendered with the chat template: {e}", "messages"
         ) from None
-    (prompt,) = _encode(model, [text], "messages")  # issue 17: off the event loop
+    kv_import = None
+    if history is not None and text.startswith(history.text) and len(text) > len(history.text):
+        (rest,) = _encode(model, [text[len(history.text) :]], "messages")
+        prompt = history.tokens + rest
+        if history.export is not None:
+            kv_import = {"name": history.export, "tokens": len(history.tokens)}
+    else:
+        (prompt,) = _encode(model, [text], "messages")  # issue 17: off the event loop
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -172,11 +201,13 @@ def parse_chat(model, body: dict) -> Job:
         else:
             parallel = _get(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")  # fmt: skip
             opts["grammar"] = {"json_schema": required_schema(tool_list, parallel)}
+            opts["stop_repeated_item"] = parallel  # a repeated call ends the array
         _compile("tools", opts["grammar"])
+    opts.update(kv_import=kv_import, **(options or {}))
     args = (json.dumps({"prompt": prompt, **opts}),)
     return Job(
         True, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs,
-        tools=tools,
+        tools=tools, prompt_text=text,
     )  # fmt: skip
 
 
@@ -280,14 +311,7 @@ def _grammar(body: dict) -> dict | None:
         if kind == "json_object":
             found.append(("response_format", {"json_schema": {"type": "object"}}))
         elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise OpenAIError(
-                    '\'response_format.json_schema\' must be {"name", "schema": {...}, "strict"}',
-                    "response_format",
-                )
-            found.append(("response_format", {"json_schema": schema}))
+            found.append(("response_format", json_schema_format(fmt.get("json_schema"))))
         elif kind != "text":
             raise OpenAIError(
                 '\'response_format\' must be {"type": "text" | "json_object" | '
@@ -317,6 +341,25 @@ def _grammar(body: dict) -> dict | None:
     where, grammar = found[0]
     _compile(where, grammar)
     return grammar
+
+
+def json_schema_format(spec: Any, where: str = "response_format") -> dict:
+    """The grammar of a ``json_schema`` format ``{"name", "description", "schema",
+    "strict"}``: with ``strict``, every object is closed (no property the schema does not
+    name), as OpenAI's structured outputs are."""
+    shape = (
+        f'\'{where}.json_schema\' must be {{"name", "description", "schema": {{...}}, "strict"}}'
+    )
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise OpenAIError(shape, where)
+    extra = sorted(k for k in spec if k not in ("name", "description", "schema", "strict"))
+    if extra:
+        raise OpenAIError(f"{shape}; '{extra[0]}' is not supported", f"{where}.json_schema.{extra[0]}")  # fmt: skip
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise OpenAIError(f"'{where}.json_schema.strict' must be true or false", where)
+    schema = spec["schema"]
+    return {"json_schema": closed_schema(schema) if strict else schema}
 
 
 def _guided(kind: str, value: Any, where: str) -> dict:
@@ -350,21 +393,41 @@ def _compile(where: str, grammar: dict) -> None:
         raise OpenAIError(f"'{where}' is not a valid output constraint: {e}", where) from None
 
 
+FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+
+
+def check_tools(tools: Any, where: str = "tools") -> list[dict]:
+    """Chat's function tools, checked: ``[{"type": "function", "function": {"name",
+    "description", "parameters", "strict"}}]`` (any other field is refused, naming it)."""
+    shape = (
+        f'\'{where}\' must be a list of {{"type": "function", "function": {{"name", '
+        '"description", "parameters", "strict"}}'
+    )
+    if not isinstance(tools, list):
+        raise OpenAIError(shape, where)
+    for i, t in enumerate(tools):
+        if not (
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+        ):
+            raise OpenAIError(f"{shape}; {where}[{i}] is not", f"{where}[{i}]")
+        fn = t["function"]
+        extra = [f"{where}[{i}].{k}" for k in sorted(set(t) - {"type", "function"})]
+        extra += [f"{where}[{i}].function.{k}" for k in sorted(fn) if k not in FUNCTION_FIELDS]
+        if extra:
+            raise OpenAIError(f"'{extra[0]}' is not supported by this server", extra[0])
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise OpenAIError(f"'{where}[{i}].function.name' must be a non-empty string", f"{where}[{i}].function.name")  # fmt: skip
+        if not isinstance(fn.get("parameters") or {}, dict):
+            raise OpenAIError(f"'{where}[{i}].function.parameters' must be a JSON schema object", f"{where}[{i}].function.parameters")  # fmt: skip
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise OpenAIError(f"'{where}[{i}].function.strict' must be true or false", f"{where}[{i}].function.strict")  # fmt: skip
+    return tools
+
+
 def _tools(body: dict) -> tuple[Tools | None, str | None, list[dict]]:
-    tools = body.get("tools") or []
-    if not isinstance(tools, list) or not all(
-        isinstance(t, dict)
-        and t.get("type") == "function"
-        and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str)
-        and isinstance(t["function"].get("parameters", {}) or {}, dict)
-        for t in tools
-    ):
-        raise OpenAIError(
-            '\'tools\' must be a list of {"type": "function", "function": {"name", '
-            '"description", "parameters"}}',
-            "tools",
-        )
+    tools = check_tools(body.get("tools") or [])
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"

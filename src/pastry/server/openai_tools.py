@@ -160,14 +160,15 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
     """vLLM's schema for ``tool_choice: "required"``: a non-empty array of
-    ``{"name", "parameters"}`` objects, one of the tools each (one item unless parallel)."""
+    ``{"name", "parameters"}`` objects, one of the tools each (one item unless parallel).
+    ``tools`` as :func:`check_tools` leaves them (a strict tool's schema closed)."""
     items = {
         "anyOf": [
             {
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [t["function"]["name"]]},
-                    "parameters": t["function"].get("parameters") or {"type": "object"},
+                    "parameters": named_schema(t),
                 },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
@@ -182,15 +183,110 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
 
 
 def parse_required(text: str) -> list[ToolCall]:
-    """The calls of an output constrained by :func:`required_schema`."""
-    return [
-        ToolCall(c["name"], json.dumps(c["parameters"]), new_call_id()) for c in json.loads(text)
-    ]
+    """The complete calls of an output constrained by :func:`required_schema`, also when it
+    was cut short (by ``max_tokens``): a call still being written is left out."""
+    reader = RequiredCalls()
+    reader.feed(text)
+    return reader.calls
+
+
+class RequiredCalls:
+    """Reads the JSON array of :func:`required_schema` as it arrives: each call once its
+    object has closed (a JSON scanner over strings, escapes and nesting). A call equal to
+    an earlier one (name and arguments) is not a new call: the ``chat`` inferlet ends the
+    array there (``stop_repeated_item``), and it is left out."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.closed = False  # the array has ended
+        self._depth = 0
+        self._string = self._escape = False
+        self._item: list[str] = []  # the text of the call being read
+
+    def feed(self, delta: str) -> list[ToolCall]:
+        """The calls ``delta`` completes."""
+        done: list[ToolCall] = []
+        for ch in delta:
+            if self.closed:
+                break
+            if self._depth >= 2:
+                self._item.append(ch)
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._string = False
+            elif ch == '"':
+                self._string = True
+            elif ch in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._item = [ch]
+            elif ch in "]}":
+                self._depth -= 1
+                if self._depth == 1:
+                    call = self._call("".join(self._item))
+                    if all((c.name, c.arguments) != (call.name, call.arguments) for c in self.calls):  # fmt: skip
+                        self.calls.append(call)
+                        done.append(call)
+                elif self._depth == 0:
+                    self.closed = True
+        return done
+
+    @staticmethod
+    def _call(item: str) -> ToolCall:
+        obj = json.loads(item)
+        return ToolCall(obj["name"], json.dumps(obj["parameters"]), new_call_id())
 
 
 def named_schema(tool: dict) -> dict:
-    """The arguments schema of a function forced by name."""
-    return tool["function"].get("parameters") or {"type": "object"}
+    """The arguments schema of a function forced by name (a strict one's closed)."""
+    schema = tool["function"].get("parameters") or {"type": "object"}
+    return closed_schema(schema) if tool["function"].get("strict") else schema
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object that does not say
+    otherwise: what ``strict`` means (OpenAI's structured outputs; JSON Schema itself
+    admits any property a schema does not name)."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions"):
+            out[key] = (
+                {k: closed_schema(v) for k, v in value.items()}
+                if isinstance(value, dict)
+                else value
+            )
+        elif key in (
+            "items",
+            "prefixItems",
+            "anyOf",
+            "oneOf",
+            "allOf",
+            "not",
+            "additionalProperties",
+            "if",
+            "then",
+            "else",
+            "contains",
+        ):
+            out[key] = closed_schema(value)
+        else:
+            out[key] = value
+    is_object = (
+        out.get("type") == "object"
+        or (isinstance(out.get("type"), list) and "object" in out["type"])
+        or "properties" in out
+    )
+    if is_object and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 # ---------------------------------------------------------------------- the prompt
