@@ -150,7 +150,7 @@ def routes(server: PastryServer) -> list[Route]:
         except ValueError as e:
             return ApiError(f"the request body is not valid JSON: {e}").response()
         try:
-            job = parse(server, body)
+            job = await asyncio.to_thread(parse, server, body)  # compiles grammars: off the loop
             await asyncio.to_thread(_check_texts, server, body)  # issue 17: off the loop
             _admit(server, request, job)
         except ApiError as e:
@@ -221,7 +221,7 @@ def parse(server: PastryServer, body: Any) -> Job:
         raise ApiError(f"'stream' must be true or false, got {stream!r}")
     args, ns = [], []
     for i, prompt in enumerate(prompts):
-        sp = _sampling(sampling[i], vocab)
+        sp = _sampling(sampling[i], vocab, server.controller.models[model])
         req = {**prompt, "sampling_params": sp, "model": model, "stream": stream}
         for name, values in per.items():
             if values[i] is not None:
@@ -245,7 +245,7 @@ def _per_prompt(value: Any, k: int, name: str, default: Any) -> list[Any]:
     return [default if value is None else value] * k
 
 
-def _sampling(given: Any, vocab: int) -> dict[str, Any]:
+def _sampling(given: Any, vocab: int, model) -> dict[str, Any]:
     if not isinstance(given, dict):
         raise ApiError(f"'sampling_params' must be an object, got {given!r:.100}")
     out: dict[str, Any] = {}
@@ -281,9 +281,9 @@ def _sampling(given: Any, vocab: int) -> dict[str, Any]:
     if p.n > MAX_N:
         raise ApiError(f"'sampling_params.n' must be at most {MAX_N}, got {p.n}")
     if p.regex is not None:
-        _check_grammar({"regex": p.regex})
+        _check_grammar({"regex": p.regex}, model)
     if p.json_schema is not None:
-        _check_grammar({"json_schema": p.json_schema})
+        _check_grammar({"json_schema": p.json_schema}, model)
     return out
 
 
@@ -294,13 +294,20 @@ def _token(t: Any, vocab: int) -> bool:
     return type(t) is int and 0 <= t < vocab
 
 
-def _check_grammar(spec: dict) -> None:
-    from pastry.sdk.grammar import compile_grammar
+def _check_grammar(spec: dict, model) -> None:
+    """Compile the grammar (in the request's worker thread) for the instance to copy
+    (``control/constraints.py``): a bad one is a 400, and none compiles on the loop."""
+    from pastry.control.constraints import prepare
 
+    info = model.info
     try:
-        compile_grammar(spec)
+        prepare(model.tokenizer, info.vocab_size, tuple(info.eos_token_ids), spec)
     except ValueError as e:
         raise ApiError(f"sampling_params.{next(iter(spec))}: {e}") from None
+    except ImportError as e:
+        raise ApiError(
+            f"sampling_params.{next(iter(spec))}: cannot constrain output: {e}"
+        ) from None
 
 
 def _check_logprob_args(req: dict) -> None:
