@@ -899,6 +899,35 @@ class ResourceManager:
 
     # ------------------------------------------------------------------ accounting
 
+    # ------------------------------------------------------------------ a lost device
+
+    def holders(self) -> list[int]:
+        """Instances whose handles or non-persistent exports name any page or embedding of
+        this pool (device or host): what a restarted engine takes from them."""
+        out = []
+        for inst in self._instances:
+            if self._instances[inst] or any(self._handles[k][inst] for k in KINDS):
+                out.append(inst)
+        return out
+
+    def device_lost(self) -> None:
+        """The engine's memory is gone (its process died and was restarted): every id of
+        the pools is free again. Call it once the :meth:`holders` have been removed: what
+        is left are the persistent exports, the prefix cache and what provenance
+        certifies, all of which named the lost memory, and are dropped."""
+        assert not self.holders(), f"instances still hold ids: {self.holders()}"
+        for key in list(self._exports):
+            self._drop_export(key)
+        if self.cache is not None:
+            self._evict(self.cache.cached_pages)
+        if self.provenance is not None:
+            self.provenance.forget(range(self._pools["kv"].size))
+        self._moves_out.clear()
+        self._moves_in.clear()
+        self._arriving.clear()
+        self._release_host(list(self._held))
+        self._held.clear()
+
     def held(self, instance: int, kind: Kind) -> int:
         """Handles of ``kind`` that ``instance`` holds (shared ones included)."""
         return len(self._table(instance, kind))

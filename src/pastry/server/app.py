@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pastry.server import metrics, microserving, openai, sglang_api, ws
+from pastry.server import metrics, microserving, openai, sglang_api, supervisor, ws
 from pastry.server.auth import BearerAuth
 from pastry.server.errors import RequestIds
 from pastry.server.limits import RequestLimits
@@ -34,7 +34,12 @@ log = logging.getLogger(__name__)
 
 def create_app(server: PastryServer) -> Starlette:
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "models": server.models})
+        # "degraded" while an engine is down or restarting (server/supervisor.py); 503
+        # when some model has no engine left to serve it
+        status, engines = supervisor.health(server)
+        serving = {e["model"] for e in engines if e["state"] == supervisor.UP}
+        code = 200 if serving >= {e["model"] for e in engines} else 503
+        return JSONResponse({"status": status, "models": server.models, "engines": engines}, code)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
