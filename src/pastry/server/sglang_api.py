@@ -180,7 +180,7 @@ def parse(server: PastryServer, body: Any) -> Job:
         elif name not in FIELDS:
             raise ApiError(f"unknown field '{name}'; the fields are {sorted(FIELDS | set(OFF))}")
     model = body.get("model") or server.models[0]
-    if model not in server.controller.models:
+    if not isinstance(model, str) or model not in server.controller.models:
         raise ApiError(f"no model {model!r}; this server serves {', '.join(server.models)}")
     vocab = server.controller.models[model].info.vocab_size
     text, ids = body.get("text"), body.get("input_ids")
