@@ -57,17 +57,18 @@ class Server:
             text=True,
         )
         deadline = time.monotonic() + 120
-        while True:
-            try:
-                asyncio.run(self._ping())
-                return
-            except (OSError, ClientError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    out = (
-                        self.proc.communicate(timeout=10)[0] if self.proc.poll() is not None else ""
-                    )
-                    raise RuntimeError(f"the server did not start:\n{out}") from None
-                time.sleep(0.2)
+        try:
+            while True:
+                try:
+                    asyncio.run(self._ping())
+                    return
+                except (OSError, ClientError):
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the server did not start") from None
+                    time.sleep(0.2)
+        except BaseException:
+            out = self.stop(signal.SIGKILL)  # never leave it running
+            raise RuntimeError(f"the server did not start:\n{out}") from None
 
     async def _ping(self) -> None:
         client = await Client.connect(self.url, timeout=2)
@@ -112,8 +113,10 @@ def test_uploads_survive_the_server_being_killed_mid_upload(make_tiny, tmp_path,
         server.proc.send_signal(sig)
         await task
 
-    asyncio.run(run())
-    server.stop(sig)
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(sig)
     assert 5 <= len(acked) < len(sizes)
     again = Server(model, programs)
     try:
