@@ -899,6 +899,11 @@ class ResourceManager:
 
     # ------------------------------------------------------------------ accounting
 
+    def flush_cache(self) -> int:
+        """Evict every page of the prefix cache that nothing uses (SGLang's
+        ``/flush_cache``); returns how many were freed."""
+        return self._evict(self.cache.cached_pages) if self.cache is not None else 0
+
     # ------------------------------------------------------------------ a lost device
 
     def holders(self) -> list[int]:

@@ -132,17 +132,14 @@ def routes(server: PastryServer) -> list[Route]:
         )
 
     async def flush_cache(request: Request) -> PlainTextResponse:
-        flushed = []
-        for m in server.controller.models.values():
-            cache = getattr(m, "prefix_cache", None)
-            if cache is not None and hasattr(cache, "flush"):
-                cache.flush()
-                flushed.append(m.name)
-        if flushed:
-            return PlainTextResponse(f"Cache flushed ({', '.join(flushed)}).\n")
-        return PlainTextResponse(
-            "Cache flushed. (This server keeps no KV between requests: nothing to flush.)\n"
-        )
+        # the prefix cache's pages that no program uses are freed (was: a no-op that said
+        # the server keeps no KV between requests, while the prefix cache held pages)
+        if not server.config.prefix_cache:
+            return PlainTextResponse(
+                "Cache flushed. (The prefix cache is off: nothing to flush.)\n"
+            )
+        freed = sum(m.resources.flush_cache() for m in server.controller.all_engines())
+        return PlainTextResponse(f"Cache flushed ({freed} KV pages freed).\n")
 
     async def generate(request: Request):
         try:
