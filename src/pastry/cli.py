@@ -304,6 +304,13 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "prefix first, default), fcfs or random",
     )  # fmt: skip
     p.add_argument(
+        "--programs-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where uploaded programs are stored (default: $PASTRY_HOME/programs)",
+    )
+    p.add_argument(
         "--engine-hang-timeout", type=float, default=120.0, metavar="S",
         help="an engine process that leaves a batch (or, idle, a ping) unanswered this many "
         "seconds is killed and restarted, like one that exits (default 120; "
@@ -500,6 +507,7 @@ def _serve(args: argparse.Namespace) -> int:
             prefix_cache=args.prefix_cache,
             admission=args.admission,
             engine_hang_timeout=args.engine_hang_timeout,
+            programs_dir=args.programs_dir,
         )
     except (ConfigError, UsersError, ValueError) as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)
