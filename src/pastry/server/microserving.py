@@ -34,6 +34,7 @@ from pastry.api import ApiError
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.users import User
 from pastry.runtime.trusted import Program
+from pastry.server import errors
 from pastry.server.auth import user_of
 from pastry.server.service import PastryServer
 
@@ -161,7 +162,7 @@ def routes(server: PastryServer) -> list[Route]:
             end = await inst.wait()
             if isinstance(end, Finished):
                 return Response(end.result or "null", media_type="application/json")
-            raise _Error(getattr(end, "error", None) or getattr(end, "reason", str(end)), 500)
+            raise _failure(end)
 
         async def events():
             async for ev in inst.events():
@@ -170,7 +171,7 @@ def routes(server: PastryServer) -> list[Route]:
                 elif isinstance(ev, Finished):
                     yield "data: [DONE]\n\n"
                 elif isinstance(ev, Failed | Terminated):
-                    err = getattr(ev, "error", None) or getattr(ev, "reason", "")
+                    err = str(_failure(ev))
                     yield f"data: {json.dumps({'error': {'message': err}})}\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -202,3 +203,13 @@ def routes(server: PastryServer) -> list[Route]:
         Route("/microserving/engines", endpoint(engines), methods=["GET"]),
         Route("/microserving/router", endpoint(router), methods=["POST"]),
     ]
+
+
+def _failure(end) -> _Error:
+    """A failed or ended instance as the client's error: its reason, never a traceback
+    (that goes to the log under the request's id, ``server/errors.py``)."""
+    error = getattr(end, "error", None)
+    if error is None:
+        return _Error(f"the request was ended: {getattr(end, 'reason', end)}", 503)
+    errors.note_failure(f"a built-in inferlet failed:\n{error}")
+    return _Error(f"generation failed: {errors.failure_reason(error)}", 500)
