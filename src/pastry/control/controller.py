@@ -158,7 +158,7 @@ class Controller:
                 )
             )
             # Adapters are loaded on the engine before serving and listed in its info.
-            adapters = {name: i for i, name in enumerate(info.adapters)}
+            adapters = {name: i for i, name in enumerate(info.adapters) if name}
             tokens = (  # one tokenizer cache per model
                 replicas[0].tokens if replicas else Tokenization(tok, self.quotas.tokenize_bytes)
             )
@@ -223,6 +223,36 @@ class Controller:
     def all_engines(self) -> list[Model]:
         """Every engine of every model."""
         return [m for replicas in self.engines.values() for m in replicas]
+
+    async def load_adapter(self, model: str, name: str, path: str) -> None:
+        """Load the PEFT LoRA directory ``path`` as adapter ``name`` on every engine of
+        ``model`` (between batches) and name it for inferlets (``forward_with_adapter``).
+        ``ValueError`` / ``EngineError`` say why it cannot be loaded."""
+        if any(name in m.adapters for m in self.engines[model]):
+            raise ValueError(f"an adapter named '{name}' is already loaded on {model}")
+        done = []
+        try:
+            for m in self.engines[model]:
+                self._adapters_of(m, await m.engine.load_adapter(name, path))
+                done.append(m)
+        except BaseException:
+            for m in done:  # all engines or none
+                self._adapters_of(m, await m.engine.unload_adapter(name))
+            raise
+
+    async def unload_adapter(self, model: str, name: str) -> None:
+        """Unload adapter ``name`` from every engine of ``model``; requests still using it
+        fail. ``KeyError`` if it is not loaded."""
+        if name not in self.models[model].adapters:
+            raise KeyError(name)
+        for m in self.engines[model]:
+            m.adapters.pop(name, None)  # no new forward names it from now on
+            self._adapters_of(m, await m.engine.unload_adapter(name))
+
+    @staticmethod
+    def _adapters_of(m: Model, info: EngineInfo) -> None:
+        m.info = info
+        m.adapters = {n: i for i, n in enumerate(info.adapters) if n}
 
     async def close(self) -> None:
         for instance in list(self.sessions):

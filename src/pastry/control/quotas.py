@@ -36,6 +36,7 @@ class Quotas:
     request_choices: int | None = 64  # prompts x n of one completion request
     tokenize_bytes: int | None = 1 * MiB  # text one tokenize call takes (runs on the loop)
     max_connections: int | None = 1024  # HTTP and WebSocket connections at once
+    responses_per_user: int | None = 1024  # stored /v1/responses (the oldest go first)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -78,6 +79,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "request_choices": ("--max-request-choices", "prompts x n of one completion request"),
     "tokenize_bytes": ("--max-tokenize-bytes", "text one tokenize call takes"),
     "max_connections": ("--max-connections", "HTTP and WebSocket connections at once"),
+    "responses_per_user": ("--max-responses-per-user", "stored /v1/responses of one user "
+                           "(the oldest go first, with their KV)"),
 }  # fmt: skip
 
 

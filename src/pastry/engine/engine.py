@@ -132,7 +132,7 @@ class Engine:
         elif config.compile:
             log.info("compile applies to CPU engines; %s decodes eagerly", self.device)
         self._rng = np.random.default_rng(config.seed)
-        self._adapters: list[Adapter] = []
+        self._adapters: list[Adapter | None] = []  # by id; None: unloaded (ids stay)
         self._swap_staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self.info = EngineInfo(
             model_name=name or self.cfg.name,
@@ -227,13 +227,27 @@ class Engine:
         )
         return len(names)
 
+    def unload_adapter(self, name: str) -> int:
+        """Unload the adapter ``name``; returns its id, which no later adapter takes (a
+        forward still naming it fails). Batches validated after it returns no longer see it."""
+        names = self.adapters()
+        if not name or name not in names:
+            loaded = ", ".join(n for n in names if n) or "none"
+            raise ValueError(f"no adapter named '{name}' is loaded (loaded: {loaded})")
+        aid = names.index(name)
+        self._adapters[aid] = None
+        self.info = dataclasses.replace(self.info, adapters=tuple(self.adapters()))
+        log.info("unloaded adapter %d '%s'", aid, name)
+        return aid
+
     def adapters(self) -> list[str]:
-        """Names of the loaded adapters, by id."""
-        return [a.name for a in self._adapters]
+        """Names of the adapters by id ("" for one that was unloaded)."""
+        return [a.name if a is not None else "" for a in self._adapters]
 
     def _adapter_ids(self) -> str:
-        n = len(self._adapters)
-        loaded = f"0..{n - 1} for the {n} loaded adapters" if n else "no adapter is loaded"
+        ids = [i for i, a in enumerate(self._adapters) if a is not None]
+        spans = f"0..{len(ids) - 1}" if ids == list(range(len(ids))) else ", ".join(map(str, ids))
+        loaded = f"{spans} for the {len(ids)} loaded adapters" if ids else "no adapter is loaded"
         return f"valid ids: -1 for the base model, {loaded}"
 
     # ------------------------------------------------------------------ execution
@@ -384,7 +398,9 @@ class Engine:
                     "every input token must attend to at least one token (mask row is empty)"
                 )
         adapter = self._scalar(c.adapter, -(1 << 62), 1 << 62, "adapter")
-        if not -1 <= adapter < len(self._adapters):
+        if not -1 <= adapter < len(self._adapters) or (
+            adapter >= 0 and self._adapters[adapter] is None
+        ):
             raise Invalid(f"adapter {adapter} is not loaded ({self._adapter_ids()})")
         targets = None
         if len(c.logprob_targets):

@@ -83,6 +83,15 @@ class EngineHandle(abc.ABC):
     @abc.abstractmethod
     def execute_sync(self, batch: Sequence[Call]) -> list[Result]: ...
 
+    async def load_adapter(self, name: str, path: str) -> EngineInfo:
+        """Load the PEFT LoRA directory ``path`` as adapter ``name`` between batches; the
+        new info. ``ValueError`` says why it cannot be loaded."""
+        raise EngineError(f"{type(self).__name__} cannot load adapters")
+
+    async def unload_adapter(self, name: str) -> EngineInfo:
+        """Unload adapter ``name`` between batches (its id is not reused); the new info."""
+        raise EngineError(f"{type(self).__name__} cannot unload adapters")
+
     @abc.abstractmethod
     async def aclose(self) -> None: ...
 
@@ -121,6 +130,16 @@ class InProcessEngine(EngineHandle):
 
     def execute_sync(self, batch: Sequence[Call]) -> list[Result]:
         return self._submitter().submit(run_batch, self.engine, list(batch)).result()
+
+    async def load_adapter(self, name: str, path: str) -> EngineInfo:
+        loop = asyncio.get_running_loop()  # on the worker: between batches
+        await loop.run_in_executor(self._submitter(), self.engine.load_adapter, path, name)
+        return self.info
+
+    async def unload_adapter(self, name: str) -> EngineInfo:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._submitter(), self.engine.unload_adapter, name)
+        return self.info
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -135,6 +136,16 @@ class RemoteEngine(EngineHandle):
     def execute_sync(self, batch: Sequence[Call], timeout: float | None = None) -> list[Result]:
         frames = encode_batch(batch)
         return self._blocking(self._request(Op.EXECUTE, frames, decode_results, timeout))
+
+    async def load_adapter(self, name: str, path: str, timeout: float | None = 300.0) -> EngineInfo:  # fmt: skip
+        payload = [msgpack.packb([name, str(path)])]
+        self._info = await self._on_loop(self._request(Op.LOAD_ADAPTER, payload, decode_info, timeout))  # fmt: skip
+        return self._info
+
+    async def unload_adapter(self, name: str, timeout: float | None = 60.0) -> EngineInfo:
+        payload = [msgpack.packb([name])]
+        self._info = await self._on_loop(self._request(Op.UNLOAD_ADAPTER, payload, decode_info, timeout))  # fmt: skip
+        return self._info
 
     async def ping(self, timeout: float | None = 10.0) -> float:
         """Round-trip time in seconds of an empty request."""

@@ -31,7 +31,7 @@ from pastry.engine.calls import Call, CallError
 from pastry.engine.codec import CodecError, Frames, decode_batch, encode_info, encode_results
 from pastry.engine.config import CheckpointError, EngineConfig
 from pastry.engine.handle import EngineLike, run_batch
-from pastry.engine.wire import OPS, Op, Status, parse_header, reply
+from pastry.engine.wire import OPS, Op, Status, parse_header, reply, strings
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ def handle_request(engine: EngineLike, frames: Sequence[Any]) -> tuple[Frames, b
         op = Op(op)
         if op is Op.EXECUTE:
             payload = _execute(engine, decode_batch(frames[1:]))
+        elif op in (Op.LOAD_ADAPTER, Op.UNLOAD_ADAPTER):
+            return _adapter_op(engine, op, frames, req_id), False
         elif len(frames) != 1:
             raise CodecError(f"{op.name} takes no payload, got {len(frames) - 1} frame(s)")
         else:
@@ -86,6 +88,22 @@ def handle_request(engine: EngineLike, frames: Sequence[Any]) -> tuple[Frames, b
     except Exception as e:  # a bug here must not take the server down
         log.exception("failed to handle request %s", req_id)
         return reply(Status.ERROR, req_id, f"internal error: {type(e).__name__}: {e}", []), False
+
+
+def _adapter_op(engine: EngineLike, op: Op, frames: Sequence[Any], req_id: int) -> Frames:
+    """Load or unload a LoRA adapter between batches; the reply is the new info, or the
+    reason it could not be done (a bad directory, an unknown name)."""
+    if len(frames) != 2:
+        raise CodecError(f"{op.name} takes one payload frame, got {len(frames) - 1}")
+    args = strings(frames[1], 2 if op is Op.LOAD_ADAPTER else 1)
+    try:
+        if op is Op.LOAD_ADAPTER:
+            engine.load_adapter(args[1], args[0])
+        else:
+            engine.unload_adapter(args[0])
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        return reply(Status.ERROR, req_id, str(e), [])
+    return reply(Status.OK, req_id, None, encode_info(engine.info))
 
 
 def _execute(engine: EngineLike, batch: list[Call]) -> Frames:

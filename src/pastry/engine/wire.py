@@ -28,6 +28,8 @@ class Op(IntEnum):
     EXECUTE = 2
     PING = 3
     SHUTDOWN = 4
+    LOAD_ADAPTER = 5  # payload: msgpack [name, PEFT directory]; replies the new info
+    UNLOAD_ADAPTER = 6  # payload: msgpack [name]; replies the new info
 
 
 class Status(IntEnum):
@@ -60,6 +62,17 @@ def parse_header(frame: Any, size: int) -> list:
     if type(header) is not list or len(header) != size or type(header[1]) is not int:
         raise CodecError(f"header must be a list of {size} with an int request id")
     return header
+
+
+def strings(frame: Any, n: int) -> list[str]:
+    """A payload frame of ``n`` strings (msgpack); :class:`CodecError` if it is not one."""
+    try:
+        value = msgpack.unpackb(frame, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise CodecError(f"payload is not valid msgpack ({e})") from e
+    if type(value) is not list or len(value) != n or not all(type(v) is str for v in value):
+        raise CodecError(f"payload must be a list of {n} strings")
+    return value
 
 
 def no_payload(frames: Frames) -> None:

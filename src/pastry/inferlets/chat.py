@@ -38,7 +38,7 @@ async def main(args: list[str]) -> str | None:
     if plain:
         user = {"role": "user", "content": " ".join(args)}
         opts = {**CHAT_OPTIONS, "messages": [user], "temperature": 0.0}
-    ctx = Context(opts["model"])
+    ctx = Context(opts["model"], adapter=opts["adapter"])
     # a rendered template writes its own BOS (if the model has one): no special tokens
     if opts["kv_import"] is not None:
         prompt = list(opts["prompt"])

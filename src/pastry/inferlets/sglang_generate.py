@@ -43,7 +43,7 @@ async def main(args: list[str]) -> str:
             return_text_in_logprobs=bool(req.get("return_text_in_logprobs")),
         )
     check(p)
-    ctx = Context(req.get("model"))
+    ctx = Context(req.get("model"), adapter=req.get("lora_path"))  # a LoRA adapter's name
     tokens = req.get("input_ids") or px.tokenize(ctx.queue, req["text"], True)  # BOS if any
     if not tokens:
         raise ValueError("the prompt is empty: give at least one token")

@@ -66,6 +66,7 @@ OPTIONS = {
     "presence_penalty": 0.0,
     "grammar": None,
     "stop_repeated_item": False,
+    "adapter": None,  # a LoRA adapter of the model, applied to every forward
 }
 
 
@@ -74,7 +75,7 @@ async def main(args: list[str]) -> str | None:
     plain = opts is None
     if plain:
         opts = {**OPTIONS, "prompt": " ".join(args), "max_tokens": 32, "temperature": 0.0}
-    ctx = Context(opts["model"])
+    ctx = Context(opts["model"], adapter=opts["adapter"])
     if isinstance(opts["prompt"], str):
         ctx.fill(opts["prompt"])
     else:

@@ -76,18 +76,30 @@ async def _first_failure(futs: Sequence[asyncio.Future]) -> None:
 
 class Context:
     def __init__(
-        self, model: str | None = None, *, queue: int | None = None, engine: int | None = None
+        self,
+        model: str | None = None,
+        *,
+        queue: int | None = None,
+        engine: int | None = None,
+        adapter: str | None = None,
     ) -> None:
+        """``adapter``: a LoRA adapter of the model (``get_adapters``) applied to every
+        forward of this context (its K/V is its own: the prefix cache neither supplies nor
+        keeps it)."""
         from pastry.sdk import api
 
         self.api = a = api()
         self.model = model or a.available_models()[0]
+        self.adapter = adapter
         own_queue = queue is None
         if own_queue:
             queue = (
                 a.create_queue(self.model) if engine is None else a.create_queue(self.model, engine)
             )
         self.queue = queue
+        if adapter is not None and adapter not in a.get_adapters(queue):
+            loaded = ", ".join(a.get_adapters(queue)) or "none"
+            raise ApiError(f"no adapter named '{adapter}' on {self.model} (loaded: {loaded})")
         # A context on a model with several engines is placed by the router before its
         # first forward, unless its queue or engine was given (see place).
         self._placed = not own_queue or engine is not None
@@ -206,7 +218,9 @@ class Context:
         the last one stays pending in both.
         """
         await self.flush()
-        child = Context(self.model, engine=self.api.get_queue_engine(self.queue))
+        child = Context(
+            self.model, engine=self.api.get_queue_engine(self.queue), adapter=self.adapter
+        )
         refs = _refs(self.api)
         full = self.kv_len // self.page_size
         for p in self.pages[:full]:
@@ -330,7 +344,7 @@ class Context:
         n = len(tokens)
         start = self.kv_len
         self.kv_len += n
-        if n > n_out:  # some of them may be in the prefix cache
+        if n > n_out and self.adapter is None:  # some of them may be in the prefix cache
             outs = self._embed_slots(n_out)  # the prefill brings its own input slots
             if start == len(self.pages) * ps:  # reusable: pages up to the end may be shared
                 self.frozen = (start + n) // ps
@@ -344,9 +358,16 @@ class Context:
         ctx_pages, last, out_pages = self._grow(start, n)
         futs = [
             a.embed_txt(q, list(tokens), list(range(start, start + n)), ins),
-            a.forward(q, ctx_pages, last, ins, out_pages, start % ps, outs),
+            self._forward_call(ctx_pages, last, ins, out_pages, start % ps, outs),
         ]
         return futs, outs
+
+    def _forward_call(self, ctx_pages, last, ins, out_pages, offset, outs):
+        if self.adapter is None:
+            return self.api.forward(self.queue, ctx_pages, last, ins, out_pages, offset, outs)
+        return self.api.forward_with_adapter(
+            self.queue, self.adapter, ctx_pages, last, ins, out_pages, offset, outs
+        )
 
     def _step(self, token: int, params: dict) -> asyncio.Future:
         """Forward the one pending ``token`` and sample the next with ``params``: one fused
@@ -355,6 +376,14 @@ class Context:
         self.kv_len += 1
         e_in, e_out = self._embed_slots(2)
         ctx_pages, last, out_pages = self._grow(start, 1)
+        if self.adapter is not None:  # the fused step has no adapter: its three calls
+            a, q = self.api, self.queue
+            offset = start % self.page_size
+            earlier = [
+                a.embed_txt(q, [token], [start], [e_in]),
+                self._forward_call(ctx_pages, last, [e_in], out_pages, offset, [e_out]),
+            ]
+            return asyncio.ensure_future(_step(earlier, a.sample(q, e_out, **params)))
         return self.api.step(
             self.queue, [token], [start], [e_in], ctx_pages, last, out_pages,
             start % self.page_size, e_out, **params,

@@ -23,7 +23,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pastry.server import metrics, microserving, openai, sglang_api, supervisor, ws
+from pastry.server import (
+    anthropic,
+    metrics,
+    microserving,
+    openai,
+    responses,
+    sglang_api,
+    supervisor,
+    ws,
+)
 from pastry.server.auth import BearerAuth
 from pastry.server.errors import RequestIds
 from pastry.server.limits import RequestLimits
@@ -55,6 +64,8 @@ def create_app(server: PastryServer) -> Starlette:
             await server.stop()
 
     routes = [Route("/health", health), *ws.routes(server), *openai.routes(server)]
+    routes += responses.routes(server)  # OpenAI's Responses API (/v1/responses)
+    routes += anthropic.routes(server)  # Anthropic's Messages API (/v1/messages)
     routes += sglang_api.routes(server)  # SGLang's native API (/generate, ...)
     routes += metrics.routes()
     routes += microserving.routes(server)  # microserving's engine calls, the router

@@ -32,14 +32,18 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             # HTTP header bytes are Latin-1; tokens are printable ASCII (checked at start)
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"").decode("latin-1")
             token = header[7:].strip() if header.lower().startswith("bearer ") else None
+            if token is None and b"x-api-key" in headers:  # what Anthropic's clients send
+                token = headers[b"x-api-key"].decode("latin-1").strip()
             user = self.server.authenticate(token)
             if user is None:
-                response = JSONResponse(
-                    {"error": {"message": "missing or wrong bearer token", "type": "auth_error"}},
-                    status_code=401,
-                )
+                message = "missing or wrong bearer token (Authorization: Bearer, or x-api-key)"
+                body = {"error": {"message": message, "type": "auth_error"}}
+                if scope["path"].startswith("/v1/messages"):  # Anthropic's error shape
+                    body = {"type": "error", "error": {"type": "authentication_error", "message": message}}  # fmt: skip
+                response = JSONResponse(body, status_code=401)
                 await response(scope, receive, send)
                 return
             scope[USER_KEY] = user

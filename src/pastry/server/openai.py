@@ -24,12 +24,13 @@ from collections.abc import Awaitable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
+from pastry.engine.handle import EngineError
 from pastry.runtime.trusted import Instance
 from pastry.server import errors, metrics
 from pastry.server.auth import tenant_session, user_of
@@ -45,7 +46,10 @@ from pastry.server.openai_tools import RequiredCalls, ToolCall, new_call_id, par
 from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 
-__all__ = ["MAX_N", "Job", "OpenAIError", "routes"]
+__all__ = [
+    "MAX_N", "ChoiceStream", "Job", "JobRun", "OpenAIError", "adapter_name", "admit", "chat_message",
+    "instance_error", "model_name", "read_body", "routes",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -57,32 +61,86 @@ def _error_response(e: OpenAIError) -> JSONResponse:
 def routes(server: PastryServer) -> list[Route]:
     created = int(time.time())
 
+    lora_paths = {name: str(path) for name, path in server.config.adapters}
+
     def card(name: str) -> dict:
-        info = server.controller.models[name].info
-        return {
+        base = name if name in server.controller.models else adapters(server)[name]
+        info = server.controller.models[base].info
+        out = {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "pastry",
             "max_model_len": info.max_position,
         }
+        if base != name:  # a LoRA adapter, as vLLM lists them
+            out.update(root=lora_paths.get(name), parent=base)
+        return out
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card(m) for m in server.models]})
+        names = [*server.models, *adapters(server)]
+        return JSONResponse({"object": "list", "data": [card(m) for m in names]})
 
     async def model(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(card(_model(server, {"model": request.path_params["model"]})))
+            name = request.path_params["model"]
+            model_name(server, {"model": name})
+            return JSONResponse(card(name))
         except OpenAIError as e:
             return _error_response(e)
+
+    async def load_lora(request: Request):
+        """vLLM's ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (a PEFT
+        directory on the server), on every engine of the model (``"model"``, default the
+        first); operators only."""
+        try:
+            body = await lora_request(request, ("lora_name", "lora_path"))
+            name, path = body["lora_name"], body["lora_path"]
+            if name in server.controller.models or name in adapters(server):
+                raise OpenAIError(f"the name '{name}' is already taken by a model or adapter", "lora_name")  # fmt: skip
+            base = model_name(server, {"model": body.get("model")}, optional=True)
+            try:
+                await server.controller.load_adapter(base, name, path)
+            except (ValueError, OSError, EngineError) as e:
+                raise OpenAIError(f"cannot load '{path}' as a LoRA adapter: {e}", "lora_path") from None  # fmt: skip
+        except OpenAIError as e:
+            return _error_response(e)
+        lora_paths[name] = path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(request: Request):
+        try:
+            body = await lora_request(request, ("lora_name",))
+            name = body["lora_name"]
+            base = adapters(server).get(name)
+            if base is None:
+                raise OpenAIError(f"no LoRA adapter named '{name}' is loaded", "lora_name", 404, "model_not_found")  # fmt: skip
+            await server.controller.unload_adapter(base, name)
+        except OpenAIError as e:
+            return _error_response(e)
+        lora_paths.pop(name, None)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def lora_request(request: Request, needed: tuple[str, ...]) -> dict:
+        if not user_of(request.scope).operator:
+            raise OpenAIError("loading and unloading adapters is for operators", None, 403, None, "permission_error")  # fmt: skip
+        body = await read_body(request)
+        for key in body:
+            if key not in (*needed, "model", "load_inplace") or (key == "load_inplace" and body[key]):  # fmt: skip
+                raise OpenAIError(f"'{key}' is not supported by this server", key)
+        for key in needed:
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise OpenAIError(f"'{key}' is required (a string)", key)
+        return body
 
     def endpoint(parse, name: str):
         async def run(request: Request):
             try:
-                body = await _body(request)
-                m = server.controller.models[_model(server, body)]
-                job = await asyncio.to_thread(parse, m, body)  # issue 17: tokenizes off the loop
-                _admit(server, request, job, body)
+                body = await read_body(request)
+                m = server.controller.models[model_name(server, body)]
+                adapter = adapter_name(server, body)
+                job = await asyncio.to_thread(parse, m, body, adapter=adapter)  # off the loop
+                admit(server, request, job, body)
             except OpenAIError as e:
                 metrics.request_done(name, e.status)
                 return _error_response(e)
@@ -93,8 +151,8 @@ def routes(server: PastryServer) -> list[Route]:
 
     async def tokenize(request: Request) -> JSONResponse:
         try:
-            body = await _body(request)
-            m = server.controller.models[_model(server, body, optional=True)]
+            body = await read_body(request)
+            m = server.controller.models[model_name(server, body, optional=True)]
             tokens = await asyncio.to_thread(_tokenize, m, body)  # issue 17: off the loop
         except OpenAIError as e:
             return _error_response(e)
@@ -110,8 +168,8 @@ def routes(server: PastryServer) -> list[Route]:
 
     async def detokenize(request: Request) -> JSONResponse:
         try:
-            body = await _body(request)
-            m = server.controller.models[_model(server, body, optional=True)]
+            body = await read_body(request)
+            m = server.controller.models[model_name(server, body, optional=True)]
             tokens = body.get("tokens")
             vocab = m.info.vocab_size
             if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
@@ -142,6 +200,8 @@ def routes(server: PastryServer) -> list[Route]:
             endpoint(parse_chat, "/v1/chat/completions"),
             methods=["POST"],
         ),
+        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
@@ -176,7 +236,7 @@ def _tokenize(m, body: dict) -> list[int]:
 # ---------------------------------------------------------------------- tenant limits (issue 17)
 
 
-def _admit(server: PastryServer, request: Request, job: Job, body: dict) -> None:
+def admit(server: PastryServer, request: Request, job: Job, body: dict) -> None:
     """Prompts x choices under the per-request cap; instances under the user's quota."""
     limit = server.config.quotas.request_choices
     per = max(job.n, body.get("best_of") or 1)
@@ -194,7 +254,7 @@ def _admit(server: PastryServer, request: Request, job: Job, body: dict) -> None
         raise OpenAIError(str(e), None, 429, "quota_exceeded", "rate_limit_error") from None
 
 
-async def _body(request: Request) -> dict:
+async def read_body(request: Request) -> dict:
     try:
         body = await request.json()
     except ValueError as e:
@@ -204,14 +264,19 @@ async def _body(request: Request) -> dict:
     return body
 
 
-def _model(server: PastryServer, body: dict, optional: bool = False) -> str:
+def model_name(server: PastryServer, body: dict, optional: bool = False) -> str:
+    """The served model ``body["model"]`` names: a model, or a LoRA adapter of one (then
+    its base model; :func:`adapter_name` says which adapter)."""
     name = body.get("model")
-    served = ", ".join(server.models)
+    served = ", ".join([*server.models, *adapters(server)])
     if name is None and optional:
         return server.controller.default_model
     if not isinstance(name, str):
         raise OpenAIError(f"'model' is required: one of {served}", "model")
     if name not in server.controller.models:
+        base = adapters(server).get(name)
+        if base is not None:
+            return base
         raise OpenAIError(
             f"The model '{name}' does not exist; this server serves {served}",
             "model",
@@ -219,6 +284,19 @@ def _model(server: PastryServer, body: dict, optional: bool = False) -> str:
             "model_not_found",
         )
     return name
+
+
+def adapters(server: PastryServer) -> dict[str, str]:
+    """Every loaded LoRA adapter's name -> its base model."""
+    return {a: name for name, m in server.controller.models.items() for a in m.adapters}
+
+
+def adapter_name(server: PastryServer, body: dict) -> str | None:
+    """The LoRA adapter ``body["model"]`` names (None: a base model)."""
+    name = body.get("model")
+    if not isinstance(name, str) or name in server.controller.models:
+        return None
+    return name if name in adapters(server) else None
 
 
 # ---------------------------------------------------------------------- writing answers
@@ -303,14 +381,17 @@ class JobRun:
 
     prefix = "req-"
 
-    def __init__(self, server: PastryServer, job: Job, session: str | None = None) -> None:
+    def __init__(
+        self, server: PastryServer, job: Job, session: str | None = None, endpoint: str = ""
+    ) -> None:
         self.server = server
         self.job = job
         self.id = self.prefix + uuid.uuid4().hex
         self.program = session or f"request:{self.id}"  # its entry in the process table
         self.created = int(time.time())
         self.writer = Writer(server.controller.models[job.model].tokenizer, job)
-        self.clock = metrics.RequestClock(job.endpoint)
+        self.endpoint = endpoint or job.endpoint  # for the metrics
+        self.clock = metrics.RequestClock(self.endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         user = user_of(scope)
@@ -354,7 +435,7 @@ class Run(JobRun):
                 case Finished(result):
                     results[k] = json.loads(result)
                 case Failed() | Terminated():
-                    error = _instance_error(ev)
+                    error = instance_error(ev)
                     metrics.request_done(self.job.endpoint, error.status)
                     await send_json(send, error.status, error.body())
                     return
@@ -369,7 +450,7 @@ class Run(JobRun):
             "id": self.id,
             "object": "chat.completion" if self.job.chat else "text_completion",
             "created": self.created,
-            "model": self.job.model,
+            "model": self.job.served,
             "system_fingerprint": None,
             "choices": choices,
             "usage": usage,
@@ -447,7 +528,7 @@ class Run(JobRun):
                             await emit(self._chunk(i, delta, end, lps))
                     left -= 1
                 case Failed() | Terminated():
-                    error = _instance_error(ev)
+                    error = instance_error(ev)
                     metrics.request_done(self.job.endpoint, error.status)
                     await emit(error.body())
                     failed = True
@@ -477,7 +558,7 @@ class Run(JobRun):
             "id": self.id,
             "object": "chat.completion.chunk" if self.job.chat else "text_completion",
             "created": self.created,
-            "model": self.job.model,
+            "model": self.job.served,
             "system_fingerprint": None,
             "choices": [choice],
         }
@@ -496,6 +577,7 @@ def chat_message(job: Job, text: str, finish: str) -> tuple[dict, str]:
         return message, finish
     if tools.mode == "auto":
         content, calls = tools.fmt.parse(text)
+        calls = calls if tools.parallel else calls[:1]  # parallel_tool_calls false: one
     elif tools.mode == "named":
         content, calls = None, [ToolCall(tools.name, text, new_call_id())]
     else:  # the complete calls, also of an output cut short by max_tokens
@@ -556,9 +638,11 @@ class ChoiceStream:
         out: list[tuple[Any, dict | None]] = []
         if shown or lps:
             out.append((shown, lps))
-        for c in calls:
+        for c in calls if tools.parallel or not self.calls else []:
             out.append(({"tool_calls": [c.to_openai(self.calls)]}, None))
             self.calls += 1
+            if not tools.parallel:
+                break
         return out
 
     def finish(self, c: dict, finish: str) -> list[tuple[Any, dict | None, str | None]]:
@@ -586,7 +670,7 @@ class ChoiceStream:
         return out
 
 
-def _instance_error(ev: Failed | Terminated) -> OpenAIError:
+def instance_error(ev: Failed | Terminated) -> OpenAIError:
     if isinstance(ev, Terminated):
         return OpenAIError(f"the request was ended: {ev.reason}", None, 503, None, "server_error")
     errors.note_failure(f"a built-in inferlet failed:\n{ev.error}")  # the log, not the client

@@ -80,6 +80,7 @@ class Tools:
 
     mode: str  # "auto" (parse the model's format), "required" (a JSON array), "named"
     name: str | None = None  # the function, when named
+    parallel: bool = True  # False: at most one call
     fmt: ToolCallFormat = field(default=TOOL_FORMAT)
 
 
@@ -97,6 +98,12 @@ class Job:
     echo: bool = False
     tools: Tools | None = None
     prompt_text: str | None = None  # a chat's rendered prompt
+    adapter: str | None = None  # the LoRA adapter the request named as its model
+
+    @property
+    def served(self) -> str:
+        """The model name answers carry: the one the request gave."""
+        return self.adapter or self.model
 
     @property
     def program(self) -> str:
@@ -107,8 +114,9 @@ class Job:
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
 
-def parse_completion(model, body: dict) -> Job:
-    """``model``: the served model (``controller.models[name]``)."""
+def parse_completion(model, body: dict, adapter: str | None = None) -> Job:
+    """``model``: the served model (``controller.models[name]``); ``adapter``: one of its
+    LoRA adapters, applied to every forward."""
     _known(body, COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"), model)
     echo = _get(body, "echo", bool, False, lambda v: True, "true or false")
@@ -127,10 +135,12 @@ def parse_completion(model, body: dict) -> Job:
     if best_of is not None and best_of > opts["n"] and opts["stream"]:
         raise OpenAIError("'best_of' greater than 'n' cannot be streamed", "best_of")
     opts["best_of"] = best_of
+    opts["adapter"] = adapter
     args = tuple(json.dumps({"prompt": p, **opts}) for p in prompts)
     return Job(
-        False, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs, echo
-    )
+        False, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs, echo,
+        adapter=adapter,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,7 @@ def parse_chat(
     fields: frozenset[str] | None = None,
     history: History | None = None,
     options: dict | None = None,
+    adapter: str | None = None,
 ) -> Job:
     """``fields``: what the body may hold (default :data:`CHAT_FIELDS`). ``history``: when
     the rendered prompt starts with its text, the prompt is its tokens plus the rest
@@ -200,15 +211,14 @@ def parse_chat(
             [tool] = [t for t in tool_list if t["function"]["name"] == tools.name]
             opts["grammar"] = {"json_schema": named_schema(tool)}
         else:
-            parallel = _get(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")  # fmt: skip
-            opts["grammar"] = {"json_schema": required_schema(tool_list, parallel)}
-            opts["stop_repeated_item"] = parallel  # a repeated call ends the array
+            opts["grammar"] = {"json_schema": required_schema(tool_list, tools.parallel)}
+            opts["stop_repeated_item"] = tools.parallel  # a repeated call ends the array
         _compile("tools", opts["grammar"], model)
-    opts.update(kv_import=kv_import, **(options or {}))
+    opts.update(kv_import=kv_import, adapter=adapter, **(options or {}))
     args = (json.dumps({"prompt": prompt, **opts}),)
     return Job(
         True, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs,
-        tools=tools, prompt_text=text,
+        tools=tools, prompt_text=text, adapter=adapter,
     )  # fmt: skip
 
 
@@ -445,8 +455,9 @@ def _tools(body: dict) -> tuple[Tools | None, str | None, list[dict]]:
         return None, None, tools
     if not tools:
         raise OpenAIError("'tool_choice' needs 'tools'", "tool_choice")
+    parallel = _get(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")
     if choice in ("auto", "required"):
-        return Tools(choice), choice, tools
+        return Tools(choice, parallel=parallel), choice, tools
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in names:
@@ -584,6 +595,12 @@ def _encode(model, texts: list[str], what: str, start: bool = False) -> list[lis
 def _check_length(length: int, max_tokens: int, max_position: int, what: str, name: str) -> None:
     if length == 0:
         raise OpenAIError(f"'{what}' is empty: give at least one token to continue from", what)
+    if length >= max_position:  # the prompt alone leaves no room
+        raise OpenAIError(
+            f"this model's maximum context length is {max_position} tokens, but the {what} has "
+            f"{length}: shorten the {what}",
+            what,
+        )
     if length + max(max_tokens, 1) > max_position:
         raise OpenAIError(
             f"this model's maximum context length is {max_position} tokens, but the {what} has "

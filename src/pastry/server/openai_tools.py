@@ -242,9 +242,10 @@ class RequiredCalls:
 
 
 def named_schema(tool: dict) -> dict:
-    """The arguments schema of a function forced by name (a strict one's closed)."""
-    schema = tool["function"].get("parameters") or {"type": "object"}
-    return closed_schema(schema) if tool["function"].get("strict") else schema
+    """The arguments schema of a forced call: the function's, closed (no property the
+    schema does not name, unless it says so), strict or not, as vLLM's default grammar
+    backend (xgrammar's strict mode) does: a small model otherwise invents arguments."""
+    return closed_schema(tool["function"].get("parameters") or {"type": "object"})
 
 
 def closed_schema(schema: Any) -> Any:

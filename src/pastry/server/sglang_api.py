@@ -43,12 +43,12 @@ PROGRAM = "sglang-generate"
 # Request fields: SGLang's GenerateReqInput. Those not listed are refused by name.
 FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "model",
+    "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "model", "lora_path",
 }  # fmt: skip
 # SGLang fields this server does not implement, with the values that leave them off.
 OFF = {
     "image_data": (None, [], ""), "video_data": (None, [], ""), "audio_data": (None, [], ""),
-    "lora_path": (None, ""), "custom_logit_processor": (None, ""),
+    "custom_logit_processor": (None, ""),
     "return_hidden_states": (None, False), "input_embeds": (None,), "session_params": (None,),
     "token_ids_logprob": (None,), "bootstrap_host": (None,), "data_parallel_rank": (None,),
     "log_metrics": (None, True, False), "modalities": (None, []),
@@ -213,6 +213,13 @@ def parse(server: PastryServer, body: Any) -> Job:
     }
     rid = body.get("rid")
     rids = _per_prompt(rid, k, "rid", None) if rid is not None else [None] * k
+    # SGLang's lora_path: the name of a loaded LoRA adapter (one, or one per prompt)
+    loras = _per_prompt(body.get("lora_path") or None, k, "lora_path", None)
+    loaded = server.controller.models[model].adapters
+    for lora in loras:
+        if lora is not None and lora not in loaded:
+            names = ", ".join(loaded) or "none"
+            raise ApiError(f"'lora_path' names no loaded adapter: {lora!r} (loaded: {names})")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(f"'stream' must be true or false, got {stream!r}")
@@ -220,6 +227,8 @@ def parse(server: PastryServer, body: Any) -> Job:
     for i, prompt in enumerate(prompts):
         sp = _sampling(sampling[i], vocab, server.controller.models[model])
         req = {**prompt, "sampling_params": sp, "model": model, "stream": stream}
+        if loras[i] is not None:
+            req["lora_path"] = loras[i]
         for name, values in per.items():
             if values[i] is not None:
                 req[name] = values[i]
