@@ -303,6 +303,19 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="order of prefills waiting for a batch or KV pages: lpm (longest cached "
         "prefix first, default), fcfs or random",
     )  # fmt: skip
+    p.add_argument(
+        "--programs-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where uploaded programs are stored (default: $PASTRY_HOME/programs)",
+    )
+    p.add_argument(
+        "--engine-hang-timeout", type=float, default=120.0, metavar="S",
+        help="an engine process that leaves a batch (or, idle, a ping) unanswered this many "
+        "seconds is killed and restarted, like one that exits (default 120; "
+        "docs/operations.md)",
+    )  # fmt: skip
     m = p.add_argument_group("several engines (docs/multi-engine.md)")
     m.add_argument(
         "--engines", type=int, default=None, metavar="N",
@@ -493,6 +506,8 @@ def _serve(args: argparse.Namespace) -> int:
             engine_kwargs={"quantize": args.quantize, "compile": args.compile},
             prefix_cache=args.prefix_cache,
             admission=args.admission,
+            engine_hang_timeout=args.engine_hang_timeout,
+            programs_dir=args.programs_dir,
         )
     except (ConfigError, UsersError, ValueError) as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)

@@ -12,15 +12,25 @@ for fast-forwarding) and may advance it itself (``constraint_consume``).
 Host memory is bounded per instance: at most ``max_constraints`` live handles (a
 :class:`~pastry.control.session.Session` field; the sandbox sets it from its limits), a
 grammar spec of at most :data:`MAX_GRAMMAR_BYTES`, and llguidance's parser limits
-(:data:`PARSER_LIMITS`: lexer states, grammar size, per-step work) on every matcher.
+(:func:`parser_limits`: lexer states, grammar size, per-step work) on every matcher.
+
+Compiling is the expensive part (a 5000-property JSON schema: ~1 s to compile, ~1 s more
+to build its matcher; a model's llguidance tokenizer: ~0.8 s), and ``create_constraint``
+runs on the event loop. So compiled grammars and fresh matchers are cached, process-wide
+and bounded (:data:`COMPILED_CACHE_BYTES`, :data:`MATCHER_CACHE_SIZE`): an endpoint that
+takes a grammar in a request calls :func:`prepare` in its worker thread, and the
+inferlet that serves the request gets a copy of the matcher made there
+(``LLMatcher.deep_copy``, microseconds). All of it is thread-safe.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +63,85 @@ def _llguidance():
     return llguidance
 
 
+COMPILED_CACHE_BYTES = 32 << 20
+"""Characters of compiled grammars (and of their specs) kept for reuse, least recently
+used first out."""
+MATCHER_CACHE_SIZE = 32
+"""Fresh matchers kept per model vocabulary for copying, least recently used first out."""
+
+_lock = threading.Lock()  # the caches below; builds run outside it, once per key
+_compiled: OrderedDict[str, tuple[str | None, str | None, int]] = OrderedDict()
+_compiled_chars = 0
+_building: dict[Any, threading.Event] = {}
+
+
 def compile_grammar(spec: Mapping[str, Any] | str) -> str:
     """An llguidance grammar from ``{"json_schema": {...}}``, ``{"lark": "..."}`` or
     ``{"regex": "..."}`` (a string is a Lark grammar). Raises ``ValueError`` naming the
-    problem for an unknown kind or an invalid grammar."""
+    problem for an unknown kind, an invalid grammar, or one over the size limits (its spec
+    over :data:`MAX_GRAMMAR_BYTES` as JSON text, refused before compiling; llguidance's
+    :func:`parser_limits`). Cached (failures too): the same spec is compiled once."""
+    global _compiled_chars
+    try:
+        key = json.dumps(spec, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return _compile(spec)  # not JSON data: _compile says what is wrong with it
+    if len(key) > MAX_GRAMMAR_BYTES and len(key.encode()) > MAX_GRAMMAR_BYTES:
+        raise ValueError(
+            f"the grammar spec has {len(key.encode())} bytes; the limit is {MAX_GRAMMAR_BYTES}"
+        )
+
+    def lookup():
+        found = _compiled.get(key)
+        if found is not None:
+            _compiled.move_to_end(key)
+        return found
+
+    hit = _once(("compile", key), lookup)
+    if hit is None:
+        try:
+            try:
+                grammar, error = _compile(spec), None
+            except ValueError as e:
+                grammar, error = None, str(e)
+            size = len(key) + len(grammar or error or "")
+            with _lock:
+                _compiled[key] = hit = (grammar, error, size)
+                _compiled_chars += size
+                while _compiled_chars > COMPILED_CACHE_BYTES and len(_compiled) > 1:
+                    _compiled_chars -= _compiled.popitem(last=False)[1][2]
+        finally:
+            _done(("compile", key))
+    grammar, error, _ = hit
+    if error is not None:
+        raise ValueError(error)
+    assert grammar is not None
+    return grammar
+
+
+def _once(key: Any, lookup):
+    """``lookup()`` under the lock, or None when the caller must build the value: the first
+    caller for ``key`` builds (and calls :func:`_done`), later ones wait for it."""
+    while True:
+        with _lock:
+            hit = lookup()
+            if hit is not None:
+                return hit
+            event = _building.get(key)
+            if event is None:
+                _building[key] = threading.Event()
+                return None
+        event.wait()
+
+
+def _done(key: Any) -> None:
+    with _lock:
+        event = _building.pop(key, None)
+    if event is not None:
+        event.set()
+
+
+def _compile(spec: Mapping[str, Any] | str) -> str:
     llg = _llguidance()
     if isinstance(spec, str):
         spec = {"lark": spec}
@@ -121,24 +206,89 @@ class _Vocab:
         return self._encode(text)
 
 
+class _Vocabulary:
+    """A model vocabulary's llguidance tokenizer and the fresh matchers made over it."""
+
+    def __init__(self, lltok) -> None:
+        self.lltok = lltok
+        self.matchers: OrderedDict[str, Any] = OrderedDict()  # grammar -> fresh LLMatcher
+
+
 _tokenizers: weakref.WeakKeyDictionary[Tokenizer, dict] = weakref.WeakKeyDictionary()
+
+
+def _vocabulary(tokenizer: Tokenizer, rows: int, eos: tuple[int, ...]) -> _Vocabulary:
+    llguidance = _llguidance()
+    if not eos:
+        raise ApiError("the model names no end-of-sequence token: grammars need one")
+    key = (rows, tuple(eos))
+    build = ("vocab", id(tokenizer), key)
+    hit = _once(build, lambda: _tokenizers.get(tokenizer, {}).get(key))
+    if hit is None:
+        try:
+            tokens = tokenizer.get_vocabs()[:rows]
+            tokens += [b""] * (rows - len(tokens))
+            wrapper = llguidance.TokenizerWrapper(_Vocab(tokenizer, tokens, list(eos)))
+            hit = _Vocabulary(llguidance.LLTokenizer(wrapper, n_vocab=rows, eos_token=list(eos)))
+            with _lock:
+                _tokenizers.setdefault(tokenizer, {})[key] = hit
+        finally:
+            _done(build)
+    return hit
 
 
 def ll_tokenizer(tokenizer: Tokenizer, rows: int, eos: tuple[int, ...]):
     """llguidance's tokenizer over a model's ``rows`` output rows: the tokenizer's bytes
     for each id, ``b""`` (never allowed) for padded rows. Built once per tokenizer, rows
     and end tokens (about a second for a large vocabulary)."""
-    llguidance = _llguidance()
-    if not eos:
-        raise ApiError("the model names no end-of-sequence token: grammars need one")
-    per = _tokenizers.setdefault(tokenizer, {})
-    key = (rows, eos)
-    if key not in per:
-        tokens = tokenizer.get_vocabs()[:rows]
-        tokens += [b""] * (rows - len(tokens))
-        wrapper = llguidance.TokenizerWrapper(_Vocab(tokenizer, tokens, list(eos)))
-        per[key] = llguidance.LLTokenizer(wrapper, n_vocab=rows, eos_token=list(eos))
-    return per[key]
+    return _vocabulary(tokenizer, rows, eos).lltok
+
+
+def new_matcher(
+    tokenizer: Tokenizer, rows: int, eos: tuple[int, ...], spec: Mapping[str, Any] | str
+):
+    """A fresh llguidance matcher for grammar ``spec`` over the model's vocabulary: a copy
+    of a cached one when this grammar was seen (:func:`prepare`), else compiled here.
+    ``ValueError`` for a bad grammar."""
+    return _fresh(tokenizer, rows, eos, spec).deep_copy()
+
+
+def prepare(
+    tokenizer: Tokenizer, rows: int, eos: tuple[int, ...], spec: Mapping[str, Any] | str
+) -> None:
+    """Compile ``spec`` and make its matcher over the model's vocabulary, for a later
+    ``create_constraint`` to copy: call it from a worker thread where a request hands the
+    server a grammar, so that the event loop never compiles one. ``ValueError`` for a bad
+    grammar (the request's 400); ``ApiError`` when the model cannot take grammars."""
+    _fresh(tokenizer, rows, eos, spec)
+
+
+def _fresh(tokenizer: Tokenizer, rows: int, eos: tuple[int, ...], spec: Mapping[str, Any] | str):
+    grammar = compile_grammar(spec)
+    vocab = _vocabulary(tokenizer, rows, eos)
+
+    def lookup():
+        m = vocab.matchers.get(grammar)
+        if m is not None:
+            vocab.matchers.move_to_end(grammar)
+        return m
+
+    build = ("matcher", id(vocab), grammar)
+    matcher = _once(build, lookup)
+    if matcher is None:
+        try:
+            matcher = _llguidance().LLMatcher(
+                vocab.lltok, grammar, log_level=0, limits=parser_limits()
+            )
+            if matcher.is_error():
+                raise ValueError(f"invalid grammar: {matcher.get_error()}")
+            with _lock:
+                vocab.matchers[grammar] = matcher
+                while len(vocab.matchers) > MATCHER_CACHE_SIZE:
+                    vocab.matchers.popitem(last=False)
+        finally:
+            _done(build)
+    return matcher
 
 
 def parse_spec(grammar: str) -> dict:
@@ -165,14 +315,11 @@ class HostConstraint:
     def __init__(self, tokenizer: Tokenizer, rows: int, eos: tuple[int, ...], grammar: str):
         spec = parse_spec(grammar)
         try:
-            compiled = compile_grammar(spec)
+            self.matcher = new_matcher(tokenizer, rows, eos, spec)
         except ValueError as e:
             raise ApiError(str(e)) from None
         self.rows = rows
         self.words = mask_words(rows)
-        self.matcher = _llguidance().LLMatcher(
-            ll_tokenizer(tokenizer, rows, eos), compiled, log_level=0, limits=parser_limits()
-        )
         self.busy = False  # a sample with this constraint is in flight
         self._check()
 

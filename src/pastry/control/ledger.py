@@ -21,6 +21,15 @@ class PageLedger:
         """Registered instances, oldest first."""
         return list(self.users)
 
+    def holders(self) -> list[int]:
+        """Instances whose handles or non-persistent exports name any page or embedding of
+        this pool (device or host): what a restarted engine takes from them."""
+        tables = self.handles.tables
+        return [
+            i for i in self.users
+            if self.exports.by_instance.get(i) or any(tables[k][i] for k in tables)
+        ]  # fmt: skip
+
     def user_of(self, instance: int) -> object:
         self.require(instance)
         return self.users[instance]

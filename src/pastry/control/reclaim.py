@@ -167,3 +167,18 @@ class Reclaiming:
 
     def policy_name(self) -> str:
         return getattr(self.m.policy, "description", type(self.m.policy).__name__)
+
+    def device_lost(self) -> None:
+        """The engine's memory is gone (its process was restarted): every id is free again.
+        Call it once the :meth:`~pastry.control.ledger.PageLedger.holders` are removed; the
+        persistent exports, the prefix cache and what provenance certifies named the lost
+        memory, and are dropped."""
+        m = self.m
+        assert not m.holders(), f"instances still hold ids: {m.holders()}"
+        for key in list(m.exports.exports):
+            m.drop_export(key)
+        if m.cached is not None:
+            m.cached.evict(m.cache.cached_pages)
+        if m.provenance is not None:
+            m.provenance.forget(range(m.pools["kv"].size))
+        m.host.take_moves()  # (the pending copies are moot; their host pages are freed)

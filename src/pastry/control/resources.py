@@ -61,12 +61,11 @@ class ResourceManager(PageLedger):
     memory is reclaimed even if the callback does not). Without ``on_terminate`` nobody can
     be terminated and contention raises :class:`OutOfResources` at once.
 
-    Instances are ``int`` ids, remembered in creation order. Calls naming an instance that is
-    not registered raise :class:`ResourceError`; an unknown kind raises ``ValueError``.
+    Instances are ``int`` ids, in creation order; naming one not registered raises
+    :class:`ResourceError`, an unknown kind ``ValueError``.
 
     With a ``cache`` (and the ``provenance`` that certifies page contents), KV pages can be
-    held by the prefix cache; ``cache_seconds`` is the time spent in its bookkeeping here,
-    ``cache_events`` counts pages ``adopted``, ``evicted`` and ``detached``.
+    held by the prefix cache (its time here: ``cache_seconds``; pages ``cache_events``).
     """
 
     def __init__(
@@ -347,6 +346,10 @@ class ResourceManager(PageLedger):
         if self.cached is None:
             return 0
         return self.cached.evict(self.cache.evictable_pages)
+
+    def device_lost(self) -> None:
+        """The engine's memory is gone: every id is free again (``Reclaiming.device_lost``)."""
+        self.reclaiming.device_lost()
 
     def check_integrity(self) -> None:
         """Assert that the pools are consistent, that every physical id's count equals the

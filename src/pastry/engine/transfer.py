@@ -24,6 +24,7 @@ positions and attendable bits, and returns when every write has landed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,12 +71,22 @@ class _ShmPeer:
     """A peer engine on this host: its pool file, mapped."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         try:
+            self.inode = _inode(path)
             self.layout, (data, self.positions, self.attendable) = KvLayout.open(path)
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot map the KV pool of peer shm:{path}: {e}") from e
         n = self.layout.num_layers
         self.k, self.v = data[:n], data[n:]
+
+    def replaced(self) -> bool:
+        """Whether the pool file is no longer the one mapped (the peer engine restarted and
+        made a new pool: writes into the old mapping would reach nobody)."""
+        try:
+            return _inode(self.path) != self.inode
+        except OSError:
+            return True
 
     def write(self, layer: int, part: _Part, data: _LayerData) -> None:
         _apply(self.layout, self.k[layer], self.v[layer], part.dst_pages, part.dst_edge, data)
@@ -92,6 +103,11 @@ class _ShmPeer:
 
     def close(self) -> None:
         pass
+
+
+def _inode(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 class _TcpPeer:
@@ -305,6 +321,8 @@ class KvSender:
 
     def _peer(self, address: str) -> _ShmPeer | _TcpPeer:
         peer = self._peers.get(address)
+        if isinstance(peer, _ShmPeer) and peer.replaced():  # the peer restarted: map anew
+            peer = None
         if peer is None:
             if address.startswith("shm:"):
                 peer = _ShmPeer(address[4:])

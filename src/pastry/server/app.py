@@ -7,6 +7,9 @@ With tokens configured (``--auth-token``, ``--users``), every HTTP request must 
 ``Authorization: Bearer <token>`` and every WebSocket connection must authenticate first;
 the token names the user the request is for (``server/auth.py``). Every HTTP request then
 passes :class:`~pastry.server.limits.RequestLimits` (body size, JSON depth, Unicode).
+Outermost, :class:`~pastry.server.errors.RequestIds` gives every request an id
+(``X-Request-Id``) and logs every 5xx answer under it, with the traceback the client does
+not get.
 """
 
 from __future__ import annotations
@@ -20,8 +23,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pastry.server import anthropic, metrics, microserving, openai, responses, sglang_api, ws
+from pastry.server import (
+    anthropic,
+    metrics,
+    microserving,
+    openai,
+    responses,
+    sglang_api,
+    supervisor,
+    ws,
+)
 from pastry.server.auth import BearerAuth
+from pastry.server.errors import RequestIds
 from pastry.server.limits import RequestLimits
 from pastry.server.service import PastryServer, ServerConfig
 
@@ -30,7 +43,12 @@ log = logging.getLogger(__name__)
 
 def create_app(server: PastryServer) -> Starlette:
     async def health(request: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok", "models": server.models})
+        # "degraded" while an engine is down or restarting (server/supervisor.py); 503
+        # when some model has no engine left to serve it
+        status, engines = supervisor.health(server)
+        serving = {e["model"] for e in engines if e["state"] == supervisor.UP}
+        code = 200 if serving >= {e["model"] for e in engines} else 503
+        return JSONResponse({"status": status, "models": server.models, "engines": engines}, code)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -52,6 +70,7 @@ def create_app(server: PastryServer) -> Starlette:
     routes += metrics.routes()
     routes += microserving.routes(server)  # microserving's engine calls, the router
     middleware = [  # outermost first: nobody's body is read before they authenticate
+        Middleware(RequestIds),  # every answer has an id; every 5xx is logged under it
         Middleware(BearerAuth, server=server),
         Middleware(RequestLimits, quotas=server.config.quotas),
     ]

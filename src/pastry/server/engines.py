@@ -7,6 +7,9 @@
   ``pastry engine --listen``, reached with their token.
 - ``--ray ADDRESS``: the engines placed as Ray actors of that cluster, one per engine, each
   starting an engine server on its node (``RayEngines``); Ray only places processes.
+
+The engine processes started here are supervised (``server/supervisor.py``): one that
+exits, is killed or hangs is restarted with the same configuration.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pastry.control.users import LOCAL_USER, User
+from pastry.server.supervisor import EngineSupervisor, release_lost_engine
 from pastry.wire.config import EngineConfig
 from pastry.wire.handle import EngineHandle
 
@@ -70,7 +74,16 @@ async def start_engines(server: PastryServer, model: Path) -> list[EngineHandle]
             kw = {"cpus": shares[i]} if shares[i] else {}
             if cfg.engine_token:
                 kw["token"] = cfg.engine_token
-            handles.append(await server._start_engine(model, econf, **kw))
+            if cfg.in_process:
+                handles.append(await server._start_engine(model, econf, **kw))
+                continue
+            sup = await EngineSupervisor.start(
+                f"{model.stem}/{i}" if local > 1 else model.stem,
+                _starter(model, econf, cfg.adapters, kw),
+                hang_timeout=cfg.engine_hang_timeout,
+            )
+            server._procs.append(sup)  # stopped with the server
+            handles.append(sup)
         for endpoint in cfg.remote_engines:
             from pastry.wire.remote import RemoteEngine
 
@@ -80,6 +93,31 @@ async def start_engines(server: PastryServer, model: Path) -> list[EngineHandle]
             await h.aclose()
         raise
     return handles
+
+
+def _starter(model: Path, econf: EngineConfig, adapters, kw: dict):
+    """Start one engine process of this configuration and connect to it (in a worker
+    thread: it waits until the process serves)."""
+
+    async def start():
+        from pastry.wire.remote import RemoteEngine
+        from pastry.wire.spawn import spawn_engine
+
+        proc = await asyncio.to_thread(spawn_engine, model, econf, adapters=adapters, **kw)
+        try:
+            return proc, await RemoteEngine.connect(proc.endpoint, token=kw.get("token"))
+        except BaseException:
+            await asyncio.to_thread(proc.terminate, 5.0)
+            raise
+
+    return start
+
+
+def supervise(server: PastryServer) -> None:
+    """Begin supervising the server's engine processes (once its controller exists)."""
+    for h in server._handles:
+        if isinstance(h, EngineSupervisor):
+            h.watch(lambda sup, reason: release_lost_engine(server, sup, reason))
 
 
 async def swap_router(server: PastryServer, spec: str, user: User = LOCAL_USER) -> Instance:

@@ -7,6 +7,8 @@
   carry) is refused with 400. Endpoints then see only bodies they can handle; whatever else
   is wrong with a body they answer themselves.
 - :func:`loads`, the same JSON checks for WebSocket messages.
+- :func:`too_many`, the bounds on list fields (:data:`MAX_MESSAGES`, :data:`MAX_TOOLS`):
+  checked first, before any work on their items.
 - :func:`token_counts`, for endpoints that check prompt lengths: call it off the event loop
   (``asyncio.to_thread``); it tokenizes without holding the global lock.
 
@@ -24,6 +26,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pastry.control.quotas import Quotas
 from pastry.control.tokenization import Tokenization
+
+MAX_MESSAGES = 2048
+"""Messages one chat request may carry (OpenAI's limit): rendering the chat template is
+Python work that holds the global lock, ~10 µs a message (100k messages: ~1 s)."""
+MAX_TOOLS = 128
+"""Tools one request may declare (OpenAI's limit); their schemas are also bounded as
+grammars when a forced call compiles them (``control/constraints.py``)."""
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string (valid JSON only)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -107,6 +116,17 @@ def _encodes(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def too_many(value: Any, where: str, limit: int) -> str | None:
+    """The 400 message for a list field ``where`` with more than ``limit`` items, or None.
+    Worded as OpenAI words it (``array_above_max_length``)."""
+    if isinstance(value, list) and len(value) > limit:
+        return (
+            f"Invalid '{where}': array too long. Expected an array with maximum length "
+            f"{limit}, but got an array with length {len(value)} instead."
+        )
+    return None
 
 
 def token_counts(

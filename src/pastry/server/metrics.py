@@ -9,7 +9,9 @@
 - ``pastry_kv_pages_used`` / ``pastry_kv_pages_free``, per model;
 - ``pastry_time_to_first_token_seconds{endpoint}`` and
   ``pastry_inter_token_latency_seconds{endpoint}``: from a request's arrival to its first
-  sampled token, and between consecutive sampled tokens of one sequence (one queue).
+  sampled token, and between consecutive sampled tokens of one sequence (one queue);
+- ``pastry_engine_restarts_total{engine}`` (engine processes lost and restarted,
+  ``server/supervisor.py``) and ``pastry_engine_up{engine}`` (1 while it serves).
 
 Batch and token timings come from the batch scheduler's observers
 (:attr:`~pastry.control.scheduler.BatchScheduler.observers`), installed by :func:`install`
@@ -63,6 +65,16 @@ ITL = Histogram(
     "pastry_inter_token_latency_seconds", "Between consecutive sampled tokens of a sequence",
     ["endpoint"], buckets=_LATENCY, registry=REGISTRY,
 )  # fmt: skip
+
+ENGINE_RESTARTS = Counter(
+    "pastry_engine_restarts", "Engine processes lost (exited, killed, hung) and restarted",
+    ["engine"], registry=REGISTRY,
+)  # fmt: skip
+
+
+def engine_restarted(engine: str) -> None:
+    ENGINE_RESTARTS.labels(engine).inc()
+
 
 # instance id -> the clock of the request it serves
 _clocks: weakref.WeakValueDictionary[int, RequestClock] = weakref.WeakValueDictionary()
@@ -146,7 +158,13 @@ class _Gauges:
             f, u, _ = m.resources.usage("kv")
             used.add_metric([name], u)
             free.add_metric([name], f)
-        yield from (running, waiting, used, free)
+        up = GaugeMetricFamily(
+            "pastry_engine_up", "1 while an engine serves, 0 while it is down or restarting",
+            labels=["engine"],
+        )  # fmt: skip
+        for m in server.controller.all_engines():
+            up.add_metric([getattr(m.engine, "name", f"{m.name}/{m.rank}")], int(m.engine.alive))
+        yield from (running, waiting, used, free, up)
 
 
 _GAUGES = _Gauges()

@@ -34,6 +34,7 @@ from pastry.api import ApiError
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.users import User
 from pastry.runtime.trusted import Program
+from pastry.server import errors
 from pastry.server.auth import user_of
 from pastry.server.service import PastryServer
 
@@ -179,7 +180,7 @@ async def _start_generate(ms: Microserving, body: dict, user: User) -> Response:
         end = await inst.wait()
         if isinstance(end, Finished):
             return Response(end.result or "null", media_type="application/json")
-        raise _Error(getattr(end, "error", None) or getattr(end, "reason", str(end)), 500)
+        raise _failure(end)
     return StreamingResponse(_events(inst), media_type="text/event-stream")
 
 
@@ -191,7 +192,7 @@ async def _events(inst):
         elif isinstance(ev, Finished):
             yield "data: [DONE]\n\n"
         elif isinstance(ev, Failed | Terminated):
-            err = getattr(ev, "error", None) or getattr(ev, "reason", "")
+            err = str(_failure(ev))
             yield f"data: {json.dumps({'error': {'message': err}})}\n\n"
 
 
@@ -215,3 +216,13 @@ async def _router(ms: Microserving, body: dict, user: User) -> Response:
         raise _Error("'router' must be NAME[:ARG], e.g. pd-balance:0.2")
     inst = await ms.server.set_router(spec, user)
     return JSONResponse({"router": spec, "instance": inst.id})
+
+
+def _failure(end) -> _Error:
+    """A failed or ended instance as the client's error: its reason, never a traceback
+    (that goes to the log under the request's id, ``server/errors.py``)."""
+    error = getattr(end, "error", None)
+    if error is None:
+        return _Error(f"the request was ended: {getattr(end, 'reason', end)}", 503)
+    errors.note_failure(f"a built-in inferlet failed:\n{error}")
+    return _Error(f"generation failed: {errors.failure_reason(error)}", 500)

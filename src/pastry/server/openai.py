@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.runtime.trusted import Instance
-from pastry.server import metrics
+from pastry.server import errors, metrics
 from pastry.server.auth import tenant_session, user_of
 from pastry.server.openai_params import (
     MAX_N,
@@ -673,9 +673,12 @@ class ChoiceStream:
 def instance_error(ev: Failed | Terminated) -> OpenAIError:
     if isinstance(ev, Terminated):
         return OpenAIError(f"the request was ended: {ev.reason}", None, 503, None, "server_error")
-    log.warning("a built-in inferlet failed:\n%s", ev.error)
-    last = ev.error.strip().splitlines()[-1:] or ["unknown error"]
-    return OpenAIError(f"generation failed: {last[0]}", None, 500, None, "server_error")
+    errors.note_failure(f"a built-in inferlet failed:\n{ev.error}")  # the log, not the client
+    message = f"generation failed: {errors.failure_reason(ev.error)}"
+    rid = errors.current_request_id()
+    if rid is not None:
+        message += f" (logged as request {rid})"
+    return OpenAIError(message, None, 500, None, "server_error")
 
 
 def _total(usages) -> dict:

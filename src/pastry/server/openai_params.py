@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 
+from pastry.server.limits import MAX_MESSAGES, MAX_TOOLS, too_many
 from pastry.server.openai_tools import (
     HermesFormat,
     ToolCallFormat,
@@ -212,7 +213,7 @@ def parse_chat(
         else:
             opts["grammar"] = {"json_schema": required_schema(tool_list, tools.parallel)}
             opts["stop_repeated_item"] = tools.parallel  # a repeated call ends the array
-        _compile("tools", opts["grammar"])
+        _compile("tools", opts["grammar"], model)
     opts.update(kv_import=kv_import, adapter=adapter, **(options or {}))
     args = (json.dumps({"prompt": prompt, **opts}),)
     return Job(
@@ -277,7 +278,7 @@ def _options(body: dict, model, max_tokens: int, logprobs: int | None) -> dict:
         "repetition_penalty": _get(
             body, "repetition_penalty", number, 1.0, lambda v: 0 < v <= 10, "a number in (0, 10]"
         ),
-        "grammar": _grammar(body),
+        "grammar": _grammar(body, model),
     }
 
 
@@ -311,7 +312,7 @@ def _logit_bias(value: Any, vocab: int) -> dict[str, float]:
     return out
 
 
-def _grammar(body: dict) -> dict | None:
+def _grammar(body: dict, model) -> dict | None:
     """The grammar of ``response_format``, vLLM's ``structured_outputs`` or ``guided_*``
     (at most one of them)."""
     found: list[tuple[str, dict]] = []
@@ -349,7 +350,7 @@ def _grammar(body: dict) -> dict | None:
     if not found:
         return None
     where, grammar = found[0]
-    _compile(where, grammar)
+    _compile(where, grammar, model)
     return grammar
 
 
@@ -393,14 +394,20 @@ def _guided(kind: str, value: Any, where: str) -> dict:
     return {"regex": value} if kind == "regex" else {"lark": value}
 
 
-def _compile(where: str, grammar: dict) -> None:
-    """Compile the grammar once here, so that a bad one is a 400, not a failed instance."""
-    from pastry.control.constraints import compile_grammar
+def _compile(where: str, grammar: dict, model) -> None:
+    """Compile the grammar here, in the request's worker thread, so that a bad one is a
+    400, not a failed instance, and the instance gets a ready matcher instead of compiling
+    on the event loop (``control/constraints.py``)."""
+    from pastry.api import ApiError
+    from pastry.control.constraints import prepare
 
+    info = model.info
     try:
-        compile_grammar(grammar)
+        prepare(model.tokenizer, info.vocab_size, tuple(info.eos_token_ids), grammar)
     except ValueError as e:
         raise OpenAIError(f"'{where}' is not a valid output constraint: {e}", where) from None
+    except (ApiError, ImportError) as e:  # this model or server cannot take grammars
+        raise OpenAIError(f"'{where}': this server cannot constrain output: {e}", where) from None
 
 
 FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
@@ -415,6 +422,8 @@ def check_tools(tools: Any, where: str = "tools") -> list[dict]:
     )
     if not isinstance(tools, list):
         raise OpenAIError(shape, where)
+    if (over := too_many(tools, where, MAX_TOOLS)) is not None:
+        raise OpenAIError(over, where, code="array_above_max_length")
     for i, t in enumerate(tools):
         if not (
             isinstance(t, dict)
@@ -524,6 +533,8 @@ def check_messages(messages: Any) -> list[dict]:
         raise OpenAIError(
             '\'messages\' must be a non-empty list of {"role", "content"} objects', "messages"
         )
+    if (over := too_many(messages, "messages", MAX_MESSAGES)) is not None:
+        raise OpenAIError(over, "messages", code="array_above_max_length")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"

@@ -16,16 +16,24 @@ decided when it is uploaded and recorded with it: trusted only if the server all
 uploads (``--trusted-uploads``) *and* the uploader is an operator; a program recorded as
 sandboxed stays sandboxed whatever later servers allow, and one recorded as trusted runs
 sandboxed on a server that does not allow trusted uploads.
+
+Nothing is lost or half-written when the server is killed (``server/durable.py``): files
+are written to a temporary name, flushed to the disk and renamed, program file before the
+index entry naming it, and the index keeps its previous version (``index.json.prev``). At
+start the store is checked: unfinished writes are removed, every program file must hash to
+its name, a damaged file (or index) is moved aside as ``*.corrupt`` and reported in the log
+and in :attr:`ProgramRegistry.problems`, never loaded; an upload killed before its index
+entry was written was never acknowledged, and its file is removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -34,6 +42,7 @@ from pathlib import Path
 
 from pastry.control.users import LOCAL, LOCAL_USER, User
 from pastry.runtime.trusted import Program, ProgramError
+from pastry.server import durable
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +90,99 @@ class ProgramRegistry:
         self._lock = threading.Lock()  # _compiled is filled from the compile thread too
         self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pastry-compile")
         self.compiles = 0  # how many times source was compiled (tests check the cache)
-        if self._index_path.exists():
+        self.problems: list[str] = []  # what the start found damaged (also logged)
+        left = durable.leftovers(self.root)
+        if left:
+            log.info("removed %d unfinished writes in %s: %s", len(left), self.root, left)
+        if self._index_path.exists() or self._previous_index.exists():
             self._load_index()
 
+    @property
+    def _previous_index(self) -> Path:
+        return self._index_path.with_name(self._index_path.name + ".prev")
+
+    def _problem(self, message: str) -> None:
+        self.problems.append(message)
+        log.error("program store %s: %s", self.root, message)
+
+    def _read_index(self) -> tuple[list, bool]:
+        """The index's rows, and whether they are the current index (else the previous
+        one, or none). A damaged file is moved aside (``*.corrupt``) and reported."""
+        for path in (self._index_path, self._previous_index):
+            if not path.exists():
+                continue
+            try:
+                rows = json.loads(path.read_bytes().decode("utf-8", "surrogatepass"))
+                if not isinstance(rows, list):
+                    raise ValueError(f"a list of programs was expected, got {type(rows).__name__}")
+            except ValueError as e:
+                aside = path.with_name(f"{path.name}.corrupt")
+                os.replace(path, aside)
+                self._problem(f"{path.name} is damaged ({e}); moved to {aside.name}")
+                continue
+            if path != self._index_path:
+                self._problem(
+                    f"using {path.name}, the index before the last change: the last upload "
+                    "or delete may be missing"
+                )
+            return rows, path == self._index_path
+        return [], False
+
     def _load_index(self) -> None:
+        rows, current = self._read_index()
         legacy = 0
-        for raw in json.loads(self._index_path.read_text()):
-            if "owner" not in raw:  # written before users existed: the local user's
+        fields = {f.name for f in dataclasses.fields(ProgramInfo)}
+        verified: dict[str, bool] = {}
+        for raw in rows:
+            if isinstance(raw, dict) and "owner" not in raw:  # written before users existed
                 raw = {**raw, "owner": LOCAL, "trusted": False}
                 legacy += 1
-            info = ProgramInfo(**raw)
-            if not info.builtin and (self.root / f"{info.hash}.py").exists():
+            try:
+                if not isinstance(raw, dict) or set(raw) - fields:
+                    raise TypeError("not a program entry")
+                info = ProgramInfo(**raw)
+                if not (isinstance(info.hash, str) and isinstance(info.name, str)):
+                    raise TypeError("hash and name must be strings")
+            except TypeError as e:
+                self._problem(f"index entry {str(raw)[:200]} is damaged ({e}); skipped")
+                continue
+            if info.builtin:
+                continue
+            if info.hash not in verified:
+                verified[info.hash] = self._verify(info.hash)
+            if verified[info.hash]:
                 self._uploads.setdefault(info.owner, {})[info.name] = info
+            elif (self.root / f"{info.hash}.py.corrupt").exists():
+                self._problem(
+                    f"program {info.name!r} of user {info.owner} is lost (its file was damaged)"
+                )
+        if current and not self.problems:  # files no entry names: an upload killed
+            # before its index entry was written (never acknowledged)
+            named = {i.hash for names in self._uploads.values() for i in names.values()}
+            for path in self.root.glob("*.py"):
+                if path.stem not in named:
+                    path.unlink(missing_ok=True)
         if legacy:
             log.warning(
                 "%d programs stored before users existed now belong to user '%s' and run sandboxed",
                 legacy,
                 LOCAL,
             )
+
+    def _verify(self, digest: str) -> bool:
+        """Whether the stored file of ``digest`` is there and holds exactly its content (a
+        damaged one is moved aside as ``*.corrupt`` and reported)."""
+        path = self.root / f"{digest}.py"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return False
+        if hashlib.sha256(data).hexdigest() == digest:
+            return True
+        aside = path.with_name(path.name + ".corrupt")
+        os.replace(path, aside)
+        self._problem(f"{path.name} does not hold the program of that hash; moved to {aside.name}")
+        return False
 
     def add_builtins(self) -> None:
         """Register every ``pastry/inferlets/*.py`` by its name (underscores as dashes), and
@@ -251,9 +335,9 @@ class ProgramRegistry:
         if digest is not None:
             path = self.root / f"{digest}.py"
             if not path.exists():
-                _atomic_write(path, text)
+                durable.atomic_write(path, text)
         rows = [asdict(i) for names in self._uploads.values() for i in names.values()]
-        _atomic_write(self._index_path, json.dumps(rows, indent=1))
+        durable.atomic_write(self._index_path, json.dumps(rows, indent=1), keep_previous=True)
         if dropped is not None and not any(r["hash"] == dropped for r in rows):
             (self.root / f"{dropped}.py").unlink(missing_ok=True)
             with self._lock:
@@ -318,13 +402,6 @@ class ProgramRegistry:
 
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 __all__ = ["ProgramError", "ProgramInfo", "ProgramRegistry", "RegistryError", "UploadQuotaError"]

@@ -32,7 +32,7 @@ from pastry.control.quotas import Quotas
 from pastry.control.users import LOCAL_USER, Account, Directory, User, UsersError, check_token
 from pastry.paths import programs_dir
 from pastry.runtime.trusted import Instance, TrustedRuntime
-from pastry.server.engines import start_engines, swap_router
+from pastry.server.engines import start_engines, supervise, swap_router
 from pastry.server.registry import ProgramRegistry
 from pastry.wire.config import EngineConfig
 from pastry.wire.handle import EngineHandle
@@ -80,6 +80,9 @@ class ServerConfig:
     grants: tuple[tuple[str, str], ...] = ()  # (owner, reader): reader may read owner's
     quotas: Quotas = field(default_factory=Quotas)
     prefix_cache: bool = True  # the automatic prefix cache (RadixAttention)
+    # an engine process whose batch (or, idle, a ping) goes unanswered this long is killed
+    # and restarted (server/supervisor.py)
+    engine_hang_timeout: float = 120.0
     admission: str = "lpm"  # order of waiting prefills: lpm, fcfs or random
 
     def __post_init__(self) -> None:
@@ -184,6 +187,7 @@ class PastryServer:
             admission=lambda: admission_policy(cfg.admission),
         )
         self.runtime = TrustedRuntime(self.controller)
+        supervise(self)  # engines that exit, are killed or hang come back
         # Long-lived objects (tokenizers, an in-process model) stay out of later garbage
         # collections, and young collections are rare enough that a batch cycle's objects
         # die first (control/gc_tuning.py: the per-step cost stays flat in the inferlets).

@@ -29,12 +29,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 import pastry
-from pastry.control.constraints import compile_grammar
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import MAX_LOGPROBS, check
 from pastry.runtime.trusted import Instance
+from pastry.server import errors
 from pastry.server.auth import tenant_session, user_of
 from pastry.server.limits import token_counts
 from pastry.server.relay import Events, relay, send_json
@@ -162,7 +162,7 @@ async def _generate(server: PastryServer, request: Request):
     except ValueError as e:
         return ApiError(f"the request body is not valid JSON: {e}").response()
     try:
-        job = parse(server, body)
+        job = await asyncio.to_thread(parse, server, body)  # compiles grammars: off the loop
         await asyncio.to_thread(_check_texts, server, body)  # issue 17: off the loop
         _admit(server, request, job)
     except ApiError as e:
@@ -185,7 +185,7 @@ def parse(server: PastryServer, body: Any) -> Job:
         elif name not in FIELDS:
             raise ApiError(f"unknown field '{name}'; the fields are {sorted(FIELDS | set(OFF))}")
     model = body.get("model") or server.models[0]
-    if model not in server.controller.models:
+    if not isinstance(model, str) or model not in server.controller.models:
         raise ApiError(f"no model {model!r}; this server serves {', '.join(server.models)}")
     vocab = server.controller.models[model].info.vocab_size
     batch, prompts = _prompts(body, vocab)
@@ -214,7 +214,7 @@ def parse(server: PastryServer, body: Any) -> Job:
         raise ApiError(f"'stream' must be true or false, got {stream!r}")
     args, ns = [], []
     for i, prompt in enumerate(prompts):
-        sp = _sampling(sampling[i], vocab)
+        sp = _sampling(sampling[i], vocab, server.controller.models[model])
         req = {**prompt, "sampling_params": sp, "model": model, "stream": stream}
         if loras[i] is not None:
             req["lora_path"] = loras[i]
@@ -265,7 +265,7 @@ def _per_prompt(value: Any, k: int, name: str, default: Any) -> list[Any]:
     return [default if value is None else value] * k
 
 
-def _sampling(given: Any, vocab: int) -> dict[str, Any]:
+def _sampling(given: Any, vocab: int, model) -> dict[str, Any]:
     if not isinstance(given, dict):
         raise ApiError(f"'sampling_params' must be an object, got {given!r:.100}")
     out: dict[str, Any] = {}
@@ -301,9 +301,9 @@ def _sampling(given: Any, vocab: int) -> dict[str, Any]:
     if p.n > MAX_N:
         raise ApiError(f"'sampling_params.n' must be at most {MAX_N}, got {p.n}")
     if p.regex is not None:
-        _check_grammar({"regex": p.regex})
+        _check_grammar({"regex": p.regex}, model)
     if p.json_schema is not None:
-        _check_grammar({"json_schema": p.json_schema})
+        _check_grammar({"json_schema": p.json_schema}, model)
     return out
 
 
@@ -314,11 +314,20 @@ def _token(t: Any, vocab: int) -> bool:
     return type(t) is int and 0 <= t < vocab
 
 
-def _check_grammar(spec: dict) -> None:
+def _check_grammar(spec: dict, model) -> None:
+    """Compile the grammar (in the request's worker thread) for the instance to copy
+    (``control/constraints.py``): a bad one is a 400, and none compiles on the loop."""
+    from pastry.control.constraints import prepare
+
+    info = model.info
     try:
-        compile_grammar(spec)
+        prepare(model.tokenizer, info.vocab_size, tuple(info.eos_token_ids), spec)
     except ValueError as e:
         raise ApiError(f"sampling_params.{next(iter(spec))}: {e}") from None
+    except ImportError as e:
+        raise ApiError(
+            f"sampling_params.{next(iter(spec))}: cannot constrain output: {e}"
+        ) from None
 
 
 def _check_logprob_args(req: dict) -> None:
@@ -457,5 +466,7 @@ class Generate:
 def _failure(ev: Failed | Terminated) -> tuple[int, str]:
     if isinstance(ev, Terminated):
         return 503, f"the request was ended: {ev.reason}"
-    last = (ev.error.strip().splitlines() or ["unknown error"])[-1]
-    return 500, f"generation failed: {last}"
+    errors.note_failure(f"a built-in inferlet failed:\n{ev.error}")  # the log, not the client
+    message = f"generation failed: {errors.failure_reason(ev.error)}"
+    rid = errors.current_request_id()
+    return 500, message if rid is None else f"{message} (logged as request {rid})"

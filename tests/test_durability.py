@@ -1,0 +1,209 @@
+"""Nothing lost across a server restart (issue 31, point 4): uploaded programs survive
+SIGKILL and SIGTERM of the server, in the middle of uploads; a torn or damaged file is
+found at start, moved aside and reported, never loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pastry.client import Client, ClientError
+from pastry.server import durable
+from pastry.server.registry import ProgramRegistry
+from server_util import free_port
+
+SERVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from pastry.server.app import serve
+    from pastry.server.service import ServerConfig
+
+    model, programs, port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    cfg = ServerConfig(model=Path(model), port=port, in_process=True, programs_dir=programs,
+                       trusted_uploads=True, num_pages=128, num_embeds=512, dtype="float32")
+    asyncio.run(serve(cfg, log_level="warning"))
+    """
+)
+
+
+def program(i: int, size: int) -> str:
+    pad = "#" * size
+    return f"async def main(args):\n    return 'p{i}'\n{pad}\n"
+
+
+class Server:
+    """A server process on ``programs``: ``pastry serve`` as a library call (in-process
+    engine, so that killing it kills everything)."""
+
+    def __init__(self, model: Path, programs: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(model), str(programs), str(self.port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 120
+        try:
+            while True:
+                try:
+                    asyncio.run(self._ping())
+                    return
+                except (OSError, ClientError):
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the server did not start") from None
+                    time.sleep(0.2)
+        except BaseException:
+            out = self.stop(signal.SIGKILL)  # never leave it running
+            raise RuntimeError(f"the server did not start:\n{out}") from None
+
+    async def _ping(self) -> None:
+        client = await Client.connect(self.url, timeout=2)
+        await client.close()
+
+    def stop(self, sig: int) -> str:
+        self.proc.send_signal(sig)
+        try:
+            out = self.proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out = self.proc.communicate()[0]
+        return out
+
+
+async def upload_until_killed(url: str, acked: list[tuple[str, str]], sizes: list[int]) -> None:
+    """Upload programs one after another, recording each one the server acknowledged."""
+    client = await Client.connect(url)
+    try:
+        for i, size in enumerate(sizes):
+            name = f"prog-{i}"
+            await client.upload(program(i, size), name)
+            acked.append((name, hashlib.sha256(program(i, size).encode()).hexdigest()))
+    except Exception:  # the server went away mid-upload: that is the test
+        return
+    finally:
+        with contextlib.suppress(Exception):
+            await client.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_uploads_survive_the_server_being_killed_mid_upload(make_tiny, tmp_path, sig):
+    model, programs = make_tiny("llama"), tmp_path / "programs"
+    server = Server(model, programs)
+    acked: list[tuple[str, str]] = []
+    sizes = [(i * 7919) % (600 << 10) + 1000 for i in range(400)]  # up to 600 KiB each
+
+    async def run() -> None:
+        task = asyncio.create_task(upload_until_killed(server.url, acked, sizes))
+        while len(acked) < 5:  # kill it while uploads are going on
+            await asyncio.sleep(0.01)
+        server.proc.send_signal(sig)
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(sig)
+    assert 5 <= len(acked) < len(sizes)
+    again = Server(model, programs)
+    try:
+
+        async def check() -> tuple[dict, list]:
+            client = await Client.connect(again.url)
+            try:
+                listed = {p.name: p.hash for p in await client.list_programs()}
+                results = []
+                for name, _ in acked:
+                    inst = await client.launch(name, [])
+                    results.append(await inst.result())
+                return listed, results
+            finally:
+                await client.close()
+
+        listed, results = asyncio.run(check())
+    finally:
+        log = again.stop(signal.SIGTERM)
+    for name, digest in acked:  # every acknowledged upload is there, whole
+        assert listed.get(name) == digest, (name, listed.get(name))
+    assert results == [f"p{name.split('-')[1]}" for name, _ in acked]
+    assert not list(programs.glob(".tmp-*"))
+    assert "damaged" not in log and "lost" not in log, log
+    files = {p.stem for p in programs.glob("*.py")}  # no file but the listed programs'
+    assert files <= set(listed.values()) and len(files) >= len(acked)
+
+
+def test_a_damaged_store_is_reported_and_never_loaded(tmp_path, caplog):
+    reg = ProgramRegistry(tmp_path)
+    a = reg.upload(program(1, 10), "a")
+    b = reg.upload(program(2, 10), "b")
+    reg.upload(program(3, 10), "c")  # the index before this upload is index.json.prev
+    reg.close()
+    # a torn index (a write cut short by a crash with no atomic rename)
+    index = tmp_path / "index.json"
+    index.write_text(index.read_text()[:40])
+    # a program file whose bytes no longer match its hash
+    (tmp_path / f"{b.hash}.py").write_text("async def main(args):\n    return 'tampered'\n")
+    # an unfinished write a killed server left
+    (tmp_path / ".tmp-index.json-abc").write_text("[")
+    with caplog.at_level("ERROR", logger="pastry.server.registry"):
+        again = ProgramRegistry(tmp_path)
+    names = {i.name for i in again.list() if not i.builtin}
+    assert names == {"a"}  # b is damaged; c came after the last good index
+    assert again.get("a").name == "a" and again.info("a").hash == a.hash
+    problems = "\n".join(again.problems)
+    assert "index.json is damaged" in problems and "index.json.corrupt" in problems
+    assert "using index.json.prev" in problems
+    assert f"{b.hash}.py does not hold the program of that hash" in problems
+    assert "'b'" in problems and "lost" in problems
+    assert (tmp_path / "index.json.corrupt").exists()
+    assert (tmp_path / f"{b.hash}.py.corrupt").exists()
+    assert not (tmp_path / ".tmp-index.json-abc").exists()
+    assert all(p in caplog.text for p in again.problems)
+    again.upload(program(4, 10), "d")  # and it goes on: the next write is a good index
+    assert {i.name for i in ProgramRegistry(tmp_path).list() if not i.builtin} == {"a", "d"}
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    from pathlib import Path
+    from pastry.server.durable import atomic_write
+
+    path = Path(sys.argv[1])
+    i = 0
+    while True:
+        body = os.urandom(1 + (i * 104729) % (2 << 20)).hex()
+        atomic_write(path, json.dumps({"i": i, "sha": hashlib.sha256(body.encode()).hexdigest(), "body": body}), keep_previous=True)
+        i += 1
+    """
+)
+
+
+def test_atomic_write_leaves_old_or_new_never_a_mix(tmp_path):
+    """A writer SIGKILLed at random moments: the file is always one whole version."""
+    path = tmp_path / "state.json"
+    for round_ in range(8):
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path)])
+        time.sleep(0.3 + 0.11 * round_)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for p in (path, path.with_name("state.json.prev")):
+            if p.exists():
+                state = json.loads(p.read_text())
+                assert hashlib.sha256(state["body"].encode()).hexdigest() == state["sha"]
+        assert path.exists()
+        durable.leftovers(tmp_path)
+        assert not list(tmp_path.glob(".tmp-*"))
