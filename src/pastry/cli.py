@@ -24,6 +24,38 @@ MODEL_HELP = (
 )
 
 
+_SIZE_UNITS = {"": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as ``4GiB``, ``512M``, ``1.5g`` or ``2`` (a bare number is
+    GiB); binary units either way (``4GB`` is 4 GiB), as vLLM's ``VLLM_CPU_KVCACHE_SPACE``."""
+    raw = text.strip().lower().removesuffix("b").removesuffix("i")
+    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS and not raw[-1:].isdigit() else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (e.g. 4GiB, 512MiB, or a number of GiB)"
+        ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def _memory_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--num-pages", type=int, default=0,
+        help="KV pages of 16 tokens (default 0: derived, see --kv-memory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-memory", type=parse_size, default=0, metavar="SIZE",
+        help="memory for the KV pool, e.g. 2GiB or 512MiB (default: 16 sequences of the "
+        "model's full context, within 4 GiB, a quarter of RAM and half of what is free; "
+        "the pool's pages are committed as they are used)",
+    )  # fmt: skip
+
+
 def add_model(subparsers: argparse._SubParsersAction) -> None:
     """``pastry model ...``: create and inspect checkpoints."""
     model = subparsers.add_parser("model", help="create and inspect checkpoints")
@@ -262,7 +294,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "bind a non-loopback address",
     )  # fmt: skip
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    p.add_argument("--num-pages", type=int, default=0, help="KV pages (0: from free memory)")
+    _memory_options(p)
     p.add_argument("--num-embeds", type=int, default=0, help="embedding slots (0: derived)")
     p.add_argument(
         "--policy", choices=tuple(BATCH_POLICIES), default="adaptive",
@@ -366,7 +398,7 @@ def add_engine(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     p.add_argument("--cpus", default="", help="pin to these CPUs, e.g. 0 or 2-3")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    p.add_argument("--num-pages", type=int, default=0, help="KV pages (0: from free memory)")
+    _memory_options(p)
     p.add_argument("--num-embeds", type=int, default=0, help="embedding slots (0: derived)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_engine)
@@ -394,8 +426,8 @@ def _engine(args: argparse.Namespace) -> int:
         args.model = default_model()
     shm = f"/dev/shm/pastry-kv-{os.getpid()}-{secrets.token_hex(3)}"
     argv = ["--model", str(args.model), "--endpoint", args.listen, "--dtype", args.dtype,
-            "--num-pages", str(args.num_pages), "--num-embeds", str(args.num_embeds),
-            "--kv-shm", shm, "--log-level", args.log_level.upper()]  # fmt: skip
+            "--num-pages", str(args.num_pages), "--kv-memory", str(args.kv_memory),
+            "--num-embeds", str(args.num_embeds), "--kv-shm", shm, "--log-level", args.log_level.upper()]  # fmt: skip
     os.environ["PASTRY_ENGINE_TOKEN"] = token
     argv += ["--token-env", "PASTRY_ENGINE_TOKEN"]
     for flag, value in (("--threads", args.threads), ("--cpus", args.cpus),
@@ -503,7 +535,13 @@ def _serve(args: argparse.Namespace) -> int:
             grants=tuple(parse_grant(g) for g in args.grant),
             quotas=_quotas(args),
             max_upload_bytes=args.max_upload_bytes,
-            engine_kwargs={"quantize": args.quantize, "compile": args.compile},
+            engine_kwargs={
+                "quantize": args.quantize,
+                "compile": args.compile,
+                "kv_memory": args.kv_memory,
+                # ready as soon as the weights are loaded; the compiled step takes over later
+                "compile_background": args.compile,
+            },
             prefix_cache=args.prefix_cache,
             admission=args.admission,
             engine_hang_timeout=args.engine_hang_timeout,

@@ -266,15 +266,16 @@ def paged_attention(
     if meta.store_slots is not None:
         ks = k if meta.store_rows is None else take(k, meta.store_rows)
         vs = v if meta.store_rows is None else take(v, meta.store_rows)
-        d = k_cache.shape[-1]
+        d, kvd = k_cache.shape[-1], k_cache.dtype
         idx = meta.store_slots.view(-1)
-        k_cache.view(-1, d).index_copy_(0, idx, ks.transpose(0, 1).reshape(-1, d))
-        v_cache.view(-1, d).index_copy_(0, idx, vs.transpose(0, 1).reshape(-1, d))
+        k_cache.view(-1, d).index_copy_(0, idx, ks.transpose(0, 1).reshape(-1, d).to(kvd))
+        v_cache.view(-1, d).index_copy_(0, idx, vs.transpose(0, 1).reshape(-1, d).to(kvd))
     out = None
     for grp in meta.groups:
         qg = q.view(grp.size, grp.n, *q.shape[1:]) if grp.rows is None else take(q, grp.rows)
         if grp.kv_slots is not None:
             kg, vg = gather(k_cache, grp.kv_slots), gather(v_cache, grp.kv_slots)  # [Hkv,G,L+n,D]
+            kg, vg = kg.to(q.dtype), vg.to(q.dtype)  # bf16 pool, float32 activations
         else:
             if grp.rows is None:
                 kg, vg = (t.view(grp.size, grp.n, *t.shape[1:]) for t in (k, v))
@@ -282,8 +283,8 @@ def paged_attention(
                 kg, vg = take(k, grp.rows), take(v, grp.rows)
             kg, vg = kg.permute(2, 0, 1, 3), vg.permute(2, 0, 1, 3)
             if grp.ctx_slots is not None:
-                kg = torch.cat((gather(k_cache, grp.ctx_slots), kg), dim=2)
-                vg = torch.cat((gather(v_cache, grp.ctx_slots), vg), dim=2)
+                kg = torch.cat((gather(k_cache, grp.ctx_slots).to(kg.dtype), kg), dim=2)
+                vg = torch.cat((gather(v_cache, grp.ctx_slots).to(vg.dtype), vg), dim=2)
         if grp.n == 1 and q.device.type == "cpu":
             if grp.bias is None:
                 grp.bias = _decode_bias(grp.mask, kg.shape[0], kg.shape[2], q.dtype)

@@ -138,6 +138,14 @@ class Spec:
     qk_norm: bool
     # attention by the native kernel (engine/native.py) instead of gathers and bmm calls
     native_attention: bool = False
+    # the projections' dtype; activations may be wider (LlamaModel.set_act_dtype): each
+    # projection's input is rounded to it and its output widened back, fused by inductor
+    weight_dtype: torch.dtype = torch.float32
+
+
+def _lin(spec: Spec, x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    y = torch.ops.pastry.linear(x.to(spec.weight_dtype), index, out_features)
+    return y.to(x.dtype)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,7 +177,7 @@ def decode_layer(
     ``kv`` as (head, slot) index pairs into the pool, ``kv_rows`` as flat head-major rows."""
     b, hq, hkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     inter = spec.intermediate_size
-    qkv = torch.ops.pastry.linear(_rms(x, norms[0], spec.eps), 4 * layer + QKV, (hq + 2 * hkv) * d)
+    qkv = _lin(spec, _rms(x, norms[0], spec.eps), 4 * layer + QKV, (hq + 2 * hkv) * d)
     q = qkv[:, : hq * d].view(b, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
     v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
@@ -180,18 +188,18 @@ def decode_layer(
     # place; a view's index_copy_ made it copy the whole pool every step.
     n = spec.num_layers
     k_at, v_at = torch.full_like(store[0], layer), torch.full_like(store[0], n + layer)
-    pool.index_put_((k_at, *store), k.transpose(0, 1))
-    pool.index_put_((v_at, *store), v.transpose(0, 1))
+    pool.index_put_((k_at, *store), k.transpose(0, 1).to(pool.dtype))
+    pool.index_put_((v_at, *store), v.transpose(0, 1).to(pool.dtype))
     if spec.native_attention:
         # one opaque kernel per layer: it reads the K/V rows in place (no gathered copies)
         # and computes the masked float32 softmax and both products (engine/native.py)
         o = torch.ops.pastry_native.decode_attention(
-            q, pool, layer, n + layer, kv_rows, mask, d**-0.5
-        )
-        x = x + torch.ops.pastry.linear(o.reshape(b, hq * d), 4 * layer + OUT, spec.hidden_size)
-        h = torch.ops.pastry.linear(_rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
+            q.to(pool.dtype), pool, layer, n + layer, kv_rows, mask, d**-0.5
+        ).to(x.dtype)
+        x = x + _lin(spec, o.reshape(b, hq * d), 4 * layer + OUT, spec.hidden_size)
+        h = _lin(spec, _rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        return x + torch.ops.pastry.linear(h, 4 * layer + DOWN, spec.hidden_size)
+        return x + _lin(spec, h, 4 * layer + DOWN, spec.hidden_size)
     k_at, v_at = torch.full_like(kv[0], layer), torch.full_like(kv[0], n + layer)
     # Each query head against its KV head's rows of the pool ([Hkv, B, L, D], gathered and
     # widened in one fused pass), in float32: [Hkv, B, rep, L] scores. Batched matrix
@@ -209,10 +217,10 @@ def decode_layer(
     scores = scores.masked_fill(~mask.view(1, b, 1, -1), torch.finfo(torch.float32).min)
     o = torch.matmul(scores.softmax(-1), pool[v_at, *kv].float())  # [Hkv, B, rep, D]
     o = o[:, :, :rep].to(x.dtype).transpose(0, 1).reshape(b, hq * d)
-    x = x + torch.ops.pastry.linear(o, 4 * layer + OUT, spec.hidden_size)
-    h = torch.ops.pastry.linear(_rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
+    x = x + _lin(spec, o, 4 * layer + OUT, spec.hidden_size)
+    h = _lin(spec, _rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
     h = F.silu(h[:, :inter]) * h[:, inter:]
-    return x + torch.ops.pastry.linear(h, 4 * layer + DOWN, spec.hidden_size)
+    return x + _lin(spec, h, 4 * layer + DOWN, spec.hidden_size)
 
 
 def decode_step(
@@ -305,6 +313,7 @@ class CompiledDecode:
             eps=cfg.rms_norm_eps,
             qk_norm=cfg.qk_norm,
             native_attention=pool.device.type == "cpu" and native.attention(cfg.head_dim),
+            weight_dtype=model.embed_tokens.dtype,
         )
         self.model = model
         assert pool.shape == (2 * cfg.num_layers, cfg.num_kv_heads, pool.shape[2], cfg.head_dim)
@@ -333,15 +342,23 @@ class CompiledDecode:
         self.norms = [*norms, model.norm.weight]
         self.steps = 0  # decode steps run compiled (tests and benchmarks read it)
         self.error: str | None = None  # why compiling failed, if it did
+        self._ready = threading.Event()  # the warm-up compiled every graph
+        self._warming: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
         """False once compiling failed (the engine then runs every step eagerly)."""
         return self.error is None
 
+    @property
+    def ready(self) -> bool:
+        """The warm-up has compiled every graph (until then decode steps run eagerly)."""
+        return self._ready.is_set() and self.error is None
+
     def accepts(self, meta: AttnMetadata) -> bool:
-        """A single group of one-token items, in batch order, all storing their K/V."""
-        if self.error is not None:
+        """A single group of one-token items, in batch order, all storing their K/V, once
+        the warm-up is done."""
+        if not self.ready:
             return False
         if len(meta.groups) != 1 or meta.store_slots is None or meta.store_rows is not None:
             return False
@@ -353,6 +370,7 @@ class CompiledDecode:
     ) -> torch.Tensor:
         """The decode step of an accepted batch (inside its ``forward_context``)."""
         g = meta.groups[0]
+        x = x.to(self.model.act_dtype)  # the embedding slots' dtype to the activations'
         try:
             out = self._run(x, positions, meta.store_slots, g.kv_slots, g.mask.view(g.size, -1))
         except torch._dynamo.exc.TorchDynamoException as e:
@@ -370,7 +388,7 @@ class CompiledDecode:
         self.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log.warning("compiling the decode step failed (%s); decode steps run eagerly", self.error)
 
-    def _run(self, x, positions, store, kv, mask) -> torch.Tensor:
+    def _run(self, x, positions, store, kv, mask, pool: torch.Tensor | None = None):
         # Only the batch and context dims are symbolic; a batch of 1 gets its own graph.
         if x.shape[0] > 1:
             for t, dim in ((x, 0), (positions, 0), (store, 1), (kv, 1), (mask, 0)):
@@ -385,7 +403,7 @@ class CompiledDecode:
                 store,
                 kv,
                 mask,
-                self.pool,
+                self.pool if pool is None else pool,
                 self.norms,
                 self.model.rotary.cos,
                 self.model.rotary.sin,
@@ -394,27 +412,46 @@ class CompiledDecode:
     def warm_up(self, batch_sizes: tuple[int, ...] = (1, 2)) -> bool:
         """Compile the graphs for ``batch_sizes`` now (1 and 2 cover every batch), logging
         the progress; False (and eager decoding from then on) if compiling fails, e.g.
-        without a C++ compiler. Writes K/V only into slot 0 of each head, which holds no
-        token of anyone's context before the engine's first forward: call it first."""
+        without a C++ compiler. Runs on a scratch pool of 64 slots (the slot count is
+        symbolic, so the graphs are those of the engine's pool): the engine's KV is never
+        touched, and the engine may serve meanwhile (:meth:`warm_up_in_background`)."""
         dev, dtype = self.pool.device, self.pool.dtype
-        hkv, slots = self.spec.num_kv_heads, self.pool.shape[2]
+        hkv, slots = self.spec.num_kv_heads, 64
+        scratch = torch.zeros((*self.pool.shape[:2], slots, self.pool.shape[3]),
+                              dtype=dtype, device=dev)  # fmt: skip
+        torch._dynamo.maybe_mark_dynamic(scratch, 2)
+        act = self.model.act_dtype
         for b in batch_sizes:
             label = "1" if b == 1 else "2 and more"
             log.info("compiling the decode step for batch %s (cached after the first time)", label)
             t = time.perf_counter()
             length = 32
-            x = torch.zeros(b, self.spec.hidden_size, dtype=dtype, device=dev)
+            x = torch.zeros(b, self.spec.hidden_size, dtype=act, device=dev)
             pos = torch.zeros(b, dtype=torch.int64, device=dev)
             store = (torch.arange(hkv, device=dev) * slots).view(hkv, 1).expand(hkv, b)
             kv = (torch.arange(hkv, device=dev) * slots).view(hkv, 1, 1).expand(hkv, b, length)
             mask = torch.zeros(b, length, dtype=torch.bool, device=dev)
             mask[:, -1] = True
             try:
-                self._run(x, pos, store.contiguous(), kv.contiguous(), mask)
-            except torch._dynamo.exc.TorchDynamoException as e:
+                self._run(x, pos, store.contiguous(), kv.contiguous(), mask, scratch)
+            except Exception as e:  # dynamo's, inductor's, a missing compiler
                 self._disable(e)
+                self._ready.set()
                 return False
             log.info(
                 "compiled the decode step for batch %s in %.1fs", label, time.perf_counter() - t
             )
+        self._ready.set()
         return True
+
+    def warm_up_in_background(self) -> None:
+        """Compile on a thread while the engine serves: decode steps run eagerly until
+        :attr:`ready` (a cold start answers as soon as the weights are loaded; the
+        compiled step takes over some seconds later)."""
+        self._warming = threading.Thread(target=self.warm_up, name="compile-decode", daemon=True)
+        self._warming.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the warm-up is done; whether the compiled step is in use."""
+        self._ready.wait(timeout)
+        return self.ready

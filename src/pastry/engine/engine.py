@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pastry.engine import native
+from pastry.engine import layers, native
 from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
 from pastry.engine.compiled import CompiledDecode
 from pastry.engine.hugepages import huge_pages
@@ -143,9 +144,16 @@ class Invalid(Exception):
     """A call is malformed or names memory that does not exist."""
 
 
-def resolve_dtype(name: str, model: ModelConfig) -> torch.dtype:
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device | None = None) -> torch.dtype:
+    """The engine's dtype: ``name``, or for "auto" the checkpoint's, except that a CPU
+    without bfloat16 arithmetic (AVX2 only: oneDNN has no bf16 kernels for it, and PyTorch's
+    generic bf16 products are 3-5x slower than float32 from 16 rows) computes in float32."""
     if name == "auto":
         name = model.torch_dtype if model.torch_dtype in _DTYPES else "bfloat16"
+        cpu = device is not None and device.type == "cpu"
+        if name in ("bfloat16", "float16") and cpu and not layers.cpu_bf16():
+            log.info("this CPU has no bfloat16 arithmetic (%s): float32", layers.cpu_isa())
+            name = "float32"
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto, got '{name}'")
     return _DTYPES[name]
@@ -168,6 +176,7 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         sizes = PoolSizes.resolve(self.cfg, config, self.dtype, self.device)
+        log.info("%s", sizes.describe(config.page_size))
         self.page_size = config.page_size
         self.kv = KvPool(
             self.cfg, sizes.num_pages, config.page_size, self.dtype, self.device, config.kv_shm
@@ -180,7 +189,10 @@ class Engine:
         self.compiled: CompiledDecode | None = None
         if config.compile and self.device.type == "cpu":
             self.compiled = CompiledDecode(model, self.kv.data)
-            self.compiled.warm_up()
+            if config.compile_background:
+                self.compiled.warm_up_in_background()
+            else:
+                self.compiled.warm_up()
         elif config.compile:
             log.info("compile applies to CPU engines; %s decodes eagerly", self.device)
         self._rng = np.random.default_rng(config.seed)
@@ -228,8 +240,12 @@ class Engine:
         config = config or EngineConfig()
         t0 = time.perf_counter()
         ckpt = load_checkpoint(model_dir)
-        dtype = resolve_dtype(config.dtype, ckpt.config)
         device = torch.device(config.device)
+        dtype = resolve_dtype(config.dtype, ckpt.config, device)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            # build (the first time) or load the native kernels while the weights are read
+            build = threading.Thread(target=native.load, name="native-kernels", daemon=True)
+            build.start()
         weights = ckpt.load_state_dict(dtype, device)
         weights.update(kept_codes(ckpt.path, ckpt.config, config.quantize, device))
         model = build_model(ckpt.config, dtype, device, weights, config.quantize)
@@ -544,7 +560,7 @@ class Engine:
         if len(oe):
             oe_t = torch.from_numpy(oe).to(dev)
             rows_t = torch.from_numpy(self._cat(lay.out_rows)).to(dev)
-            self.embeds.hidden.index_copy_(0, oe_t, take(hidden, rows_t))
+            self.embeds.hidden.index_copy_(0, oe_t, take(hidden, rows_t).to(self.dtype))
             self.embeds.positions.index_copy_(0, oe_t, take(pos_t, rows_t))
         for i, first, targets, top in lay.scored:
             results[i] = self._prompt_logprobs(hidden, first, targets, top)
@@ -868,6 +884,8 @@ def build_model(
         finally:
             torch.set_default_dtype(previous)
         model.load_hf_state_dict(weights)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            model.set_act_dtype(torch.float32)  # bf16 weights and K/V, float32 in between
         if quantize in ("int8", "int4", "int4-hybrid"):
             model.quantize(quantize)
         model.eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -15,6 +16,19 @@ from pastry.wire.config import ModelConfig
 _HAS_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
+
+
+def cpu_isa() -> str:
+    """The vector ISA PyTorch's CPU kernels use here (``ATEN_CPU_CAPABILITY`` caps it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.cache
+def cpu_bf16() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (AVX512 BW/VL/DQ or AVX-NE-CONVERT;
+    ``ONEDNN_MAX_CPU_ISA`` caps it). Without it ``_reorder_linear_weight`` refuses bf16
+    and bf16 products run PyTorch's generic loops."""
+    return _HAS_MKLDNN_LINEAR and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Module):
@@ -55,12 +69,11 @@ class Linear(nn.Module):
 
     def prepack(self) -> bool:
         w = self.weight
-        if w is None or not (
-            _HAS_MKLDNN_LINEAR and w.device.type == "cpu" and w.dtype == torch.bfloat16
-        ):
-            return False
+        if w is None or not (w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_bf16()):
+            return False  # the plain product (oneDNN has no bf16 reorder on this CPU)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
-        self.blocked_kp = native.blocked_layout(w.detach(), self.packed)
+        # the native kernel reads it in place if it runs here and can read this layout
+        self.blocked_kp = native.blocked_layout(w.detach(), self.packed) if native.ready else None
         self.weight = None
         return True
 
@@ -83,7 +96,21 @@ class Linear(nn.Module):
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").t()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its products take and give (the weight's; activations' for quantized)."""
+        if self.weight is not None:
+            return self.weight.dtype
+        if self.quantized is not None:
+            return self.quantized.dtype
+        return torch.bfloat16  # only bf16 weights are packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:  # float32 activations over bf16 weights: round the input
+            return self._forward(x.to(self.dtype)).to(x.dtype)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             if self.blocked_kp is not None and x.shape[0] < native.SMALL_M and native.ready:
                 return torch.ops.pastry_native.blocked_linear(

@@ -365,9 +365,12 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, layer: int, site: int) -> torch.T
         d = adapter.deltas[layer][site]
         if d is None:
             continue
-        if isinstance(rows, slice):
+        if isinstance(rows, slice) and x.dtype == y.dtype == d.a.dtype:
             y[rows, d.lo : d.hi].addmm_(F.linear(x[rows], d.a), d.b.t())
+        elif isinstance(rows, slice):  # float32 activations over bf16 adapters
+            delta = F.linear(F.linear(x[rows].to(d.a.dtype), d.a), d.b)
+            y[rows, d.lo : d.hi] += delta.to(y.dtype)
         else:
-            delta = F.linear(F.linear(x.index_select(0, rows), d.a), d.b)
-            y[:, d.lo : d.hi].index_add_(0, rows, delta)
+            delta = F.linear(F.linear(x.index_select(0, rows).to(d.a.dtype), d.a), d.b)
+            y[:, d.lo : d.hi].index_add_(0, rows, delta.to(y.dtype))
     return y

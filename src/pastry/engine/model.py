@@ -106,11 +106,26 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(cfg)
+        # The dtype hidden states are carried in between the products (set_act_dtype)
+        self.act_dtype = self.embed_tokens.dtype
+
+    def set_act_dtype(self, dtype: torch.dtype) -> None:
+        """Carry activations in ``dtype`` (float32 under bf16 weights on CPU): the residual
+        stream, norms (their weights too), RoPE, attention scores and softmax, SiLU; each
+        product rounds its input to the weight's dtype and accumulates in float32, as
+        llama.cpp does. HF's bf16 model adds and normalises in bf16 instead, which is what
+        lost the demo's first-token margin (issue 26). K/V stay in the pool's dtype."""
+        self.act_dtype = dtype
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.data = m.weight.data.to(dtype)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embedding rows in the storage dtype (the embedding slots' dtype)."""
         return self.embed_tokens.index_select(0, tokens)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.act_dtype)
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin)

@@ -17,13 +17,15 @@ Two things, both for the decode step on CPU:
 
 :func:`load` builds the library with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja, as inductor needs a compiler; ~15 s on 2 cores) into ``$PASTRY_HOME/native``, keyed
-by the source and the torch build, and loads it; later starts load it in milliseconds.
+by the source and the torch build, and loads it; later starts — from any virtual
+environment with the same torch — load the built file directly, in milliseconds.
 Without a compiler, or with ``PASTRY_NATIVE=0``, it says why once and everything runs as
 before (oneDNN for the products, a Python kernel for ``pastry::linear``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -74,27 +76,23 @@ def load() -> bool:
         try:
             if os.environ.get("PASTRY_NATIVE", "1") == "0":
                 raise RuntimeError("turned off by PASTRY_NATIVE=0")
-            from torch.utils import cpp_extension
-
-            _find_ninja()
             out = build_dir()
-            out.mkdir(parents=True, exist_ok=True)
+            lib = out / "pastry_native.so"
             t = time.perf_counter()
-            log.info("loading Pastry's native CPU kernels (built once into %s)", out)
-            cpp_extension.load(
-                name="pastry_native",
-                sources=[str(SOURCE)],
-                build_directory=str(out),
-                extra_cflags=["-O2", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            if lib.is_file():
+                # built before (by this or another environment with the same torch): load
+                # the library itself, no compiler or ninja involved
+                torch.ops.load_library(str(lib))
+            else:
+                _build(out)
             log.info("native CPU kernels ready in %.1fs", time.perf_counter() - t)
             torch.library.register_fake("pastry_native::decode_attention", _attention_fake)
             _state["loaded"] = True
-            ready = bool(torch.ops.pastry_native.supported())
-            if not ready:
+            capped = isa_capped()
+            ready = bool(torch.ops.pastry_native.supported()) and capped is None
+            if capped is not None:
+                log.info("native bf16 kernels off: the ISA is capped (%s)", capped)
+            elif not ready:
                 log.info("this CPU lacks AVX512_BF16: bf16 products stay with oneDNN")
         except Exception as e:  # no compiler, no ninja, a failed build: as before
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -102,6 +100,55 @@ def load() -> bool:
             _state["loaded"] = False
             log.warning("Pastry's native CPU kernels are unavailable (%s)", _state["error"])
         return bool(_state["loaded"])
+
+
+# oneDNN's ISA names at or above AVX512_CORE_BF16 (what the bf16 kernels need)
+_BF16_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+              "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX",
+              "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")  # fmt: skip
+
+
+def isa_capped() -> str | None:
+    """Why the native kernels must not run although the CPU could: the ISA is capped below
+    AVX512_BF16 by ``ONEDNN_MAX_CPU_ISA`` or ``ATEN_CPU_CAPABILITY`` (how the tests and a
+    user emulate an older CPU: every path then is the one that CPU would take)."""
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if onednn and onednn not in _BF16_ISAS:
+        return f"ONEDNN_MAX_CPU_ISA={onednn}"
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if aten in ("default", "avx2", "zvector", "vsx"):
+        return f"ATEN_CPU_CAPABILITY={aten}"
+    return None
+
+
+def _build(out: Path) -> None:
+    """Build the library into a fresh directory and move it to ``out`` whole, so that a
+    start killed mid-build, or two processes building at once, never leave a half-built
+    ``out`` behind (the loser of a race keeps the library it built and loaded)."""
+    from torch.utils import cpp_extension
+
+    _find_ninja()
+    log.info("building Pastry's native CPU kernels into %s (once, ~15 s)", out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f"{out.name}.build-{os.getpid()}-{threading.get_ident()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        cpp_extension.load(
+            name="pastry_native",
+            sources=[str(SOURCE)],
+            build_directory=str(tmp),
+            extra_cflags=["-O2", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        if out.exists() and not (out / "pastry_native.so").is_file():
+            shutil.rmtree(out, ignore_errors=True)  # an older, unfinished build
+        with contextlib.suppress(OSError):  # another process finished first: the same build
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _find_ninja() -> None:

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
 
 import torch
 
-from pastry.wire.config import EngineConfig, ModelConfig
+from pastry.wire.config import DEFAULT_KV_BUDGET, EngineConfig, ModelConfig
+
+
+def _meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"cannot read {key} from /proc/meminfo")
 
 
 def available_memory(device: torch.device) -> int:
@@ -24,11 +33,34 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+    return _meminfo("MemAvailable")
+
+
+def default_kv_budget(cfg: EngineConfig, device: torch.device) -> int:
+    """Bytes a derived KV pool may take: on CUDA ``kv_memory_fraction`` of free device
+    memory; on the CPU, which the weights, the server and everything else on the host share,
+    :data:`DEFAULT_KV_BUDGET` but at most a quarter of the host's memory and half of what
+    is free now (a 16 GB laptop keeps three quarters of its memory)."""
+    if device.type == "cuda":
+        return int(available_memory(device) * cfg.kv_memory_fraction)
+    return min(DEFAULT_KV_BUDGET, _meminfo("MemTotal") // 4, available_memory(device) // 2)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor whose CPU memory is committed only as it is written.
+
+    ``torch.zeros`` writes every byte, so a pool sized for many long sequences was resident
+    in full at start-up (14.9 GB for SmolLM2-135M's old default). An anonymous mapping is
+    zero pages until touched: RSS grows with the KV actually used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * elem
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor holds a reference to the mapping; unmapped when the last view goes
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -36,9 +68,11 @@ class PoolSizes:
     num_pages: int
     num_embeds: int
     num_host_pages: int
+    page_bytes: int  # one KV page across every layer, K and V
+    derived: str  # how num_pages was chosen, for the log
 
     @staticmethod
-    def page_bytes(model: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(model: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty(0, dtype=dtype).element_size()
         return 2 * model.num_layers * page_size * model.kv_size * elem
 
@@ -46,15 +80,49 @@ class PoolSizes:
     def resolve(
         cls, model: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device
     ) -> PoolSizes:
-        """Sizes from the config; zeros are derived from the memory available now."""
-        page = cls.page_bytes(model, cfg.page_size, dtype)
+        """Sizes from the config; zeros are derived.
+
+        KV pages: ``num_pages`` if set; else ``kv_memory`` bytes' worth if set; else enough
+        for ``kv_sequences`` sequences of the model's full context, within the default
+        budget (:func:`default_kv_budget`). Host (swap) pages: on the CPU a quarter of the
+        pool (swap space there is the same memory), on CUDA as many as the pool."""
+        page = cls.bytes_per_page(model, cfg.page_size, dtype)
         num_pages = cfg.num_pages
-        if num_pages == 0:
-            budget = int(available_memory(device) * cfg.kv_memory_fraction)
-            num_pages = max(1, min(cfg.max_kv_pages, budget // page))
+        if num_pages:
+            derived = "--num-pages"
+        elif cfg.kv_memory:
+            num_pages = cfg.kv_memory // page
+            if num_pages == 0:
+                raise ValueError(
+                    f"kv_memory {cfg.kv_memory} bytes holds no KV page of {page} bytes "
+                    f"({model.num_layers} layers x {cfg.page_size} tokens)"
+                )
+            derived = f"--kv-memory {_gib(cfg.kv_memory)}"
+        else:
+            per_seq = -(-model.max_position // cfg.page_size)
+            budget = default_kv_budget(cfg, device)
+            num_pages = max(1, min(cfg.max_kv_pages, cfg.kv_sequences * per_seq, budget // page))
+            derived = (
+                f"{cfg.kv_sequences} sequences x {model.max_position} tokens within "
+                f"{_gib(budget)}; --kv-memory or --num-pages to change"
+            )
         num_embeds = cfg.num_embeds or max(1024, num_pages * cfg.page_size // 4)
-        num_host_pages = cfg.num_host_pages or num_pages
-        return cls(num_pages, num_embeds, num_host_pages)
+        host_default = num_pages if device.type == "cuda" else max(1, num_pages // 4)
+        num_host_pages = cfg.num_host_pages or host_default
+        return cls(num_pages, num_embeds, num_host_pages, page, derived)
+
+    def describe(self, page_size: int) -> str:
+        """One log line: the pool's pages, bytes, tokens and how they were chosen."""
+        return (
+            f"KV pool {self.num_pages} pages x {page_size} tokens "
+            f"({_gib(self.num_pages * self.page_bytes)}, {self.num_pages * page_size} tokens; "
+            f"{self.derived}), swap {self.num_host_pages} pages "
+            f"({_gib(self.num_host_pages * self.page_bytes)}); committed as used"
+        )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
 
 
 class KvPool:
@@ -88,10 +156,9 @@ class KvPool:
         else:
             # One tensor behind every layer's K and V ([2 * layers, heads, slots, dim]: K of
             # each layer, then V), so that a swap gathers a page set across all at once.
-            self.data = torch.zeros((2 * n, model.num_kv_heads, slots, model.head_dim),
-                                    dtype=dtype, device=device)  # fmt: skip
-            self.attendable = torch.zeros(slots, dtype=torch.bool, device=device)
-            self.positions = torch.zeros(slots, dtype=torch.int64, device=device)
+            self.data = zeros((2 * n, model.num_kv_heads, slots, model.head_dim), dtype, device)
+            self.attendable = zeros((slots,), torch.bool, device)
+            self.positions = zeros((slots,), torch.int64, device)
         self.k = [self.data[i] for i in range(n)]
         self.v = [self.data[n + i] for i in range(n)]
 
@@ -192,7 +259,9 @@ class HostPool:
         slots = num_pages * kv.page_size
 
         def alloc(dtype: torch.dtype, shape) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+            if pin:
+                return torch.zeros(shape, dtype=dtype, pin_memory=True)
+            return zeros(shape, dtype, torch.device("cpu"))
 
         # The device pool's layout ([2 * layers, heads, slots, dim]), in host memory.
         self.data = alloc(kv.data.dtype, (kv.data.shape[0], kv.data.shape[1], slots,
@@ -208,5 +277,5 @@ class EmbedPool:
 
     def __init__(self, num: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         self.num = num
-        self.hidden = torch.zeros(num, hidden, dtype=dtype, device=device)
-        self.positions = torch.zeros(num, dtype=torch.int64, device=device)
+        self.hidden = zeros((num, hidden), dtype, device)
+        self.positions = zeros((num,), torch.int64, device)

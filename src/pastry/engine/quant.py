@@ -207,6 +207,7 @@ class Int4Weight(QuantizedWeight):
         if not int4_fits(n, k):
             raise ValueError(f"int4 weight of shape {(n, k)} does not fit the kernel")
         self.out_features, self.in_features = n, k
+        self.dtype = dtype  # of the activations it multiplies
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32), 1)
         # [K / GROUP, N, 2]: the kernel's layout of scales and zeros
         self.scale_zeros = torch.stack((codes.scale.t(), codes.zero.t()), dim=-1).to(dtype)
@@ -226,7 +227,11 @@ class Int4Weight(QuantizedWeight):
         product: the expansion of exactly the weight the kernel multiplies by (its scales
         rounded to the activation dtype), at the memory cost of a dense copy."""
         w = self._kernel(torch.eye(self.in_features, dtype=self.scale_zeros.dtype)).t()
-        if w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+        if (
+            w.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # no bf16 reorder on AVX2
+        ):
             self.dense = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
             self._dense_mm = self._packed_mm
         else:
@@ -274,6 +279,7 @@ class Int8Weight(QuantizedWeight):
 
     def __init__(self, codes: Int8Codes, dtype: torch.dtype) -> None:
         self.out_features, self.in_features = codes.shape
+        self.dtype = dtype  # of the activations it multiplies
         self.q = codes.q.contiguous()
         self.scale = codes.scale.to(dtype)
 

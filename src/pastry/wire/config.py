@@ -197,13 +197,21 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
 
+# The default KV pool: this many sequences of the model's full context, within at most
+# DEFAULT_KV_BUDGET bytes (vLLM's CPU backend reserves a fixed 4 GiB by default; llama.cpp
+# sizes its cache by context x slots).
+DEFAULT_KV_SEQUENCES = 16
+DEFAULT_KV_BUDGET = 4 << 30
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Memory layout and limits of one engine.
 
-    Pool sizes left at 0 are derived from memory: ``kv_memory_fraction`` of the memory
-    available after the weights goes to KV pages (on CUDA: free device memory; on CPU:
-    ``MemAvailable``).
+    Pool sizes left at 0 are derived (engine/pool.py, ``PoolSizes.resolve``): the KV pool
+    holds ``kv_sequences`` sequences of the model's full context, within ``kv_memory`` bytes
+    (0: the default budget, :data:`DEFAULT_KV_BUDGET` capped at a quarter of the host's
+    memory and half of what is free; on CUDA ``kv_memory_fraction`` of free device memory).
     """
 
     device: str = "cpu"
@@ -212,7 +220,9 @@ class EngineConfig:
     num_pages: int = 0
     num_embeds: int = 0
     num_host_pages: int = 0
-    kv_memory_fraction: float = 0.3
+    kv_memory: int = 0  # bytes of KV pages (0: the default budget, see above)
+    kv_sequences: int = DEFAULT_KV_SEQUENCES  # full-context sequences a derived pool holds
+    kv_memory_fraction: float = 0.3  # CUDA: share of free device memory for derived pools
     max_kv_pages: int = 1 << 16  # cap on derived page counts (CPU memory is shared)
     max_batch_tokens: int = 8192
     seed: int = 0
@@ -226,10 +236,17 @@ class EngineConfig:
     quantize: str = "auto"
     # Run decode steps through the compiled graph (engine/compiled.py); compiles at start-up.
     compile: bool = False
+    # Compile on a thread while the engine already serves eagerly (pastry serve); False:
+    # the engine is ready once compiled (benchmarks, tests that count compiled steps).
+    compile_background: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.kv_memory < 0:
+            raise ValueError(f"kv_memory must be >= 0 bytes, got {self.kv_memory}")
+        if self.kv_sequences <= 0:
+            raise ValueError(f"kv_sequences must be positive, got {self.kv_sequences}")
         if not 0 < self.kv_memory_fraction < 1:
             raise ValueError(f"kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
         if self.max_batch_tokens <= 0:

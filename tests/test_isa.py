@@ -1,0 +1,95 @@
+"""Every ISA-dependent path, on one machine: the engine in a subprocess per capped ISA
+(``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), asserting the path that CPU would take
+(float32 where there is no bf16 arithmetic, oneDNN's packed bf16, the native kernels) and
+that each computes the float32 engine's function. A test never asserts a fast path the
+CPU does not offer: what is expected is derived from this CPU's flags and the cap."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = r"""
+import json, sys
+import numpy as np
+import torch
+from pastry.engine import layers, native
+from pastry.engine.engine import Engine
+from pastry.wire.config import EngineConfig
+from tests.engine_util import SMALL_POOLS, all_probs
+
+path = sys.argv[1]
+tokens = [1, 42, 7, 99, 3, 18, 64, 5, 77, 12]
+ref = all_probs(Engine.load(path, EngineConfig(dtype="float32", **SMALL_POOLS)), tokens)
+out = {"isa": layers.cpu_isa(), "bf16": layers.cpu_bf16()}
+auto = Engine.load(path, EngineConfig(dtype="auto", **SMALL_POOLS))
+out["auto_dtype"] = auto.info.dtype
+out["auto_err"] = float(np.abs(all_probs(auto, tokens) - ref).max())
+bf = Engine.load(path, EngineConfig(dtype="bfloat16", **SMALL_POOLS))
+out["native"] = native.ready
+out["kinds"] = sorted({lin.kind for lin in bf.model.linears()})
+out["blocked"] = any(lin.blocked_kp is not None for lin in bf.model.linears())
+out["bf16_err"] = float(np.abs(all_probs(bf, tokens) - ref).max())
+print(json.dumps(out))
+"""
+
+CAPS = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512-core": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx512-vnni": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+    "avx512-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "uncapped": {},
+}
+ORDER = ["avx2", "avx512-core", "avx512-vnni", "avx512-bf16", "uncapped"]
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def expected(cap: str, flags: set[str]) -> dict:
+    """The path a CPU with ``flags`` takes under ``cap``."""
+    level = ORDER.index(cap)
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    # oneDNN's bf16: AVX512 BW/VL/DQ (or AVX-NE-CONVERT) and a cap at AVX512_CORE or above
+    bf16 = level >= 1 and (avx512 or "avx_ne_convert" in flags)
+    native_bf16 = level >= 3 and avx512 and "avx512_bf16" in flags
+    return {"bf16": bf16, "native": native_bf16}
+
+
+@pytest.mark.parametrize("cap", ORDER)
+def test_each_isa_takes_its_path_and_computes_the_same_function(make_tiny, cap):
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA",
+                                                            "ATEN_CPU_CAPABILITY")}  # fmt: skip
+    env.update(CAPS[cap])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(make_tiny("llama"))],
+        env=env, capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = expected(cap, cpu_flags())
+    assert got["bf16"] == want["bf16"], got
+    assert got["native"] == want["native"], got
+    if cap == "avx2":
+        assert got["isa"] == "AVX2"
+    # auto: bf16 only where the CPU multiplies bf16; float32 (the same numbers) elsewhere
+    assert got["auto_dtype"] == ("bfloat16" if want["bf16"] else "float32"), got
+    if not want["bf16"]:
+        assert got["auto_err"] < 1e-5, got
+    # explicit bf16: oneDNN's packed weights where it has bf16, the plain product where not;
+    # the native kernel reads them only where it runs
+    assert got["kinds"] == (["packed"] if want["bf16"] else ["dense"]), got
+    if not want["native"]:
+        assert not got["blocked"], got
+    assert got["bf16_err"] < 0.02, got  # bf16 rounding, same function
