@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pastry.engine import layers, native
+from pastry.engine import native
 from pastry.engine.engine import Engine, build_model
 from pastry.engine.generate import FusedGenerator, Request
 from pastry.paths import default_gguf
@@ -66,7 +66,7 @@ def questions(n: int) -> list[str]:
 def bf16_path() -> str:
     if native.ready:
         return "native AVX512_BF16 kernels (+ oneDNN from 5 rows)"
-    if layers.cpu_bf16():
+    if native.cpu_bf16():
         return "oneDNN packed bf16"
     return "PyTorch's plain bf16 product (no bf16 arithmetic on this CPU)"
 
@@ -167,7 +167,7 @@ def main() -> None:
             "seconds": round(seconds[name], 1),
         }
     print(
-        f"# {source.name} on {cpu_name()} (PyTorch ISA {layers.cpu_isa()}); pastry bf16 = "
+        f"# {source.name} on {cpu_name()} (PyTorch ISA {native.cpu_isa()}); pastry bf16 = "
         f"{path}; {len(prompts)} prompts; demo answers {ANSWER} greedy tokens"
     )
     print()
@@ -182,7 +182,7 @@ def main() -> None:
     out.update(
         {
             "cpu": cpu_name(),
-            "isa": layers.cpu_isa(),
+            "isa": native.cpu_isa(),
             "bf16_path": path,
             "prompts": len(prompts),
             "quick": args.quick,

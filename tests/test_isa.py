@@ -25,7 +25,7 @@ from tests.engine_util import SMALL_POOLS, all_probs
 path = sys.argv[1]
 tokens = [1, 42, 7, 99, 3, 18, 64, 5, 77, 12]
 ref = all_probs(Engine.load(path, EngineConfig(dtype="float32", **SMALL_POOLS)), tokens)
-out = {"isa": layers.cpu_isa(), "bf16": layers.cpu_bf16()}
+out = {"isa": native.cpu_isa(), "bf16": native.cpu_bf16()}
 auto = Engine.load(path, EngineConfig(dtype="auto", **SMALL_POOLS))
 out["auto_dtype"] = auto.info.dtype
 out["auto_err"] = float(np.abs(all_probs(auto, tokens) - ref).max())

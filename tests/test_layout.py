@@ -46,11 +46,13 @@ KNOWN_PRIVATE = {
     # argparse exposes the type of add_subparsers()'s result only under this name
     ("cli.py", "_SubParsersAction"),
     ("cli.py", "_actions"),
+    ("cli_engine.py", "_SubParsersAction"),
     # PyTorch's CPU kernels without a public binding (engine lead's numerics files)
     ("engine/compiled.py", "_dynamo"),
     ("engine/compiled.py", "_linear_pointwise"),
     ("engine/layers.py", "_reorder_linear_weight"),
     ("engine/native.py", "_C"),
+    ("engine/native.py", "_is_mkldnn_bf16_supported"),  # whether oneDNN has bf16 here
     ("engine/native.py", "_GLIBCXX_USE_CXX11_ABI"),
     ("engine/native.py", "_nbytes"),
     ("engine/quant.py", "_convert_weight_to_int4pack_for_cpu"),

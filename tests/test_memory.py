@@ -18,7 +18,7 @@ import pytest
 import torch
 from tests.server_util import free_port
 
-from pastry.cli import parse_size
+from pastry.cli_common import parse_size
 from pastry.engine import pool
 from pastry.engine.pool import PoolSizes, zeros
 from pastry.wire.config import DEFAULT_KV_BUDGET, EngineConfig, ModelConfig

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pastry.engine import layers, native
+from pastry.engine import native
 from pastry.engine.layers import Linear
 from pastry.engine.quant import (
     INT4_DENSE_FROM_M,
@@ -53,7 +53,7 @@ def packed_linear(
     lin.weight.data.copy_(w)
     if bias:
         lin.bias.data.copy_(torch.randn(n, generator=g).to(torch.bfloat16))
-    if not layers.cpu_bf16():
+    if not native.cpu_bf16():
         if require:
             pytest.skip("oneDNN has no bf16 on this CPU (AVX2): no packed weights")
         return lin, w

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_util import Pages, Seq
-from pastry.engine import layers, quant
+from pastry.engine import native, quant
 from pastry.engine.checkpoint import load_checkpoint, load_state_dict
 from pastry.engine.engine import Engine, build_model
 from pastry.engine.gguf_export import export_gguf, permute_qk
@@ -190,7 +190,7 @@ def test_gguf_codes_load_into_the_model(make_tiny, tmp_path):
     assert [lin.kind for lin in model.linears()] == ["int4"] * 4 * cfg.num_layers + ["int8"]
     dense = build_model(cfg, torch.bfloat16, torch.device("cpu"), weights, "none")
     # oneDNN-packed where the CPU multiplies bf16, the plain product where not (AVX2)
-    assert {lin.kind for lin in dense.linears()} == {"packed" if layers.cpu_bf16() else "dense"}
+    assert {lin.kind for lin in dense.linears()} == {"packed" if native.cpu_bf16() else "dense"}
 
 
 def test_quantize_needs_the_cpu(make_tiny):

@@ -9,7 +9,6 @@ import what they need inside, so ``pastry --help`` stays fast.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -17,43 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pastry import __version__
-
-MODEL_HELP = (
-    "a Hugging Face checkpoint directory or a .gguf file (default: the embedded SmolLM2-135M-"
-    "Instruct GGUF)"
-)
-
-
-_SIZE_UNITS = {"": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from a size such as ``4GiB``, ``512M``, ``1.5g`` or ``2`` (a bare number is
-    GiB); binary units either way (``4GB`` is 4 GiB), as vLLM's ``VLLM_CPU_KVCACHE_SPACE``."""
-    raw = text.strip().lower().removesuffix("b").removesuffix("i")
-    unit = raw[-1:] if raw[-1:] in _SIZE_UNITS and not raw[-1:].isdigit() else ""
-    try:
-        value = float(raw[: len(raw) - len(unit)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (e.g. 4GiB, 512MiB, or a number of GiB)"
-        ) from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
-    return int(value * _SIZE_UNITS[unit])
-
-
-def _memory_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--num-pages", type=int, default=0,
-        help="KV pages of 16 tokens (default 0: derived, see --kv-memory)",
-    )  # fmt: skip
-    p.add_argument(
-        "--kv-memory", type=parse_size, default=0, metavar="SIZE",
-        help="memory for the KV pool, e.g. 2GiB or 512MiB (default: 16 sequences of the "
-        "model's full context, within 4 GiB, a quarter of RAM and half of what is free; "
-        "the pool's pages are committed as they are used)",
-    )  # fmt: skip
+from pastry.cli_common import MODEL_HELP, add_memory_options
+from pastry.cli_engine import add_engine
 
 
 def add_model(subparsers: argparse._SubParsersAction) -> None:
@@ -294,7 +258,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "bind a non-loopback address",
     )  # fmt: skip
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    _memory_options(p)
+    add_memory_options(p)
     p.add_argument("--num-embeds", type=int, default=0, help="embedding slots (0: derived)")
     p.add_argument(
         "--policy", choices=tuple(BATCH_POLICIES), default="adaptive",
@@ -375,73 +339,6 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     _tenant_options(p)
     _engine_speed_options(p, compile_default=True)
     p.set_defaults(func=_serve)
-
-
-def add_engine(subparsers: argparse._SubParsersAction) -> None:
-    """``pastry engine``: one engine process for a server elsewhere to attach."""
-    p = subparsers.add_parser(
-        "engine",
-        help="run one engine for a server on another host (`pastry serve --engine URL`)",
-        description="Load the model and serve it as an engine on --listen until stopped. Only "
-        "a control layer holding the token may connect (CURVE, keys derived from the token: "
-        "the token never crosses the network). The KV pool is in shared memory, so engines "
-        "on this host can write K/V into it; --kv-recv also takes K/V from other hosts.",
-    )
-    p.add_argument("--listen", required=True, metavar="tcp://HOST:PORT", help="address to bind")
-    p.add_argument("--model", type=Path, help=MODEL_HELP)
-    p.add_argument(
-        "--token", default=os.environ.get("PASTRY_ENGINE_TOKEN") or None,
-        help="the token clients must hold (default: $PASTRY_ENGINE_TOKEN; printed when new)",
-    )  # fmt: skip
-    p.add_argument("--kv-recv", default="", metavar="tcp://HOST:PORT",
-                   help="accept K/V writes from engines on other hosts here (port 0: any)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    p.add_argument("--cpus", default="", help="pin to these CPUs, e.g. 0 or 2-3")
-    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    _memory_options(p)
-    p.add_argument("--num-embeds", type=int, default=0, help="embedding slots (0: derived)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.set_defaults(func=_engine)
-
-
-def _engine(args: argparse.Namespace) -> int:
-    import secrets
-
-    from pastry.engine import serve
-    from pastry.wire.auth import new_token
-
-    host = args.listen.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    if not args.listen.startswith("tcp://") or not host:
-        print(f"pastry engine: error: --listen takes tcp://HOST:PORT, got {args.listen}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    token = args.token
-    if not token:  # an engine always wants a token: anyone reaching it could read its KV
-        token = new_token()
-        print(f"engine token (give it to `pastry serve --engine-token`): {token}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    if args.model is None:  # the one `pastry serve` would serve (SmolLM2 if fetched)
-        from pastry.engine.default_model import default_model
-
-        args.model = default_model()
-    shm = f"/dev/shm/pastry-kv-{os.getpid()}-{secrets.token_hex(3)}"
-    argv = ["--model", str(args.model), "--endpoint", args.listen, "--dtype", args.dtype,
-            "--num-pages", str(args.num_pages), "--kv-memory", str(args.kv_memory),
-            "--num-embeds", str(args.num_embeds), "--kv-shm", shm, "--log-level", args.log_level.upper()]  # fmt: skip
-    os.environ["PASTRY_ENGINE_TOKEN"] = token
-    argv += ["--token-env", "PASTRY_ENGINE_TOKEN"]
-    for flag, value in (("--threads", args.threads), ("--cpus", args.cpus),
-                        ("--kv-recv", args.kv_recv)):  # fmt: skip
-        if value:
-            argv += [flag, str(value)]
-    try:
-        serve.main(argv)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(shm)
-    return 0
 
 
 def _tenant_options(p: argparse.ArgumentParser) -> None:

@@ -274,8 +274,7 @@ def paged_attention(
     for grp in meta.groups:
         qg = q.view(grp.size, grp.n, *q.shape[1:]) if grp.rows is None else take(q, grp.rows)
         if grp.kv_slots is not None:
-            kg, vg = gather(k_cache, grp.kv_slots), gather(v_cache, grp.kv_slots)  # [Hkv,G,L+n,D]
-            kg, vg = kg.to(q.dtype), vg.to(q.dtype)  # bf16 pool, float32 activations
+            kg, vg = (gather(c, grp.kv_slots).to(q.dtype) for c in (k_cache, v_cache))  # widened
         else:
             if grp.rows is None:
                 kg, vg = (t.view(grp.size, grp.n, *t.shape[1:]) for t in (k, v))

@@ -22,9 +22,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pastry.engine import layers, native
+from pastry.engine import native
 from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
 from pastry.engine.compiled import CompiledDecode
+from pastry.engine.dtypes import resolve_dtype
 from pastry.engine.hugepages import huge_pages
 from pastry.engine.logits import (
     LogitsProcessor,
@@ -39,7 +40,7 @@ from pastry.engine.model import LlamaModel
 from pastry.engine.pool import EmbedPool, HostPool, KvPool, PoolSizes
 from pastry.engine.quant import Codes, Int4Codes, Int8Codes, kept_codes
 from pastry.engine.sampling import SamplingParams, sample, top_k_dist
-from pastry.engine.transfer import KvSender
+from pastry.engine.transfer import KvSender, host_id
 from pastry.wire.calls import (
     MAX_LOGPROBS,
     Call,
@@ -85,8 +86,6 @@ TRAITS = (
 _HANDLER_GROUP: dict[type, type] = {NextDist: Sample}
 # Rows of prompt log-probabilities computed at once (bounds the [rows, vocab] logits).
 _LOGPROB_CHUNK = 256
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ForwardPlan(NamedTuple):
@@ -144,21 +143,6 @@ class Invalid(Exception):
     """A call is malformed or names memory that does not exist."""
 
 
-def resolve_dtype(name: str, model: ModelConfig, device: torch.device | None = None) -> torch.dtype:
-    """The engine's dtype: ``name``, or for "auto" the checkpoint's, except that a CPU
-    without bfloat16 arithmetic (AVX2 only: oneDNN has no bf16 kernels for it, and PyTorch's
-    generic bf16 products are 3-5x slower than float32 from 16 rows) computes in float32."""
-    if name == "auto":
-        name = model.torch_dtype if model.torch_dtype in _DTYPES else "bfloat16"
-        cpu = device is not None and device.type == "cpu"
-        if name in ("bfloat16", "float16") and cpu and not layers.cpu_bf16():
-            log.info("this CPU has no bfloat16 arithmetic (%s): float32", layers.cpu_isa())
-            name = "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or auto, got '{name}'")
-    return _DTYPES[name]
-
-
 class Engine:
     def __init__(
         self,
@@ -186,15 +170,7 @@ class Engine:
         self.embeds = EmbedPool(sizes.num_embeds, self.cfg.hidden_size, self.dtype, self.device)
         for layer, k, v in zip(model.layers, self.kv.k, self.kv.v, strict=True):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
-        self.compiled: CompiledDecode | None = None
-        if config.compile and self.device.type == "cpu":
-            self.compiled = CompiledDecode(model, self.kv.data)
-            if config.compile_background:
-                self.compiled.warm_up_in_background()
-            else:
-                self.compiled.warm_up()
-        elif config.compile:
-            log.info("compile applies to CPU engines; %s decodes eagerly", self.device)
+        self.compiled = self._compiled_decode(config)
         self._rng = np.random.default_rng(config.seed)
         self._adapters: list[Adapter | None] = []  # by id; None: unloaded (ids stay)
         self._swap_staging: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -231,6 +207,20 @@ class Engine:
             SwapIn: self._swap_in,
             SendKv: self._send_kv,
         }
+
+    def _compiled_decode(self, config: EngineConfig) -> CompiledDecode | None:
+        """The compiled decode step, compiled now or (``compile_background``) on a thread."""
+        if not config.compile:
+            return None
+        if self.device.type != "cpu":
+            log.info("compile applies to CPU engines; %s decodes eagerly", self.device)
+            return None
+        compiled = CompiledDecode(self.model, self.kv.data)
+        if config.compile_background:
+            compiled.warm_up_in_background()
+        else:
+            compiled.warm_up()
+        return compiled
 
     @classmethod
     def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -830,22 +820,6 @@ class Engine:
         if not arrays:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate(arrays).astype(np.int64, copy=False)
-
-
-def host_id() -> str:
-    """This machine's identity (hostname and boot id): engines with the same one can map
-    each other's shared-memory KV pools. ``$PASTRY_HOST_ID`` overrides it (containers that
-    share a hostname but not ``/dev/shm``)."""
-    import socket
-
-    if os.environ.get("PASTRY_HOST_ID"):
-        return os.environ["PASTRY_HOST_ID"]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 def build_model(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -16,19 +15,6 @@ from pastry.wire.config import ModelConfig
 _HAS_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_linear_pointwise"
 )
-
-
-def cpu_isa() -> str:
-    """The vector ISA PyTorch's CPU kernels use here (``ATEN_CPU_CAPABILITY`` caps it)."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
-@functools.cache
-def cpu_bf16() -> bool:
-    """Whether oneDNN multiplies bfloat16 on this CPU (AVX512 BW/VL/DQ or AVX-NE-CONVERT;
-    ``ONEDNN_MAX_CPU_ISA`` caps it). Without it ``_reorder_linear_weight`` refuses bf16
-    and bf16 products run PyTorch's generic loops."""
-    return _HAS_MKLDNN_LINEAR and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Module):
@@ -69,7 +55,9 @@ class Linear(nn.Module):
 
     def prepack(self) -> bool:
         w = self.weight
-        if w is None or not (w.device.type == "cpu" and w.dtype == torch.bfloat16 and cpu_bf16()):
+        if w is None or not (
+            w.device.type == "cpu" and w.dtype == torch.bfloat16 and native.cpu_bf16()
+        ):
             return False  # the plain product (oneDNN has no bf16 reorder on this CPU)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         # the native kernel reads it in place if it runs here and can read this layout

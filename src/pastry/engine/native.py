@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -100,6 +101,23 @@ def load() -> bool:
             _state["loaded"] = False
             log.warning("Pastry's native CPU kernels are unavailable (%s)", _state["error"])
         return bool(_state["loaded"])
+
+
+def cpu_isa() -> str:
+    """The vector ISA PyTorch's CPU kernels use here (``ATEN_CPU_CAPABILITY`` caps it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.cache
+def cpu_bf16() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (AVX512 BW/VL/DQ or AVX-NE-CONVERT;
+    ``ONEDNN_MAX_CPU_ISA`` caps it). Without it ``_reorder_linear_weight`` refuses bf16
+    weights and bf16 products run PyTorch's generic loops (AVX2: 3-5x slower than float32)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # oneDNN's ISA names at or above AVX512_CORE_BF16 (what the bf16 kernels need)

@@ -227,11 +227,7 @@ class Int4Weight(QuantizedWeight):
         product: the expansion of exactly the weight the kernel multiplies by (its scales
         rounded to the activation dtype), at the memory cost of a dense copy."""
         w = self._kernel(torch.eye(self.in_features, dtype=self.scale_zeros.dtype)).t()
-        if (
-            w.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()  # no bf16 reorder on AVX2
-        ):
+        if w.dtype == torch.bfloat16 and native.cpu_bf16():  # no bf16 reorder on AVX2
             self.dense = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
             self._dense_mm = self._packed_mm
         else:

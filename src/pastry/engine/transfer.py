@@ -438,3 +438,19 @@ class KvReceiver:
         positions = torch.from_numpy(np.frombuffer(frames[1], dtype=np.int64).copy())
         self.kv.positions.index_copy_(0, slots, positions)
         self.kv.attendable.index_fill_(0, slots, True)
+
+
+def host_id() -> str:
+    """This machine's identity (hostname and boot id): engines with the same one can map
+    each other's shared-memory KV pools. ``$PASTRY_HOST_ID`` overrides it (containers that
+    share a hostname but not ``/dev/shm``)."""
+    import socket
+
+    if os.environ.get("PASTRY_HOST_ID"):
+        return os.environ["PASTRY_HOST_ID"]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
