@@ -138,7 +138,10 @@ def test_default_serve_fits_weights_pool_and_a_gigabyte(smollm2_gguf, tmp_path):
                 pass
             assert proc.poll() is None and time.time() < deadline, "serve did not start"
             time.sleep(0.2)
-        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 16}).encode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+            model = json.load(r)["data"][0]["id"]
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 16}
+        body = json.dumps(body).encode()
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
             body,
