@@ -82,7 +82,10 @@ def one_start(model: Path, home: Path, timeout: float) -> dict:
         if ready is None:
             raise SystemExit("serve did not start:\n" + "".join(lines[-20:]))
         rss_ready = engine_rss(proc.pid)
-        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 64}).encode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
+            name = json.load(r)["data"][0]["id"]
+        body = {"model": name, "prompt": "Once upon a time", "max_tokens": 64}
+        body = json.dumps(body).encode()
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
         )
