@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 _SRC_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `pastry`
 TOKEN_ENV = "PASTRY_ENGINE_TOKEN"
+# OpenMP threads that finish their share of a step spin for the next one (libgomp's default
+# ACTIVE policy, ~200k spins); on a shared or oversubscribed CPU they burn the cycles that
+# the one thread still computing (or the server's event loop) needs: loaded runs measured
+# 4-6x slower. PASSIVE makes them sleep; the user's own setting wins.
+ENGINE_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class EngineProcess:
@@ -116,7 +121,9 @@ def spawn_engine(
     ``engine_factory`` (``"module:callable"``, called as ``f(model_dir, config)``) replaces
     ``Engine.load``, for tests. ``env`` adds environment variables. The child's stderr is
     echoed to ours when ``echo_stderr``; if it dies during start-up, :class:`EngineStartError`
-    carries the end of its stderr. The child exits when this process does.
+    carries the end of its stderr. The child exits when this process does. The child's
+    OpenMP threads wait passively (:data:`ENGINE_ENV_DEFAULTS`) unless the environment
+    sets ``OMP_WAIT_POLICY``.
     """
     config = config or EngineConfig()
     tmpdir = None
@@ -135,13 +142,10 @@ def spawn_engine(
         cmd += ["--cpus", cpus]
     if kv_recv:
         cmd += ["--kv-recv", kv_recv]
-    child_env = {**os.environ, **(env or {})}
+    child_env = engine_environment(env)
     if token:
         child_env[TOKEN_ENV] = token
         cmd += ["--token-env", TOKEN_ENV]
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_SRC_ROOT, child_env.get("PYTHONPATH")) if p
-    )
     proc = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env, text=True
     )
@@ -197,6 +201,16 @@ def _wait_until_serving(child: EngineProcess, timeout: float, token: str | None)
     finally:
         sock.close()
         ctx.term()
+
+
+def engine_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine process's environment: :data:`ENGINE_ENV_DEFAULTS` under ours, ``env``
+    over both, and ``PYTHONPATH`` led by the directory holding this ``pastry``."""
+    child_env = {**ENGINE_ENV_DEFAULTS, **os.environ, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (_SRC_ROOT, child_env.get("PYTHONPATH")) if p
+    )
+    return child_env
 
 
 def _config_args(config: EngineConfig) -> list[str]:
