@@ -88,9 +88,6 @@ class PhysicalPool:
     def held(self) -> int:
         return len(self._held)
 
-    def is_held(self, pid: int) -> bool:
-        return pid in self._held
-
     def hold(self, ids: Iterable[int]) -> None:
         """Keep ids that are in use (count > 0) off the free list even at count 0."""
         ids = list(ids)

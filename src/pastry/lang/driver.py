@@ -20,7 +20,7 @@ import asyncio
 import contextvars
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -117,12 +117,6 @@ class ThreadDriver(Driver):
             self.cancelled = True
             self.notify()
             raise
-
-
-class ReentrantLoop(Protocol):
-    """A loop that can run its callbacks until ``ready()`` from inside one of them."""
-
-    def run_until(self, ready: Callable[[], bool]) -> None: ...
 
 
 class ReentrantDriver(Driver):
