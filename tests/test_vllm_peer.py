@@ -15,12 +15,21 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import openai_load as load
-import vllm_peer
-import vs_vllm
 from pastry.wire.spawn import ENGINE_ENV_DEFAULTS, engine_environment
 from server_util import running_server
+
+# The benchmark scripts import each other by bare name, as scripts do: put their directory on
+# the path only while importing them (left there, benchmarks/agents.py would shadow the
+# openai-agents package `agents` for every test collected after this one).
+_BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+sys.path.insert(0, _BENCHMARKS)
+try:
+    import openai_load as load
+    import vllm_peer
+    import vs_vllm
+finally:  # vs_vllm.py puts it there too (for `python -m`): every copy goes
+    while _BENCHMARKS in sys.path:
+        sys.path.remove(_BENCHMARKS)
 
 
 def turn(ttft, latency, tokens, max_tokens=4, ignore_eos=True, error=None, text=""):
