@@ -17,7 +17,8 @@ JSON valid for that tool's argument schema, so that even a 135M model writes cal
 parse. The call starts as soon as its JSON is complete; while it runs the agent forwards
 ``Observation:`` (with ``early_call``, the default; else after the call returns). The
 tool's answer is appended as text and the model goes on from it; only new tokens are ever
-forwarded. After ``max_steps`` calls the grammar allows only the final answer.
+forwarded. After ``max_steps`` calls, or a call that repeats an earlier one (the same tool
+and arguments: no progress), the grammar allows only the final answer.
 
 It ends when the model writes its final answer (``"stop": "final_answer"``), or when the
 transcript reaches ``max_tokens`` (``"max_tokens"``, no answer). ``tool_choice`` is
@@ -106,6 +107,7 @@ class Agent:
         self.masked: dict[int, list[bool]] = {}  # page -> its slots hidden by drop_results
         self.pending_drop: tuple[int, int] | None = None
         self.inflight: list[asyncio.Future] = []
+        self.repeated = False  # the last call repeated an earlier one (no progress)
 
     async def run(self) -> dict[str, Any]:
         ctx, opts = self.ctx, self.opts
@@ -115,6 +117,7 @@ class Agent:
             if thought is None:
                 return self.result(None, "max_tokens", "")
             act = opts["tool_choice"] != "none" and len(self.steps) < opts["max_steps"]
+            act = act and not self.repeated
             must = act and opts["tool_choice"] == "required" and not self.steps
             written = await self.constrained(action_grammar(self.tools, act=act, final=not must))
             if written is None:
@@ -170,6 +173,7 @@ class Agent:
         ctx.fill(f" {obs.text}\n", add_special_tokens=False)
         if opts["drop_results"]:
             self.pending_drop = (begin, len(ctx.tokens))
+        self.repeated = any(s["tool"] == name and s["arguments"] == arguments for s in self.steps)
         self.steps.append(
             {
                 "thought": thought,
