@@ -21,7 +21,9 @@ server = MCPServer("pastry-test-tools")
 @server.tool(description="Look up an employee's record by first name")
 def lookup_employee(name: str) -> str:
     number = EMPLOYEES.get(name.strip().lower())
-    return f"{name.strip().title()}'s employee number is {number}." if number else "no such employee"
+    return (
+        f"{name.strip().title()}'s employee number is {number}." if number else "no such employee"
+    )
 
 
 @server.tool(description="Add two integers")

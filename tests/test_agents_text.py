@@ -54,15 +54,23 @@ def test_react_calls_a_tool_and_answers_with_its_result(engine, tools):
     questions = ["What is Alice's employee number?", "What is Bob's employee number?"]
     launches = [("react", {"question": q, "tools": [lookup_tool(tools)]}) for q in questions]
     runs = run_builtins(engine, launches, sequential=True)
-    for (name, number), out in zip([("Alice", "48213"), ("Bob", "90817")], runs.results, strict=True):
+    for (name, number), out in zip(
+        [("Alice", "48213"), ("Bob", "90817")], runs.results, strict=True
+    ):
         assert out["stop"] == "final_answer", out["text"]
         step = out["steps"][0]
-        assert (step["tool"], step["arguments"], step["ok"]) == ("lookup_employee", {"name": name}, True)
+        assert (step["tool"], step["arguments"], step["ok"]) == (
+            "lookup_employee",
+            {"name": name},
+            True,
+        )
         assert number in step["observation"] and number in out["answer"], out["text"]
         assert f"Observation: {step['observation']}\n" in out["text"]
     assert [c[1] for c in tools.calls] == [{"name": "Alice"}, {"name": "Bob"}]
     # the KV is kept across the call: no token is forwarded twice
-    assert runs.recorded.forwarded == sum(o["tokens"] - 1 - o["cached_tokens"] for o in runs.results)
+    assert runs.recorded.forwarded == sum(
+        o["tokens"] - 1 - o["cached_tokens"] for o in runs.results
+    )
     # the instruction (with the tool list) is the same for both: the second reads it from cache
     assert runs.results[0]["cached_tokens"] == 0 and runs.results[1]["cached_tokens"] >= 128
     assert runs.pages_in_use == 0
@@ -90,7 +98,7 @@ def test_codeact_runs_the_models_program(engine):
     first = out["steps"][0]
     assert first["error"] is None and first["output"] == "2870\n", out["text"]
     assert "def " in first["code"] and "print(" in first["code"]
-    assert f"```\nOutput:\n2870\n" in out["text"]
+    assert "```\nOutput:\n2870\n" in out["text"]
     assert out["stop"] == "final_answer" and "2870" in out["answer"]
 
 

@@ -55,21 +55,31 @@ def check_round_trip(out: dict) -> None:
     assert out["failed"]["text"].endswith("this tool always fails") and out["failed"]["is_error"]
     assert [r["uri"] for r in out["resources"]] == ["memo://policy"]
     assert out["memo"] == "Employee numbers are five digits and never change."
-    assert out["denied"].startswith("no MCP server named 'elsewhere' for this user (yours: records)")
+    assert out["denied"].startswith(
+        "no MCP server named 'elsewhere' for this user (yours: records)"
+    )
 
 
 def test_hub_over_stdio():
     async def go():
-        hub = McpHub([STDIO, McpServer("theirs", (sys.executable, SERVER), users=frozenset({"bob"}))])
+        hub = McpHub(
+            [STDIO, McpServer("theirs", (sys.executable, SERVER), users=frozenset({"bob"}))]
+        )
         try:
             tools = json.loads(await hub.list_tools("local", "records"))
             schema = tools[1]["input_schema"]
-            assert schema["properties"]["a"]["type"] == "integer" and schema["required"] == ["a", "b"]
+            assert schema["properties"]["a"]["type"] == "integer" and schema["required"] == [
+                "a",
+                "b",
+            ]
             added = json.loads(await hub.call_tool("local", "records", "add", '{"a": 2, "b": 40}'))
             assert added["text"] == "42" and not added["is_error"]
             # concurrent calls share the one connection
             many = await asyncio.gather(
-                *(hub.call_tool("local", "records", "add", json.dumps({"a": i, "b": 1})) for i in range(8))
+                *(
+                    hub.call_tool("local", "records", "add", json.dumps({"a": i, "b": 1}))
+                    for i in range(8)
+                )
             )
             assert [json.loads(m)["text"] for m in many] == [str(i + 1) for i in range(8)]
             assert hub.names("local") == ["records"] and hub.names("bob") == ["records", "theirs"]

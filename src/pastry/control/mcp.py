@@ -119,7 +119,7 @@ class _Connection:
                 self.client = client
                 self.ready.set_result(client)
                 await self.stop.wait()
-        except Exception as e:  # noqa: BLE001 - reported to the callers, the hub goes on
+        except Exception as e:
             log.warning("MCP server %s: %s", s.name, e)
             if not self.ready.done():
                 self.ready.set_exception(McpFailed(f"MCP server {s.name}: {_reason(e)}"))
@@ -164,7 +164,9 @@ class McpHub:
         except ValueError as e:
             raise ValueError(f"mcp_call_tool: arguments must be a JSON object: {e}") from None
         if not isinstance(args, dict):
-            raise ValueError(f"mcp_call_tool: arguments must be a JSON object, got {arguments!r:.100}")
+            raise ValueError(
+                f"mcp_call_tool: arguments must be a JSON object, got {arguments!r:.100}"
+            )
         result = await self._request(user, server, lambda c: c.call_tool(tool, args))
         return json.dumps(
             {
@@ -178,8 +180,12 @@ class McpHub:
         result = await self._request(user, server, lambda c: c.list_resources())
         return json.dumps(
             [
-                {"uri": str(r.uri), "name": r.name, "description": r.description or "",
-                 "mime_type": r.mime_type}  # fmt: skip
+                {
+                    "uri": str(r.uri),
+                    "name": r.name,
+                    "description": r.description or "",
+                    "mime_type": r.mime_type,
+                }
                 for r in result.resources
             ]
         )

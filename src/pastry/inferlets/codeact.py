@@ -197,5 +197,7 @@ def _options(args: list[str]) -> dict[str, Any]:
     if not isinstance(opts["max_steps"], int) or opts["max_steps"] < 0:
         raise ValueError(f'"max_steps" must be a non-negative integer, got {opts["max_steps"]!r}')
     if not isinstance(opts["limits"], dict) or set(opts["limits"]) - set(Limits.__annotations__):
-        raise ValueError(f'"limits" takes {", ".join(Limits.__annotations__)}; got {opts["limits"]!r}')
+        raise ValueError(
+            f'"limits" takes {", ".join(Limits.__annotations__)}; got {opts["limits"]!r}'
+        )
     return opts

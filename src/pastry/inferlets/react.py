@@ -60,8 +60,15 @@ from pastry.sdk import Context, EosTokens, MaxTokens, Sampler, StopStrings
 from pastry.sdk.args import options
 from pastry.sdk.grammar import Constraint, generate
 from pastry.sdk.steps import truncate
-from pastry.sdk.tools import ACTION_INPUT, FINAL, Tool, action_grammar, call_tool
-from pastry.sdk.tools import load_tools, tools_prompt
+from pastry.sdk.tools import (
+    ACTION_INPUT,
+    FINAL,
+    Tool,
+    action_grammar,
+    call_tool,
+    load_tools,
+    tools_prompt,
+)
 
 SYSTEM = (
     "You answer the user's question. You can use these tools:\n{tools}\n\n"
@@ -124,7 +131,9 @@ class Agent:
                 return self.result(None, "max_tokens", thought)
             if written.startswith(FINAL):
                 answer = await self.answer()
-                return self.result(answer, "final_answer" if answer is not None else "max_tokens", thought)
+                return self.result(
+                    answer, "final_answer" if answer is not None else "max_tokens", thought
+                )
             await self.act(thought, written)
 
     async def thought(self) -> str | None:
@@ -253,5 +262,7 @@ def _options(args: list[str]) -> dict[str, Any]:
         if not isinstance(opts[key], int) or opts[key] < (key != "max_steps"):
             raise ValueError(f'"{key}" must be a positive integer, got {opts[key]!r}')
     if opts["tool_choice"] not in ("auto", "required", "none"):
-        raise ValueError(f'"tool_choice" is "auto", "required" or "none", got {opts["tool_choice"]!r}')
+        raise ValueError(
+            f'"tool_choice" is "auto", "required" or "none", got {opts["tool_choice"]!r}'
+        )
     return opts

@@ -88,17 +88,8 @@ class State(NamedTuple):
 
 
 async def main(args: list[str]) -> str:
-    opts = options(args, DEFAULTS)
+    opts = _options(args)
     breadth, keep, depth, n = (opts[k] for k in ("breadth", "keep", "depth", "thought_tokens"))
-    if min(breadth, keep, depth, n) < 1:
-        raise ValueError(
-            f"breadth, keep, depth and thought_tokens must be at least 1, got {breadth}, "
-            f"{keep}, {depth} and {n}"
-        )
-    if opts["score"] not in ("value", "logprob"):
-        raise ValueError(f'"score" is "value" or "logprob", got {opts["score"]!r}')
-    if not opts["values"] or not all(isinstance(w, int | float) for w in opts["values"].values()):
-        raise ValueError(f'"values" maps labels to weights, got {opts["values"]!r}')
     root = Context(opts["model"])
     api = root.api
     q = api.create_queue(root.model)  # for tokenizing; outlives the states' contexts
@@ -120,19 +111,11 @@ async def main(args: list[str]) -> str:
             evaluations += len(states)
         states = sorted(states, key=lambda s: -s.score)
         await asyncio.gather(*(s.ctx.release() for s in states[keep:]))
+        texts = [api.detokenize(q, s.thoughts[-1]) for s in states]
         levels.append(
             [
-                {
-                    "parent": s.parent,
-                    "text": api.detokenize(q, s.thoughts[-1]),
-                    "tokens": s.thoughts[-1],
-                    "score": s.score,
-                    "logprob": s.logprob,
-                    **({"evaluation": s.evaluation} if s.evaluation is not None else {}),
-                    "kept": i < keep,
-                    **({"context": s.context} if opts["trace"] else {}),
-                }
-                for i, s in enumerate(states)
+                _record(s, t, i < keep, opts["trace"])
+                for i, (s, t) in enumerate(zip(states, texts, strict=True))
             ]
         )
         frontier = states[:keep]
@@ -150,6 +133,35 @@ async def main(args: list[str]) -> str:
         result["answer_tokens"] = [t for t in best.ctx.tokens[start:] if t not in eos]
     await asyncio.gather(*(s.ctx.release() for s in frontier))
     return json.dumps({"best": result, "levels": levels, "evaluations": evaluations})
+
+
+def _options(args: list[str]) -> dict:
+    opts = options(args, DEFAULTS)
+    sizes = [opts[k] for k in ("breadth", "keep", "depth", "thought_tokens")]
+    if min(sizes) < 1:
+        raise ValueError(
+            "breadth, keep, depth and thought_tokens must be at least 1, got "
+            + ", ".join(map(str, sizes))
+        )
+    if opts["score"] not in ("value", "logprob"):
+        raise ValueError(f'"score" is "value" or "logprob", got {opts["score"]!r}')
+    if not opts["values"] or not all(isinstance(w, int | float) for w in opts["values"].values()):
+        raise ValueError(f'"values" maps labels to weights, got {opts["values"]!r}')
+    return opts
+
+
+def _record(s: State, text: str, kept: bool, trace: bool) -> dict:
+    """A state as the result lists it (``text``: its latest thought)."""
+    return {
+        "parent": s.parent,
+        "text": text,
+        "tokens": s.thoughts[-1],
+        "score": s.score,
+        "logprob": s.logprob,
+        **({"evaluation": s.evaluation} if s.evaluation is not None else {}),
+        "kept": kept,
+        **({"context": s.context} if trace else {}),
+    }
 
 
 async def _propose(state: State, index: int, breadth: int, n: int, eos: set[int]) -> list[State]:
@@ -219,4 +231,5 @@ async def _evaluate(state: State, opts: dict) -> State:
     weights = [math.exp(lp - top) for lp in logprobs]
     probs = {label: w / sum(weights) for label, w in zip(labels, weights, strict=True)}
     value = sum(p * opts["values"][label] for label, p in probs.items())
-    return state._replace(value=value, evaluation=probs)
+    ctx, thoughts, logprob, parent, context = state[:5]
+    return State(ctx, thoughts, logprob, parent, context, value, probs)

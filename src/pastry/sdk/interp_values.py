@@ -1,16 +1,14 @@
 """What a program of :mod:`pastry.sdk.interpreter` may call: the built-ins, the methods of
 built-in values and the modules, each pure (no I/O, nothing outside the program's own
-values), and the size checks that bound its memory."""
+values), and the size checks that bound its memory. ``interp`` below is the running
+:class:`~pastry.sdk.interpreter.Interpreter` (its ``call`` and ``limits``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pastry.sdk.interpreter import Interpreter
+from typing import Any
 
 
 class CodeError(Exception):
@@ -54,16 +52,80 @@ BUILTINS = frozenset([*_PURE, *_KEYED, "print"])
 
 METHODS: dict[type, frozenset[str]] = {
     str: frozenset(
-        "upper lower strip lstrip rstrip split rsplit splitlines join replace startswith "
-        "endswith find rfind index rindex count isdigit isalpha isalnum isspace isupper "
-        "islower isnumeric isdecimal title capitalize swapcase zfill center ljust rjust "
-        "partition rpartition casefold removeprefix removesuffix".split()
+        [
+            "upper",
+            "lower",
+            "strip",
+            "lstrip",
+            "rstrip",
+            "split",
+            "rsplit",
+            "splitlines",
+            "join",
+            "replace",
+            "startswith",
+            "endswith",
+            "find",
+            "rfind",
+            "index",
+            "rindex",
+            "count",
+            "isdigit",
+            "isalpha",
+            "isalnum",
+            "isspace",
+            "isupper",
+            "islower",
+            "isnumeric",
+            "isdecimal",
+            "title",
+            "capitalize",
+            "swapcase",
+            "zfill",
+            "center",
+            "ljust",
+            "rjust",
+            "partition",
+            "rpartition",
+            "casefold",
+            "removeprefix",
+            "removesuffix",
+        ]
     ),
-    list: frozenset("append extend pop insert remove index count sort reverse copy clear".split()),
-    dict: frozenset("keys values items get pop setdefault update copy clear".split()),
+    list: frozenset(
+        [
+            "append",
+            "extend",
+            "pop",
+            "insert",
+            "remove",
+            "index",
+            "count",
+            "sort",
+            "reverse",
+            "copy",
+            "clear",
+        ]
+    ),
+    dict: frozenset(
+        ["keys", "values", "items", "get", "pop", "setdefault", "update", "copy", "clear"]
+    ),
     set: frozenset(
-        "add remove discard pop union intersection difference symmetric_difference "
-        "issubset issuperset copy clear update".split()
+        [
+            "add",
+            "remove",
+            "discard",
+            "pop",
+            "union",
+            "intersection",
+            "difference",
+            "symmetric_difference",
+            "issubset",
+            "issuperset",
+            "copy",
+            "clear",
+            "update",
+        ]
     ),
     tuple: frozenset(["index", "count"]),
     int: frozenset(["bit_length", "to_bytes"]) - {"to_bytes"},
@@ -100,17 +162,51 @@ class Checked:
 
 _MATH = {
     n: getattr(math, n)
-    for n in "sqrt floor ceil gcd lcm log log2 log10 exp sin cos tan asin acos atan atan2 "
-    "hypot fabs isqrt comb perm pi e tau inf nan isclose prod fsum degrees radians trunc".split()
+    for n in [
+        "sqrt",
+        "floor",
+        "ceil",
+        "gcd",
+        "lcm",
+        "log",
+        "log2",
+        "log10",
+        "exp",
+        "sin",
+        "cos",
+        "tan",
+        "asin",
+        "acos",
+        "atan",
+        "atan2",
+        "hypot",
+        "fabs",
+        "isqrt",
+        "comb",
+        "perm",
+        "pi",
+        "e",
+        "tau",
+        "inf",
+        "nan",
+        "isclose",
+        "prod",
+        "fsum",
+        "degrees",
+        "radians",
+        "trunc",
+    ]
 }
 MODULES = {"math": Checked("math", _MATH)}
 
 
-async def call_method(interp: Interpreter, obj: Any, name: str, args: list, kwargs: dict) -> Any:
+async def call_method(interp: Any, obj: Any, name: str, args: list, kwargs: dict) -> Any:
     """``obj.name(*args, **kwargs)`` for an allowed method (or a module's function)."""
     if isinstance(obj, Checked):
         fn = obj.get(name)
-        if name in ("factorial", "comb", "perm") and any(isinstance(a, int) and a > 5000 for a in args):
+        if name in ("factorial", "comb", "perm") and any(
+            isinstance(a, int) and a > 5000 for a in args
+        ):
             raise CodeError(f"math.{name} of a number over 5000")
         return fn(*args, **kwargs)
     allowed = next((m for t, m in METHODS.items() if type(obj) is t), None)
@@ -121,9 +217,13 @@ async def call_method(interp: Interpreter, obj: Any, name: str, args: list, kwar
     lim = interp.limits.max_len
     if name in _WIDTH and args and isinstance(args[0], int) and args[0] > lim:
         raise CodeError(f"{name} to width {args[0]} (at most {lim})")
-    if name == "replace" and len(args) >= 2 and isinstance(obj, str):
-        if obj.count(args[0]) * len(args[1]) + len(obj) > lim:
-            raise CodeError(f"replace would make a string of over {lim} characters")
+    if (
+        name == "replace"
+        and len(args) >= 2
+        and isinstance(obj, str)
+        and (obj.count(args[0]) * len(args[1]) + len(obj) > lim)
+    ):
+        raise CodeError(f"replace would make a string of over {lim} characters")
     if name == "sort" and "key" in kwargs:
         keys = [await interp.call(kwargs["key"], [x], {}) for x in obj]
         order = sorted(range(len(obj)), key=keys.__getitem__, reverse=bool(kwargs.get("reverse")))
@@ -132,17 +232,17 @@ async def call_method(interp: Interpreter, obj: Any, name: str, args: list, kwar
     return getattr(obj, name)(*args, **kwargs)
 
 
-async def apply_builtin(interp: Interpreter, name: str, args: list, kwargs: dict) -> Any:
+async def apply_builtin(interp: Any, name: str, args: list, kwargs: dict) -> Any:
     lim = interp.limits
-    if name in ("list", "tuple", "set", "sorted", "sum", "frozenset") and args:
-        if isinstance(args[0], range) and len(args[0]) > lim.max_len:
-            raise CodeError(f"{name} of a range of {len(args[0])} (at most {lim.max_len})")
+    big = args and isinstance(args[0], range) and len(args[0]) > lim.max_len
+    if name in ("list", "tuple", "set", "sorted", "sum", "frozenset") and big:
+        raise CodeError(f"{name} of a range of {len(args[0])} (at most {lim.max_len})")
     if name in _PURE:
         return _PURE[name](*args, **kwargs)
     if name == "pow":
-        if len(args) == 2 and all(isinstance(a, int) for a in args) and args[1] > 0:
-            if abs(args[0]).bit_length() * args[1] > lim.max_int_bits:
-                raise CodeError(f"pow({args[0]}, {args[1]}) is too large")
+        ints = len(args) == 2 and all(isinstance(a, int) for a in args) and args[1] > 0
+        if ints and abs(args[0]).bit_length() * args[1] > lim.max_int_bits:
+            raise CodeError(f"pow({args[0]}, {args[1]}) is too large")
         return pow(*args)
     if name in ("map", "filter"):
         fn, items = args[0], list(args[1])
@@ -153,7 +253,7 @@ async def apply_builtin(interp: Interpreter, name: str, args: list, kwargs: dict
     return await _keyed(interp, name, args, kwargs)
 
 
-async def _keyed(interp: Interpreter, name: str, args: list, kwargs: dict) -> Any:
+async def _keyed(interp: Any, name: str, args: list, kwargs: dict) -> Any:
     """``sorted``, ``min``, ``max``, ``sum`` (with a ``key`` of the program's own)."""
     key = kwargs.pop("key", None)
     if name == "sum":

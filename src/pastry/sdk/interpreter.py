@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import math
 import operator
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -37,8 +36,8 @@ from typing import Any, NamedTuple
 from pastry.sdk.interp_values import (
     BUILTINS,
     METHODS,
-    Builtin,
     MODULES,
+    Builtin,
     Checked,
     CodeError,
     Limits,
@@ -138,12 +137,17 @@ class Interpreter:
         except CodeError as e:
             return Outcome("".join(self._out), str(e))
         except (_Break, _Continue, _Return):
-            return Outcome("".join(self._out), "SyntaxError: break, continue or return outside a loop or function")
+            return Outcome(
+                "".join(self._out),
+                "SyntaxError: break, continue or return outside a loop or function",
+            )
         return Outcome("".join(self._out), None)
 
     def check(self, source: str) -> ast.Module:
         if len(source) > self.limits.max_source:
-            raise CodeError(f"program of {len(source)} characters (at most {self.limits.max_source})")
+            raise CodeError(
+                f"program of {len(source)} characters (at most {self.limits.max_source})"
+            )
         try:
             tree = ast.parse(source)
         except SyntaxError as e:
@@ -183,7 +187,9 @@ class Interpreter:
             await self.assign(s.target, await self.eval(s.value, scopes), scopes)
         elif isinstance(s, ast.AugAssign):
             load = _as_load(s.target)
-            value = self._binop(s.op, await self.eval(load, scopes), await self.eval(s.value, scopes))
+            value = self._binop(
+                s.op, await self.eval(load, scopes), await self.eval(s.value, scopes)
+            )
             await self.assign(s.target, value, scopes)
         elif isinstance(s, ast.If):
             branch = s.body if await self.eval(s.test, scopes) else s.orelse
@@ -245,7 +251,9 @@ class Interpreter:
             obj[await self.eval(target.slice, scopes)] = value
             check_size(obj, self.limits)
         else:
-            raise CodeError(f"assignment to {type(target).__name__} is not allowed (line {target.lineno})")
+            raise CodeError(
+                f"assignment to {type(target).__name__} is not allowed (line {target.lineno})"
+            )
 
     # ------------------------------------------------------------------ expressions
 
@@ -257,7 +265,9 @@ class Interpreter:
         if t is ast.Name:
             return self._lookup(n.id, scopes)
         if t is ast.BinOp:
-            return self._binop(n.op, await self.eval(n.left, scopes), await self.eval(n.right, scopes))
+            return self._binop(
+                n.op, await self.eval(n.left, scopes), await self.eval(n.right, scopes)
+            )
         if t is ast.UnaryOp:
             return _UN[type(n.op)](await self.eval(n.operand, scopes))
         if t is ast.BoolOp:
@@ -287,11 +297,17 @@ class Interpreter:
             items = [await self.eval(e, scopes) for e in n.elts]
             return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[t](items)
         if t is ast.Dict:
-            return {await self.eval(k, scopes): await self.eval(v, scopes) for k, v in zip(n.keys, n.values, strict=True)}
+            return {
+                await self.eval(k, scopes): await self.eval(v, scopes)
+                for k, v in zip(n.keys, n.values, strict=True)
+            }
         if t is ast.Subscript:
             return (await self.eval(n.value, scopes))[await self.eval(n.slice, scopes)]
         if t is ast.Slice:
-            parts = [None if p is None else await self.eval(p, scopes) for p in (n.lower, n.upper, n.step)]
+            parts = [
+                None if p is None else await self.eval(p, scopes)
+                for p in (n.lower, n.upper, n.step)
+            ]
             return slice(*parts)
         if t is ast.JoinedStr:
             return await self._fstring(n, scopes)
@@ -304,7 +320,9 @@ class Interpreter:
             obj = await self.eval(n.value, scopes)
             if isinstance(obj, Checked):
                 return obj.get(n.attr)
-            raise CodeError(f"attribute {n.attr!r} can only be called as a method (line {n.lineno})")
+            raise CodeError(
+                f"attribute {n.attr!r} can only be called as a method (line {n.lineno})"
+            )
         raise CodeError(f"{t.__name__} is not allowed (line {n.lineno})")
 
     async def _fstring(self, n: ast.JoinedStr, scopes: list[dict]) -> str:
@@ -316,7 +334,10 @@ class Interpreter:
             value = await self.eval(v.value, scopes)
             value = {115: str, 114: repr, 97: ascii}.get(v.conversion, lambda x: x)(value)
             spec = "" if v.format_spec is None else await self._fstring(v.format_spec, scopes)
-            if any(c.isdigit() for c in spec) and max(map(int, _numbers(spec))) > self.limits.max_len:
+            if (
+                any(c.isdigit() for c in spec)
+                and max(map(int, _numbers(spec))) > self.limits.max_len
+            ):
                 raise CodeError(f"format width in {spec!r} is too large (line {n.lineno})")
             parts.append(format(value, spec))
         return check_size("".join(parts), self.limits)
@@ -405,14 +426,23 @@ class Interpreter:
 
     def _binop(self, op: ast.operator, a: Any, b: Any) -> Any:
         lim = self.limits
-        if isinstance(op, ast.Pow) and isinstance(a, int) and isinstance(b, int) and b > 0:
-            if abs(a).bit_length() * b > lim.max_int_bits:
-                raise CodeError(f"{a} ** {b} is too large (at most {lim.max_int_bits} bits)")
+        ints = isinstance(a, int) and isinstance(b, int)
+        if (
+            isinstance(op, ast.Pow)
+            and ints
+            and b > 0
+            and abs(a).bit_length() * b > lim.max_int_bits
+        ):
+            raise CodeError(f"{a} ** {b} is too large (at most {lim.max_int_bits} bits)")
         if isinstance(op, ast.LShift) and isinstance(b, int) and b > lim.max_int_bits:
             raise CodeError(f"<< {b} is too large (at most {lim.max_int_bits} bits)")
         if isinstance(op, ast.Mult):
             seq, k = (a, b) if isinstance(b, int) else (b, a)
-            if isinstance(seq, str | list | tuple) and isinstance(k, int) and len(seq) * k > lim.max_len:
+            if (
+                isinstance(seq, str | list | tuple)
+                and isinstance(k, int)
+                and len(seq) * k > lim.max_len
+            ):
                 raise CodeError(f"a sequence of {len(seq) * k} items (at most {lim.max_len})")
         return check_size(_BIN[type(op)](a, b), lim)
 
@@ -426,7 +456,9 @@ class Interpreter:
     async def _tick(self, node: ast.AST) -> None:
         self._steps += 1
         if self._steps > self.limits.steps:
-            raise CodeError(f"ran more than {self.limits.steps} steps (line {getattr(node, 'lineno', '?')})")
+            raise CodeError(
+                f"ran more than {self.limits.steps} steps (line {getattr(node, 'lineno', '?')})"
+            )
         if self._steps % 2000 == 0:
             if time.monotonic() > self._deadline:
                 raise CodeError(f"ran longer than {self.limits.seconds} s")
@@ -463,6 +495,3 @@ def _numbers(spec: str) -> list[str]:
             out.append(cur)
             cur = ""
     return out
-
-
-_ = math  # math is reached through interp_values.MODULES

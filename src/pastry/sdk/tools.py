@@ -102,7 +102,8 @@ class Tool:
         schema.setdefault("required", list(props))
         schema.setdefault("additionalProperties", False)
         schema.setdefault(  # one line, spaced as people write it
-            "x-guidance", {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+            "x-guidance",
+            {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "},
         )
         return schema
 
@@ -155,7 +156,9 @@ async def call_tool(tool: Tool, arguments: Mapping[str, Any], max_chars: int = 2
         ok = 200 <= status < 300
         text = body if ok else f"HTTP {status}: {body}"
     else:
-        out = json.loads(await a.mcp_call_tool(tool.mcp_server, tool.mcp_tool, json.dumps(arguments)))
+        out = json.loads(
+            await a.mcp_call_tool(tool.mcp_server, tool.mcp_tool, json.dumps(arguments))
+        )
         ok, text = not out["is_error"], out["text"]
     text = " ".join(text.split())  # one line: the observation ends at the newline
     if len(text) > max_chars:
