@@ -43,7 +43,7 @@ _PURE = {
     "reversed": lambda x: list(reversed(x)), "any": any, "all": all, "divmod": divmod,
     "chr": chr, "ord": ord, "hex": hex, "bin": bin, "oct": oct, "repr": repr,
     "isinstance": lambda x, t: isinstance(x, _TYPES[t.name] if isinstance(t, Builtin) else ()),
-    "type": lambda x: type(x).__name__, "frozenset": frozenset,
+    "type": lambda x: Builtin(type(x).__name__), "frozenset": frozenset,
 }  # fmt: skip
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "tuple": tuple,
           "dict": dict, "set": set}  # fmt: skip
@@ -141,6 +141,8 @@ class Builtin:
     name: str
 
     def __repr__(self) -> str:
+        if self.name in _TYPES:
+            return f"<class '{self.name}'>"
         return f"<built-in function {self.name}>"
 
 
