@@ -8,6 +8,7 @@ reproducible; the checks are what the agent did with the model's text, not the t
   tool list from the prefix cache.
 - ``codeact``: the model's own program runs and its output is what Python prints; an
   error (a refused import) is fed back and the model's next program runs without it.
+- ``react`` with the tools an MCP server lists (a real one, over stdio): the same.
 - ``tree-of-thought``: every proposed state is evaluated by the model: the value prompt is
   forwarded once per state and the labels' probabilities rank the states.
 
@@ -74,6 +75,25 @@ def test_react_calls_a_tool_and_answers_with_its_result(engine, tools):
     # the instruction (with the tool list) is the same for both: the second reads it from cache
     assert runs.results[0]["cached_tokens"] == 0 and runs.results[1]["cached_tokens"] >= 128
     assert runs.pages_in_use == 0
+
+
+def test_react_with_the_tools_of_an_mcp_server(engine):
+    """The tools come from a real MCP server (``tests/mcp_server.py`` over stdio, listed
+    through the host): the model calls one and answers with its result."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mcp")
+    from pastry.control.mcp import McpServer
+
+    server = McpServer("records", (sys.executable, str(Path(__file__).with_name("mcp_server.py"))))
+    args = {"question": "What is Bob's employee number?", "tools": [{"mcp": {"server": "records"}}]}
+    runs = run_builtins(engine, [("react", args)], controller_kw={"mcp_servers": [server]})
+    (out,) = runs.results
+    step = out["steps"][0]
+    assert (step["tool"], step["arguments"]) == ("lookup_employee", {"name": "Bob"}), out["text"]
+    assert step["observation"] == "Bob's employee number is 90817."
+    assert out["stop"] == "final_answer" and "90817" in out["answer"], out["text"]
 
 
 def test_react_tool_errors_are_observations(engine):
