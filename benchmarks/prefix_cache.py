@@ -166,7 +166,7 @@ def tree_of_thought(vocab: int) -> Workload:
     def streams() -> list[Stream]:
         rng = np.random.default_rng(3)
         instruction = _tokens(rng, 128, vocab)
-        opts = {"breadth": 2, "keep": 1, "depth": 2, "thought_tokens": 6}
+        opts = {"breadth": 2, "keep": 1, "depth": 2, "thought_tokens": 6, "score": "logprob"}
         return [
             fixed([[json.dumps({"prompt": instruction + _tokens(rng, 32, vocab), **opts})]])
             for _ in range(4)

@@ -161,6 +161,7 @@ def test_tree_of_thought(path, tok):
         "thought_tokens": 6,
         "answer_tokens": 4,
         "trace": True,
+        "score": "logprob",  # the model's evaluations: tests/test_agents_text.py
     }
     out, stats, peak, forks = run_spied(path, "tree_of_thought", opts)
     levels = out["levels"]

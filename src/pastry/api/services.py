@@ -146,3 +146,47 @@ class HttpPost:
 
     url: str
     body: str
+
+
+# ---------------------------------------------------------------------------- mcp
+# Tools of the Model Context Protocol servers the operator registered (``control/mcp.py``):
+# the host holds the connections; an inferlet names a server. A server that is not
+# registered, or not this user's, is an error, as is one that cannot be reached.
+
+
+@request("mcp", now=list[str], fallible=False)
+class McpListServers:
+    """The MCP servers this user may use, by name."""
+
+
+@request("mcp", queued=("text",))
+class McpListTools:
+    """The server's tools, as JSON: ``[{"name", "description", "input_schema"}]``."""
+
+    server: str
+
+
+@request("mcp", queued=("text",))
+class McpCallTool:
+    """Call ``tool`` with ``arguments`` (a JSON object as text); the result as JSON:
+    ``{"text": its text content, "is_error": bool, "structured": JSON or null}``. A tool
+    that fails answers ``is_error`` true (not an error of the call)."""
+
+    server: str
+    tool: str
+    arguments: str
+
+
+@request("mcp", queued=("text",))
+class McpListResources:
+    """The server's resources, as JSON: ``[{"uri", "name", "description", "mime_type"}]``."""
+
+    server: str
+
+
+@request("mcp", queued=("text",))
+class McpReadResource:
+    """The text of the resource ``uri`` (its text contents, joined)."""
+
+    server: str
+    uri: str

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from pastry.control.kvstore import KvStore, KvStoreConfig
+from pastry.control.mcp import McpHub, McpServer
 from pastry.control.messaging import MessageBus
 from pastry.control.model import Model
 from pastry.control.policies import (
@@ -60,7 +61,8 @@ class Controller:
     ``kv_swap`` trait and host pages) gets a :class:`KvSwapper`: page shortage preempts
     programs with their KV kept in host memory before anyone is terminated.
     ``prefix_cache`` keeps an automatic prefix cache (RadixAttention,
-    :mod:`pastry.control.prefix_cache`) per engine.
+    :mod:`pastry.control.prefix_cache`) per engine. ``mcp_servers`` are the MCP servers
+    inferlets may use (:mod:`pastry.control.mcp`).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Controller:
         several_users: bool = False,
         prefix_cache: bool = True,
         admission: Callable[[], AdmissionPolicy] = LongestPrefixMatch,
+        mcp_servers: Sequence[McpServer] = (),
     ) -> None:
         self.models: dict[str, Model] = {}  # each model's first engine
         self.engines: dict[str, list[Model]] = {}  # every engine of each model, by rank
@@ -93,6 +96,7 @@ class Controller:
         )
         self.http_allow = list(http_allow)
         self._http = None
+        self.mcp = McpHub(mcp_servers, check_url=lambda url: self.http.check(url))
         self.on_terminate: Callable[[int, str], None] = lambda instance, reason: None
         for eng in engines:
             self._add_engine(eng, batching, schedule, admission, max_batch, prefix_cache)
@@ -243,6 +247,7 @@ class Controller:
             self.end_session(instance)
         for m in self.all_engines():
             await m.scheduler.stop()
+        await self.mcp.close()
 
 
 def check_replica(first: EngineInfo, other: EngineInfo) -> None:

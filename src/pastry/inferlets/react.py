@@ -1,346 +1,268 @@
-"""ReAct (Yao et al. 2023): an agent that alternates thoughts and tool calls over HTTP, its
-KV cache kept across the calls (Pie §7.1), with the three application-specific
-optimizations of Pie §7.2 as options.
+"""ReAct (Yao et al. 2023): an agent that thinks in text, calls tools and reads their
+answers, in one context whose KV cache is kept across the calls (Pie §7.1).
 
-The tiny random models write gibberish, so the agent's structure comes from the program,
-not from parsing the model's text: every step it generates ``thought_tokens`` tokens
-greedily, calls the tool at ``tool_url`` with arguments derived from the first
-``call_after`` of them (``?step=k&tokens=id,id,...``), appends the response as an
-observation, and goes on; after ``steps`` calls it generates ``answer_tokens`` tokens. The
-transcript::
+The model writes, after the question::
 
-    [tools] prompt "\\nThought:" thought_0 "\\nObservation: <body 0>\\n" "\\nThought:" thought_1
-    ... "\\nObservation: <body N-1>\\n" "\\nAnswer:" answer
+    Thought: <free text, one line>
+    Action: <a tool's name>
+    Action Input: <the arguments as JSON>
+    Observation: <the tool's answer, appended by the agent>
+    Thought: ...
+    Final Answer: <the answer, one line>
 
-Nothing is forwarded twice: each piece is appended to the same sequence and only the new
-tokens run through the model (a completion API instead re-prefills the whole transcript
-for every call). The result reports ``forwarded``, the tokens this instance forwarded.
+Thoughts are free (up to ``thought_tokens``, ending at the line's end). The line after a
+thought is written under a grammar built from the tool list (:func:`pastry.sdk.tools.
+action_grammar`): either ``Final Answer:`` or ``Action:`` with one of the tools' names and
+JSON valid for that tool's argument schema, so that even a 135M model writes calls that
+parse. The call starts as soon as its JSON is complete; while it runs the agent forwards
+``Observation:`` (with ``early_call``, the default; else after the call returns). The
+tool's answer is appended as text and the model goes on from it; only new tokens are ever
+forwarded. After ``max_steps`` calls, or a call that repeats an earlier one (the same tool
+and arguments: no progress), the grammar allows only the final answer.
 
-Optimizations (each off by default; Pie §7.2 #1-#3):
+It ends when the model writes its final answer (``"stop": "final_answer"``), or when the
+transcript reaches ``max_tokens`` (``"max_tokens"``, no answer). ``tool_choice`` is
+OpenAI's: ``"auto"`` (the model chooses), ``"required"`` (the first action is a call),
+``"none"`` (answer without tools).
 
-- ``export_tools``: the KV of the tool documentation (``tools``) is computed once and kept
-  as a persistent export named ``react-tools/<sha256 of model and tokens>``; later agents
-  import its pages and forward only their own tokens. Of agents that start together one
-  prefills (it holds the store key ``<name>/lock``) and the others wait for its broadcast
-  on the topic ``<name>``. The export's last page is closed (see below), so importers never
-  write into shared pages.
-- ``early_call``: the HTTP request starts as soon as its arguments are known (after
-  ``call_after`` thought tokens) and runs while the rest of the thought is generated; the
-  tokens are the same as without it.
-- ``drop_results``: an observation is used once, by the thought after it. Once that
-  thought is complete (before its last token is forwarded), the observation's tokens stop
-  being attended: the pages that hold only them are deallocated (left out of every later
-  forward) and its slots in the pages it shares with its neighbours are masked
-  (``mask_kvpage``). Later tokens attend less and the agent holds fewer pages; the tokens
-  therefore differ from a run that keeps every observation.
+Tools are OpenAI function schemas bound to an allowlisted HTTP endpoint or an MCP server's
+tool (:mod:`pastry.sdk.tools`). The instruction with the tool list comes first and is the
+same for every agent with the same tools: the server's prefix cache computes its KV once
+and shares it (``cached_tokens``; Pie's optimization 1). ``drop_results`` masks an
+observation's KV once the thought after it is written (later tokens no longer attend to
+it; Pie's optimization 3).
 
-Pages and positions: the token at index ``i`` of the transcript has position ``i``, and the
-tokens' K/V fill the slots of the pages in order, except after a *closed* page: closing
-masks the free slots of the last page and the next token starts a new page. The tool
-documentation ends with a closed page, so its pages hold only it and can be shared.
+Args (one JSON object)::
 
-Args (one JSON object; ``prompt`` and ``tools`` are text or lists of token ids)::
-
-    {"prompt": ..., "tool_url": "http://...", "tools": "" (documentation before the prompt),
-     "steps": 4, "thought_tokens": 8, "call_after": thought_tokens, "answer_tokens": 8,
-     "model": null (the first), "export_tools": false, "early_call": false,
-     "drop_results": false, "wait_s": 60 (longest wait for another agent's tool export)}
+    {"question": "..." (or "messages": [{"role", "content"}]), "tools": [...],
+     "system": null (the default instruction, "{tools}" stands for the tool list),
+     "max_steps": 4, "thought_tokens": 64, "answer_tokens": 64, "max_tokens": 2048,
+     "tool_choice": "auto", "early_call": true, "drop_results": false,
+     "max_observation_chars": 1000, "temperature": 0.0, "seed": null, "model": null}
 
 Result (JSON)::
 
-    {"steps": [{"thought": [ids], "url": "...", "status": 200, "observation": "body"}],
-     "answer": [ids], "tokens": transcript length, "forwarded": tokens this instance
-     forwarded, "tools_cache": "off" | "miss" (prefilled, exported) | "hit" (imported)
-     | "own" (prefilled, not exported), "max_pages_held": most KV pages held at once}
-
-The tool must be on the server's HTTP allowlist (``pastry serve --http-allow``).
+    {"answer": "..." or null, "stop": "final_answer" | "max_tokens",
+     "steps": [{"thought", "tool", "arguments", "observation", "ok", "seconds"}],
+     "final_thought": "...", "text": what the model and the tools wrote after the prompt,
+     "tokens": transcript length, "cached_tokens": from the prefix cache,
+     "forwarded": tokens this agent forwarded}
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import json
-from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import pastry.sdk as px
-from pastry.sdk import ApiError
+from pastry.sdk import Context, EosTokens, MaxTokens, Sampler, StopStrings
 from pastry.sdk.args import options
+from pastry.sdk.grammar import Constraint, generate
+from pastry.sdk.steps import truncate
+from pastry.sdk.tools import (
+    ACTION_INPUT,
+    FINAL,
+    Tool,
+    action_grammar,
+    call_tool,
+    load_tools,
+    tools_prompt,
+)
 
-THOUGHT = "\nThought:"
-OBSERVATION = "\nObservation: {}\n"
-ANSWER = "\nAnswer:"
+SYSTEM = (
+    "You answer the user's question. You can use these tools:\n{tools}\n\n"
+    "Use this format:\n"
+    "Thought: think about what to do\n"
+    "Action: the tool to use\n"
+    'Action Input: its arguments as JSON, e.g. {{"x": 1}}\n'
+    "Observation: the tool's answer\n"
+    "(Thought, Action, Action Input and Observation can repeat)\n"
+    "Thought: I now know the answer\n"
+    "Final Answer: the answer to the question\n\n"
+    "Use the tools' answers: they are correct."
+)
+THOUGHT = "Thought:"
 
-DEFAULTS = {
-    "prompt": None,
-    "tool_url": None,
-    "tools": "",
-    "steps": 4,
-    "thought_tokens": 8,
-    "call_after": None,
-    "answer_tokens": 8,
-    "model": None,
-    "export_tools": False,
-    "early_call": False,
+DEFAULTS: dict[str, Any] = {
+    "question": None,
+    "messages": None,
+    "tools": [],
+    "system": None,
+    "max_steps": 4,
+    "thought_tokens": 64,
+    "answer_tokens": 64,
+    "max_tokens": 2048,
+    "tool_choice": "auto",
+    "early_call": True,
     "drop_results": False,
-    "wait_s": 60.0,
+    "max_observation_chars": 1000,
+    "temperature": 0.0,
+    "seed": None,
+    "model": None,
 }
 
 
-class Transcript:
-    """The agent's token sequence in KV pages (see the module docstring): appended to,
-    never moved; the token at index ``i`` of ``tokens`` has position ``i``."""
+class Agent:
+    """One ReAct run on a context (see the module docstring)."""
 
-    def __init__(self, q: int) -> None:
-        self.q = q
-        self.page_size = px.get_kv_page_size(q)
-        # Live pages in sequence order, the position of each one's first slot and how many
-        # of its slots hold tokens (they hold consecutive positions).
-        self.pages: list[int] = []
-        self.starts: list[int] = []
-        self.counts: list[int] = []
-        self.masked: dict[int, list[bool]] = {}  # page -> slots made unattendable
-        self.closed = False  # the last page takes no more tokens
-        self.length = 0  # tokens in the cache, dropped ones included (= the next position)
-        self.tokens: list[int] = []  # every token, dropped ones included
-        self.pending: list[int] = []  # appended, not yet forwarded
-        self.forwarded = 0  # tokens this instance forwarded
-        self.max_pages = 0
-        self._embeds: list[int] = []
-        self._inflight: list[Awaitable] = []
+    def __init__(self, ctx: Context, tools: list[Tool], opts: dict[str, Any]) -> None:
+        self.ctx, self.tools, self.opts = ctx, tools, opts
+        self.sampler = Sampler(temperature=opts["temperature"], seed=opts["seed"])
+        self.start = len(ctx.tokens)  # where the agent's text begins
+        self.steps: list[dict[str, Any]] = []
+        self.masked: dict[int, list[bool]] = {}  # page -> its slots hidden by drop_results
+        self.pending_drop: tuple[int, int] | None = None
+        self.inflight: list[asyncio.Future] = []
+        self.repeated = False  # the last call repeated an earlier one (no progress)
 
-    def fill(self, tokens: Sequence[int]) -> None:
-        self.tokens += tokens
-        self.pending += tokens
+    async def run(self) -> dict[str, Any]:
+        ctx, opts = self.ctx, self.opts
+        while True:
+            ctx.fill(THOUGHT, add_special_tokens=False)
+            thought = await self.thought()
+            if thought is None:
+                return self.result(None, "max_tokens", "")
+            act = opts["tool_choice"] != "none" and len(self.steps) < opts["max_steps"]
+            act = act and not self.repeated
+            must = act and opts["tool_choice"] == "required" and not self.steps
+            written = await self.constrained(action_grammar(self.tools, act=act, final=not must))
+            if written is None:
+                return self.result(None, "max_tokens", thought)
+            if written.startswith(FINAL):
+                answer = await self.answer()
+                return self.result(
+                    answer, "final_answer" if answer is not None else "max_tokens", thought
+                )
+            await self.act(thought, written)
 
-    def flush(self, output: bool = False) -> int:
-        """Issue embed + forward of the pending tokens (not awaited); with ``output`` the
-        last one's hidden state goes to the embed slot returned."""
-        tokens, self.pending = self.pending, []
-        n, ps, q, start = len(tokens), self.page_size, self.q, self.length
-        if len(self._embeds) < n + 1:
-            self._embeds += px.alloc_embeds(q, n + 1 - len(self._embeds))
-        ins, out = self._embeds[:n], self._embeds[n]
-        if n == 0:
-            return out
-        last = self.counts[-1] if self.pages else 0
-        room = ps - last if self.pages and not self.closed else 0
-        fresh = px.alloc_kvpages(q, -(-(n - room) // ps)) if n > room else []
-        self._inflight += [
-            px.embed_txt(q, tokens, list(range(start, start + n)), ins),
-            px.forward(
-                q,
-                list(self.pages),  # copies: a queued call reads its lists when it runs
-                last,
-                ins,
-                self.pages[-1:] + fresh if room else fresh,
-                last if room else 0,
-                [out] if output else [],
-            ),
-        ]
-        if room:
-            self.counts[-1] += min(room, n)
-        for j, page in enumerate(fresh):
-            self.pages.append(page)
-            self.starts.append(start + room + j * ps)
-            self.counts.append(min(ps, n - room - j * ps))
-        self.closed = self.closed and not fresh
-        self.length += n
-        self.forwarded += n
-        self.max_pages = max(self.max_pages, len(self.pages))
-        return out
+    async def thought(self) -> str | None:
+        """One line of free text after ``Thought:`` (its newline in the context)."""
+        ctx, eos = self.ctx, self.ctx.eos_ids
+        budget = self.budget(self.opts["thought_tokens"])
+        if budget < 1:
+            return None
+        n0 = len(ctx.tokens)
+        stop = MaxTokens(budget) | EosTokens(eos) | StopStrings(["\n"])
+        text = await ctx.generate(self.sampler, stop)
+        if ctx.tokens[-1] in eos:  # the model would end here: the grammar decides what follows
+            await truncate(ctx, len(ctx.tokens) - 1)
+        if not px.detokenize(ctx.queue, ctx.tokens[n0:]).endswith("\n"):
+            ctx.fill("\n", add_special_tokens=False)
+        if self.pending_drop:  # the thought after an observation is written: hide it
+            self.drop(*self.pending_drop)
+            self.pending_drop = None
+        return text.strip()
 
-    def close_page(self) -> None:
-        """Forward what is pending, then start the next token on a new page (the free slots
-        of the last page are masked: never attended, never written)."""
-        self.flush()
-        if self.pages and not self.closed and self.counts[-1] < self.page_size:
-            self._mask(-1, range(self.counts[-1], self.page_size))
-        self.closed = True
+    async def constrained(self, grammar: str) -> str | None:
+        """The text written under ``grammar`` (None: out of tokens first)."""
+        budget = self.budget(256)
+        if budget < 1:
+            return None
+        n0 = len(self.ctx.tokens)
+        with Constraint(self.ctx, grammar) as c:
+            seed = self.opts["seed"]
+            out = await generate(self.ctx, c, budget, self.opts["temperature"], seed)
+        text = px.detokenize(self.ctx.queue, self.ctx.tokens[n0:])
+        return text if out.complete else None
+
+    async def act(self, thought: str, written: str) -> None:
+        """Run the call ``written`` ("Action: name\\nAction Input: {...}\\n") and append
+        its observation."""
+        ctx, opts = self.ctx, self.opts
+        name, _, args_text = written.removeprefix("Action: ").partition(ACTION_INPUT)
+        tool = next(t for t in self.tools if t.name == name)
+        arguments = json.loads(args_text)
+        call = asyncio.ensure_future(call_tool(tool, arguments, opts["max_observation_chars"]))
+        ctx.fill("Observation:", add_special_tokens=False)
+        if opts["early_call"]:  # forward what we know while the tool runs
+            await ctx.flush()
+        obs = await call
+        begin = len(ctx.tokens)
+        ctx.fill(f" {obs.text}\n", add_special_tokens=False)
+        if opts["drop_results"]:
+            self.pending_drop = (begin, len(ctx.tokens))
+        self.repeated = any(s["tool"] == name and s["arguments"] == arguments for s in self.steps)
+        self.steps.append(
+            {
+                "thought": thought,
+                "tool": name,
+                "arguments": arguments,
+                "observation": obs.text,
+                "ok": obs.ok,
+                "seconds": round(obs.seconds, 6),
+            }
+        )
+
+    async def answer(self) -> str | None:
+        """The rest of the final answer's line."""
+        budget = self.budget(self.opts["answer_tokens"])
+        if budget < 1:
+            return None
+        stop = MaxTokens(budget) | EosTokens(self.ctx.eos_ids) | StopStrings(["\n"])
+        return (await self.ctx.generate(self.sampler, stop)).strip()
+
+    def budget(self, want: int) -> int:
+        return min(want, self.opts["max_tokens"] - len(self.ctx.tokens))
 
     def drop(self, begin: int, end: int) -> None:
-        """Stop attending the tokens at positions ``begin..end-1`` (all forwarded, followed
-        by others in the cache): pages that hold only them are deallocated, the slots of
-        the others masked."""
-        assert begin < end <= self.length - 1, (begin, end, self.length)
-        gone = []
-        for i in reversed(range(len(self.pages))):
-            first, n = self.starts[i], self.counts[i]
-            lo, hi = max(begin, first), min(end, first + n)
-            if lo >= hi:
-                continue
-            if lo == first and hi == first + n:
-                gone.append(self.pages.pop(i))
-                del self.starts[i], self.counts[i]
-                self.masked.pop(gone[-1], None)
-            else:
-                self._mask(i, range(lo - first, hi - first))
-        if gone:
-            self._inflight.append(px.dealloc_kvpages(self.q, gone))
+        """Hide the tokens at positions ``begin..end-1`` (forwarded) from later tokens."""
+        ps = self.ctx.page_size
+        for index in range(begin // ps, (end - 1) // ps + 1):
+            page = self.ctx.pages[index]
+            mask = self.masked.setdefault(page, [False] * ps)
+            for pos in range(max(begin, index * ps), min(end, (index + 1) * ps)):
+                mask[pos - index * ps] = True
+            self.inflight.append(px.mask_kvpage(self.ctx.queue, page, list(mask)))
 
-    def _mask(self, i: int, slots: range) -> None:
-        page = self.pages[i]
-        masked = self.masked.setdefault(page, [False] * self.page_size)
-        for j in slots:
-            masked[j] = True
-        self._inflight.append(px.mask_kvpage(self.q, page, list(masked)))
-
-    def adopt(self, pages: list[int], tokens: list[int]) -> None:
-        """Start from imported pages holding ``tokens`` (a closed segment)."""
-        assert not self.tokens, "adopt only into an empty transcript"
-        ps = self.page_size
-        self.pages, self.tokens, self.length = list(pages), list(tokens), len(tokens)
-        self.starts = [i * ps for i in range(len(pages))]
-        self.counts = [min(ps, len(tokens) - i * ps) for i in range(len(pages))]
-        self.closed = True
-        self.max_pages = len(pages)
-
-    async def sync(self) -> None:
-        """Wait for every call issued so far (and raise the first error)."""
-        futs, self._inflight = self._inflight, []
-        await asyncio.gather(*futs)
-
-    async def generate(self, n: int) -> list[int]:
-        """``n`` greedy tokens after the pending ones (the last stays pending)."""
-        if n and not self.pending:
-            raise ApiError("nothing to generate from: fill the transcript first")
-        out: list[int] = []
-        for _ in range(n):
-            emb = self.flush(output=True)
-            futs, self._inflight = self._inflight, []
-            *_, tok = await asyncio.gather(*futs, px.sample(self.q, emb))
-            out.append(tok)
-            self.fill([tok])
-        return out
+    def result(self, answer: str | None, stop: str, thought: str) -> dict[str, Any]:
+        ctx = self.ctx
+        return {
+            "answer": answer,
+            "stop": stop,
+            "steps": self.steps,
+            "final_thought": thought,
+            "text": px.detokenize(ctx.queue, ctx.tokens[self.start :]),
+            "tokens": len(ctx.tokens),
+            "cached_tokens": ctx.cached_tokens,
+            "forwarded": ctx.kv_len + len(ctx.pending) - ctx.cached_tokens,
+        }
 
 
 async def main(args: list[str]) -> str:
     opts = _options(args)
-    model = opts["model"] or px.available_models()[0]
-    q = px.create_queue(model)
-    kv = Transcript(q)
-    tools = _tokens(q, opts["tools"], "tools", allow_empty=True)
-    prompt = _tokens(q, opts["prompt"], "prompt")
-    cache = "off"
-    if tools and opts["export_tools"]:
-        cache = await _shared_tools(kv, model, tools, opts["wait_s"])
-    else:
-        kv.fill(tools)
-    kv.fill(prompt)
-    thought_marker = px.tokenize(q, THOUGHT)
-    first, rest = opts["call_after"], opts["thought_tokens"] - opts["call_after"]
-    steps, used = [], None  # used: the positions of the observation the thought reads
-    for k in range(opts["steps"]):
-        kv.fill(thought_marker)
-        thought = await kv.generate(first)
-        url = tool_url(opts["tool_url"], k, thought)
-        call = asyncio.ensure_future(px.http_get(url)) if opts["early_call"] else None
-        thought += await kv.generate(rest)
-        if used:
-            kv.drop(*used)
-        status, body = await (call if call is not None else px.http_get(url))
-        text = body if 200 <= status < 300 else f"HTTP {status}: {body}"
-        observation = px.tokenize(q, OBSERVATION.format(text))
-        if opts["drop_results"]:
-            used = (len(kv.tokens), len(kv.tokens) + len(observation))
-        kv.fill(observation)
-        steps.append({"thought": thought, "url": url, "status": status, "observation": body})
-    kv.fill(px.tokenize(q, ANSWER))  # the answer reads the last observation: it is kept
-    answer = await kv.generate(opts["answer_tokens"])
-    await kv.sync()
-    return json.dumps(
-        {
-            "steps": steps,
-            "answer": answer,
-            "tokens": len(kv.tokens),
-            "forwarded": kv.forwarded,
-            "tools_cache": cache,
-            "max_pages_held": kv.max_pages,
-        }
-    )
-
-
-def tool_url(base: str, step: int, tokens: Sequence[int]) -> str:
-    """The tool call of step ``step``, derived from the thought tokens before it."""
-    sep = "&" if "?" in base else "?"
-    return f"{base}{sep}step={step}&tokens={','.join(map(str, tokens))}"
-
-
-def tools_export_name(model: str, tools: Sequence[int]) -> str:
-    digest = hashlib.sha256(f"{model}\n{list(tools)}".encode()).hexdigest()
-    return f"react-tools/{digest}"
-
-
-async def _shared_tools(kv: Transcript, model: str, tools: list[int], wait_s: float) -> str:
-    """Start ``kv`` with the tool documentation: imported if exported, else prefilled and
-    exported. One agent prefills (holding the lock); the others that start meanwhile wait
-    for its broadcast."""
-    q = kv.q
-    name = tools_export_name(model, tools)
-    lock = name + "/lock"
-
-    def exported() -> bool:
-        return name in dict(px.list_exported_kvpages(q))
-
-    sub = px.subscribe(name)  # before looking: the exporter's broadcast cannot be missed
+    tools = await load_tools(opts["tools"])
+    if not tools and opts["tool_choice"] == "required":
+        raise ValueError('"tool_choice": "required" needs at least one tool')
+    ctx = Context(opts["model"])
+    ctx.fill(px.apply_chat_template(ctx.queue, _messages(opts, tools)), add_special_tokens=False)
+    agent = Agent(ctx, tools, opts)
     try:
-        if not exported() and px.store_exists(lock):
-            with contextlib.suppress(TimeoutError):  # then prefill our own
-                await asyncio.wait_for(px.next_message(sub), wait_s)
-        if exported():
-            kv.adopt(px.import_kvpages(q, name), tools)
-            return "hit"
-        exporting = not px.store_exists(lock)
-        if exporting:
-            px.store_set(lock, str(px.get_instance_id()))
-        try:
-            kv.fill(tools)
-            kv.close_page()
-            await kv.sync()
-            if not exporting:
-                return "own"
-            try:
-                await px.export_kvpages(q, kv.pages, name, True)
-            except ApiError:
-                return "own"  # exported by another agent meanwhile: keep our pages
-            return "miss"
-        finally:
-            if exporting:
-                px.store_delete(lock)
-                px.broadcast(name, "done")  # waiters look again, exported or not
+        out = await agent.run()
+        await asyncio.gather(*agent.inflight)
     finally:
-        px.unsubscribe(sub)
+        await ctx.release()
+    return json.dumps(out)
 
 
-def _options(args: list[str]) -> dict:
+def _messages(opts: dict[str, Any], tools: list[Tool]) -> list[tuple[str, str]]:
+    system = (opts["system"] or SYSTEM).replace("{tools}", tools_prompt(tools) or "(none)")
+    system = system.replace("{{", "{").replace("}}", "}")
+    if opts["messages"] is not None:
+        msgs = [(m["role"], m["content"]) for m in opts["messages"]]
+        return msgs if msgs and msgs[0][0] == "system" else [("system", system), *msgs]
+    return [("system", system), ("user", opts["question"])]
+
+
+def _options(args: list[str]) -> dict[str, Any]:
     opts = options(args, DEFAULTS, prompt_keys=())
-    if not isinstance(opts["tool_url"], str) or not opts["tool_url"]:
-        raise ValueError('"tool_url" is required: the URL of the tool (http or https)')
-    for key in ("steps", "thought_tokens", "answer_tokens"):
-        if not isinstance(opts[key], int) or opts[key] < 0:
-            raise ValueError(f'"{key}" must be a non-negative integer, got {opts[key]!r}')
-    if opts["thought_tokens"] < 1:
-        raise ValueError(f'"thought_tokens" must be at least 1, got {opts["thought_tokens"]}')
-    if opts["call_after"] is None:
-        opts["call_after"] = opts["thought_tokens"]
-    if not isinstance(opts["call_after"], int) or not (
-        1 <= opts["call_after"] <= opts["thought_tokens"]
-    ):
+    if opts["messages"] is None and not (isinstance(opts["question"], str) and opts["question"]):
+        raise ValueError('give the task as "question" (text) or "messages"')
+    for key in ("max_steps", "thought_tokens", "answer_tokens", "max_tokens"):
+        if not isinstance(opts[key], int) or opts[key] < (key != "max_steps"):
+            raise ValueError(f'"{key}" must be a positive integer, got {opts[key]!r}')
+    if opts["tool_choice"] not in ("auto", "required", "none"):
         raise ValueError(
-            f'"call_after" must be an integer in 1..thought_tokens ({opts["thought_tokens"]}), '
-            f"got {opts['call_after']!r}"
+            f'"tool_choice" is "auto", "required" or "none", got {opts["tool_choice"]!r}'
         )
     return opts
-
-
-def _tokens(q: int, value, key: str, allow_empty: bool = False) -> list[int]:
-    if isinstance(value, str) and (value or allow_empty):
-        return px.tokenize(q, value) if value else []
-    if (
-        isinstance(value, list)
-        and (value or allow_empty)
-        and all(isinstance(t, int) for t in value)
-    ):
-        return list(value)
-    raise ValueError(f'"{key}" must be non-empty text or a list of token ids, got {value!r}')

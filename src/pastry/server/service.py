@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pastry.control.controller import Controller
 from pastry.control.gc_tuning import tune_for_serving
+from pastry.control.mcp import McpServer
 from pastry.control.policies import (
     DEFAULT_SCHEDULE,
     admission_policy,
@@ -61,6 +62,8 @@ class ServerConfig:
     num_embeds: int = 0
     policy: str = "adaptive"
     http_allow: tuple[str, ...] = ()
+    # MCP servers inferlets may use: NAME=COMMAND or NAME=URL (control/mcp.py: McpServer)
+    mcp_servers: tuple[str, ...] = ()
     max_upload_bytes: int = 1 << 20
     programs_dir: Path | None = None  # default: $PASTRY_HOME/programs
     in_process: bool = False  # run the engine in this process (tests, smallest setups)
@@ -185,6 +188,7 @@ class PastryServer:
             several_users=not self.directory.single_user,
             prefix_cache=cfg.prefix_cache,
             admission=lambda: admission_policy(cfg.admission),
+            mcp_servers=[McpServer.parse(spec) for spec in cfg.mcp_servers],
         )
         self.runtime = TrustedRuntime(self.controller)
         supervise(self)  # engines that exit, are killed or hang come back

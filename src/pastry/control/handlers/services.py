@@ -1,4 +1,4 @@
-"""Handlers of the shared services: messaging, the key-value store, HTTP.
+"""Handlers of the shared services: messaging, the key-value store, HTTP, MCP.
 
 Another user's namespace without a grant reads as empty and cannot be deleted from (these
 calls have no error result in the WIT); ``store_set`` says why it is refused.
@@ -89,3 +89,36 @@ async def http_get(s: Caller, r: api.HttpGet) -> tuple[int, str]:
 async def http_post(s: Caller, r: api.HttpPost) -> tuple[int, str]:
     resp = await s.controller.http.post(r.url, r.body)
     return resp.status, resp.text
+
+
+@handles(api.McpListServers)
+def mcp_list_servers(s: Caller, r: api.McpListServers) -> list[str]:
+    return s.controller.mcp.names(s.user)
+
+
+@handles(api.McpListTools)
+async def mcp_list_tools(s: Caller, r: api.McpListTools) -> str:
+    return await _mcp(s.controller.mcp.list_tools(s.user, r.server))
+
+
+@handles(api.McpCallTool)
+async def mcp_call_tool(s: Caller, r: api.McpCallTool) -> str:
+    return await _mcp(s.controller.mcp.call_tool(s.user, r.server, r.tool, r.arguments))
+
+
+@handles(api.McpListResources)
+async def mcp_list_resources(s: Caller, r: api.McpListResources) -> str:
+    return await _mcp(s.controller.mcp.list_resources(s.user, r.server))
+
+
+@handles(api.McpReadResource)
+async def mcp_read_resource(s: Caller, r: api.McpReadResource) -> str:
+    return await _mcp(s.controller.mcp.read_resource(s.user, r.server, r.uri))
+
+
+async def _mcp(call) -> str:
+    """An MCP request's answer; what went wrong as an ApiError the inferlet can read."""
+    try:
+        return await call
+    except (PermissionError, RuntimeError, ValueError) as e:
+        raise ApiError(str(e)) from None
