@@ -32,3 +32,22 @@ def test_generate_matches_in_process_greedy(make_tiny, capsys):
 def test_generate_reports_a_bad_model_dir(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "hi"]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+def test_serve_takes_mcp_servers():
+    """`pastry serve --mcp NAME=COMMAND|NAME=URL` (repeatable) registers MCP servers."""
+    from pastry.cli import build_parser
+    from pastry.control.mcp import McpServer
+
+    args = build_parser().parse_args(
+        ["serve", "--mcp", "files=python -m srv --root /tmp", "--mcp", "web=http://h:1/mcp"]
+    )
+    servers = [McpServer.parse(s) for s in args.mcp]
+    assert servers[0].name == "files" and servers[0].command == (
+        "python",
+        "-m",
+        "srv",
+        "--root",
+        "/tmp",
+    )
+    assert servers[1].name == "web" and servers[1].url == "http://h:1/mcp"

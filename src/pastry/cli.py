@@ -278,11 +278,7 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--max-batch", type=int, default=None, metavar="N",
         help="at most N forward calls per batch (default: no cap but the token budget)",
     )  # fmt: skip
-    p.add_argument(
-        "--adapter", action="append", default=[], metavar="NAME=DIR",
-        help="serve a PEFT LoRA adapter (repeatable); inferlets use it with "
-        "forward_with_adapter(q, NAME, ...)",
-    )  # fmt: skip
+    _extension_options(p)
     p.add_argument(
         "--trusted-uploads",
         action="store_true",
@@ -339,6 +335,20 @@ def add_serve(subparsers: argparse._SubParsersAction) -> None:
     _tenant_options(p)
     _engine_speed_options(p, compile_default=True)
     p.set_defaults(func=_serve)
+
+
+def _extension_options(p: argparse.ArgumentParser) -> None:
+    """What a server adds to its model: LoRA adapters, MCP servers for inferlets."""
+    p.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=DIR",
+        help="serve a PEFT LoRA adapter (repeatable); inferlets use it with "
+        "forward_with_adapter(q, NAME, ...)",
+    )  # fmt: skip
+    p.add_argument(
+        "--mcp", action="append", default=[], metavar="NAME=COMMAND|NAME=URL",
+        help="an MCP server inferlets may use (repeatable): a command started over stdio, or "
+        "a streamable-HTTP URL (its host must be in --http-allow); docs/inferlets.md",
+    )  # fmt: skip
 
 
 def _tenant_options(p: argparse.ArgumentParser) -> None:
@@ -421,6 +431,7 @@ def _serve(args: argparse.Namespace) -> int:
             http_allow=tuple(args.http_allow),
             trusted_uploads=args.trusted_uploads,
             adapters=tuple(_adapter_spec(a) for a in args.adapter),
+            mcp_servers=tuple(args.mcp),
             schedule=args.schedule,
             max_batch=args.max_batch,
             engines=args.engines if args.engines is not None else (0 if args.engine else 1),
