@@ -447,8 +447,7 @@ def _serve(args: argparse.Namespace) -> int:
                 "quantize": args.quantize,
                 "compile": args.compile,
                 "kv_memory": args.kv_memory,
-                # ready as soon as the weights are loaded; the compiled step takes over later
-                "compile_background": args.compile,
+                "compile_background": args.compile,  # ready once loaded (EngineConfig)
             },
             prefix_cache=args.prefix_cache,
             admission=args.admission,
