@@ -34,8 +34,8 @@ _SRC_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding `p
 TOKEN_ENV = "PASTRY_ENGINE_TOKEN"
 # OpenMP threads that finish their share of a step spin for the next one (libgomp's default
 # ACTIVE policy, ~200k spins); on a shared or oversubscribed CPU they burn the cycles that
-# the one thread still computing (or the server's event loop) needs: loaded runs measured
-# 4-6x slower. PASSIVE makes them sleep; the user's own setting wins.
+# the one thread still computing (or the server's event loop) needs (an earlier measurement:
+# loaded runs 4-6x faster with PASSIVE). PASSIVE makes them sleep; the user's setting wins.
 ENGINE_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
