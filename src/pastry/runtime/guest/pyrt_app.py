@@ -66,7 +66,9 @@ import pastry.lang  # in the snapshot, so that inferlets can import it
 import pastry.sdk
 import pastry.sdk.args  # only what the snapshot imported can be imported later
 import pastry.sdk.grammar
+import pastry.sdk.interpreter  # codeact's restricted interpreter (with interp_values)
 import pastry.sdk.router  # routers run sandboxed too (uploaded routers)
+import pastry.sdk.tools  # agents' tools: schemas, the action grammar, HTTP and MCP calls
 from pastry.api import ApiError
 from pastry.api.guest import binding, unwrap
 from pastry.runtime.guest import loop as guest_loop
