@@ -182,7 +182,12 @@ def test_int4_expanded_from_many_rows_equals_the_dense_copy(lib, n, k):
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=g) / 10
     q = Int4Weight(quantize_int4(w), torch.bfloat16)
-    assert q.expandable
+    if not q.expandable:
+        # On AMX CPUs PyTorch's int4 pack (and oneDNN's bf16 layout) is not the one the
+        # expansion reads: the logged fallback is PyTorch's kernel at every row count.
+        x = torch.randn(INT4_EXPAND_FROM_M + 5, k, generator=g).to(torch.bfloat16)
+        assert torch.equal(q.matmul(x), q._kernel(x))
+        pytest.skip("int4 expansion unavailable on this CPU (layout); the fallback checked")
     dense = q.dequantize()
     assert torch.equal(torch.ops.pastry_native.int4_expand(q.packed, q.scale_zeros), dense)
     packed = torch.ops.mkldnn._reorder_linear_weight(dense, 1)

@@ -22,6 +22,7 @@ dtype (the kernels' requirement), so in bfloat16 they round to 8 significant bit
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -197,6 +198,14 @@ class QuantizedWeight:
         raise NotImplementedError
 
 
+@functools.cache
+def _log_no_expansion() -> None:
+    log.info(
+        "int4 weights: this CPU packs them (or oneDNN lays bf16 out) other than the native "
+        "expansion reads (AMX CPUs); PyTorch's int4 kernel multiplies at every batch size"
+    )
+
+
 class Int4Weight(QuantizedWeight):
     """int4 codes packed for ``_weight_int4pack_mm_for_cpu`` (scale and zero per group)."""
 
@@ -220,6 +229,8 @@ class Int4Weight(QuantizedWeight):
             and native.int4_layout(codes.q, self.packed)
             and bool(torch.ops.pastry_native.int4_expandable(k))
         )
+        if dtype == torch.bfloat16 and native.ready and not self.expandable:
+            _log_no_expansion()
 
     def keep_dense(self) -> None:
         """Also hold the weight expanded (oneDNN-packed in bfloat16) and multiply by it from
