@@ -50,6 +50,7 @@ KNOWN_PRIVATE = {
     # PyTorch's CPU kernels without a public binding (engine lead's numerics files)
     ("engine/compiled.py", "_dynamo"),
     ("engine/compiled.py", "_linear_pointwise"),
+    ("engine/layers.py", "_linear_pointwise"),
     ("engine/layers.py", "_reorder_linear_weight"),
     ("engine/native.py", "_C"),
     ("engine/native.py", "_is_mkldnn_bf16_supported"),  # whether oneDNN has bf16 here

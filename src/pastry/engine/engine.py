@@ -234,8 +234,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, ckpt.config, device)
         if device.type == "cpu" and dtype == torch.bfloat16:
             # build (the first time) or load the native kernels while the weights are read
-            build = threading.Thread(target=native.load, name="native-kernels", daemon=True)
-            build.start()
+            threading.Thread(target=native.load, name="native-kernels", daemon=True).start()
         weights = ckpt.load_state_dict(dtype, device)
         weights.update(kept_codes(ckpt.path, ckpt.config, config.quantize, device))
         model = build_model(ckpt.config, dtype, device, weights, config.quantize)

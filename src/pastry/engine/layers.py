@@ -12,10 +12,6 @@ from pastry.engine import native
 from pastry.engine.quant import QuantizedWeight
 from pastry.wire.config import ModelConfig
 
-_HAS_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_linear_pointwise"
-)
-
 
 class Linear(nn.Module):
     """``y = x W^T + b`` over 2-D activations, with CPU fast paths.
