@@ -199,3 +199,41 @@ class Step:
     out_kv_offset: Count
     out_embed: Handle
     sampling: Sampling | None = None
+
+
+@request("output", trait="output_text", queued=("generated",))
+class Generate:
+    """Queued: a whole generation loop run by the control layer, without waking the
+    program per token. From ``token`` (the context's one pending token) at ``position``,
+    it repeats the decode step (``step``: embed, forward over the context pages ``kv``,
+    sample into ``out_embed`` through ``in_embed``) and appends each sampled token, until
+    a token of ``stop_tokens`` is sampled, a string of ``stop`` appears in the text of
+    ``recent`` (tokens generated before this call) followed by the new tokens, the grammar
+    of ``sampling.constraint`` can take nothing but end-of-sequence, or ``max_tokens``
+    tokens were sampled. Each step's sampling is ``sampling`` with the seed advanced by
+    one per token and the new tokens appended to ``penalty_tokens``; before
+    ``min_tokens`` tokens, ``stop_tokens`` are banned (unless the grammar is complete) and
+    stop strings do not count (vLLM's ``min_tokens``).
+    Pages for the tokens beyond ``kv`` are allocated on the way (as ``alloc_kvpages``).
+
+    Resolves to ``(tokens, new pages, finish, error, logprobs, top ids, top logprobs)``:
+    the sampled tokens (the last one is not forwarded: it is the next pending token), the
+    handles of the pages it allocated (the context's now), why it ended (``length``,
+    ``stop``: a stop token or string, ``grammar``, or ``error``) and the error's message,
+    and with ``sampling.logprobs`` per token what ``sample`` returns with them. A failure
+    after the first step ends the loop with what was done (``error``), so the caller
+    keeps a consistent context; the results are exactly those of the same ``step`` calls
+    made one by one."""
+
+    q: Handle
+    token: Token
+    position: Count
+    in_embed: Handle
+    out_embed: Handle
+    kv: Sequence[Handle]
+    max_tokens: Count
+    sampling: Sampling | None = None
+    stop_tokens: Sequence[Token] = ()
+    stop: Sequence[str] = ()
+    min_tokens: Count = 0
+    recent: Sequence[Token] = ()

@@ -62,6 +62,19 @@ VALUES: dict[str, tuple[Tree, str]] = {
         ("tuple", "u32", "string", ("list", "u32"), "s64"),
         "(request, model, prompt, program)",
     ),
+    "generated": (
+        (
+            "tuple",
+            ("list", "u32"),
+            ("list", "u32"),
+            "string",
+            "string",
+            ("list", "f32"),
+            ("list", ("list", "u32")),
+            ("list", ("list", "f32")),
+        ),
+        "(tokens, new pages, finish, error, logprobs, top ids, top logprobs)",
+    ),
 }
 
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pastry.api import ApiError, InferletApi, Sampling
 from pastry.sdk.current import api
 from pastry.sdk.sampling import Sampler
-from pastry.sdk.stop import EosTokens, MaxTokens, StopCondition, StopStrings
+from pastry.sdk.stop import AnyOf, EosTokens, MaxTokens, StopCondition, StopStrings
 
 # Per-instance reference counts of KV page handles shared between forked contexts.
 _page_refs: weakref.WeakKeyDictionary[object, dict[int, int]] = weakref.WeakKeyDictionary()
@@ -73,6 +73,31 @@ async def _first_failure(futs: Sequence[asyncio.Future]) -> None:
             failure = failure or e
     if failure is not None:
         raise failure
+
+
+# (max tokens, stop token ids, stop strings) of a stop condition the control layer checks
+_Ahead = tuple[int, list[int], list[str]]
+_UNBOUNDED = (1 << 31) - 1  # max_tokens of a loop that only a stop token or string ends
+
+
+def _run_ahead_stop(stop: StopCondition) -> _Ahead | None:
+    """``stop`` as the ``generate`` request's stop fields, or None if it is not made of
+    :class:`MaxTokens`, :class:`EosTokens` and :class:`StopStrings` alone (a condition of
+    the program's own is checked by the program, per token)."""
+    conds, ids, strings, bound = [stop], set(), [], _UNBOUNDED
+    while conds:
+        c = conds.pop()
+        if type(c) is AnyOf:
+            conds.extend(c.conds)
+        elif type(c) is MaxTokens:
+            bound = min(bound, c.n)
+        elif type(c) is EosTokens:
+            ids |= c.ids
+        elif type(c) is StopStrings:
+            strings += c.strings
+        else:
+            return None
+    return bound, sorted(ids), strings
 
 
 class Context:
@@ -165,7 +190,13 @@ class Context:
         out: list[int] = []
         # Room for the tokens to come, reserved with the prompt (the last is not stored).
         reserve = max(0, (stop.max_tokens or 1) - 1)
+        # Stop conditions the control layer can check itself: the decode steps then run
+        # ahead there, and this program wakes once, when they end (``generate`` request).
+        ahead = _run_ahead_stop(stop) if sampler.on_device and self.adapter is None else None
         while True:
+            if ahead is not None and len(self.pending) == 1:
+                await self._run_ahead(sampler, stop, ahead, out)
+                break
             if not sampler.on_device:  # it picks from the distribution itself
                 futs, (emb,) = self.forward_tokens(self.pending, 1, reserve)
                 tok = sampler.choose(*await await_step(futs, a.get_next_dist(q, emb)))
@@ -181,9 +212,53 @@ class Context:
             tail = a.detokenize(q, out[-stop.tail_tokens :]) if stop.tail_tokens else ""
             if stop.should_stop(out, tail):
                 break
-        if out[-1] in self.eos_ids:
+        if out and out[-1] in self.eos_ids:
             out = out[:-1]
         return stop.trim(a.detokenize(q, out))
+
+    async def _run_ahead(
+        self, sampler: Sampler, stop: StopCondition, ahead: _Ahead, out: list[int]
+    ) -> None:
+        """The rest of ``generate`` as one loop in the control layer (see run_ahead)."""
+        max_tokens, stop_ids, strings = ahead
+        tail = out[-stop.tail_tokens :] if stop.tail_tokens else []
+        tokens, _, _ = await self.run_ahead(
+            max_tokens - len(out), sampler.sampling(len(out)), stop_ids, strings, recent=tail
+        )
+        out.extend(tokens)
+
+    async def run_ahead(
+        self,
+        max_tokens: int,
+        sampling: Sampling | None = None,
+        stop_tokens: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        recent: Sequence[int] = (),
+    ) -> tuple[list[int], str, tuple[list, list, list]]:
+        """Generate from the one pending token with one ``generate`` request: the decode
+        loop runs in the control layer and this program wakes once, when it ends (see
+        :class:`pastry.api.Generate` for the stop rules, the per-token sampling and
+        ``recent``). Every sampled token joins the context (the last one pending), as do
+        the pages the loop allocated, also when it failed part-way (then ApiError is
+        raised). Returns (the tokens, why it ended: ``length``, ``stop`` or ``grammar``,
+        and with ``sampling.logprobs`` per token (logprob, top ids, top logprobs))."""
+        self.check_live()
+        if len(self.pending) != 1:
+            raise ApiError(f"run_ahead starts from one pending token, not {len(self.pending)}")
+        e_in, e_out = self.embed_slots(2)
+        tokens, pages, finish, error, lps, ids, tops = await self.api.generate(
+            self.queue, self.pending[0], self.kv_len, e_in, e_out, list(self.pages),
+            max_tokens, sampling, list(stop_tokens), list(stop), min_tokens, list(recent),
+        )  # fmt: skip
+        self.pages.extend(pages)
+        self.kv_len += len(tokens)
+        self.tokens.extend(tokens)
+        if tokens:
+            self.pending = [tokens[-1]]
+        if error:
+            raise ApiError(error)
+        return tokens, finish, (lps, ids, tops)
 
     async def generate_until(
         self,

@@ -10,6 +10,7 @@ the batch-prepared ops of :mod:`pastry.control.steps`.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import numpy as np
 
@@ -17,7 +18,9 @@ from pastry import api
 from pastry.api import MAX_LOGPROBS, ApiError
 from pastry.control.commands import Stage
 from pastry.control.handlers.caller import Caller, resource_call
+from pastry.control.handlers.memory import alloc_kvpages
 from pastry.control.handlers.registry import handles
+from pastry.control.loops import GenerateLoop
 from pastry.control.ops import ForwardOp, MaskPage, NextDistOp, SampledOp, SampleOp, ScoringForward
 from pastry.control.sampling import Release, sample_spec
 from pastry.control.steps import Embed, SampledStep, Step
@@ -260,6 +263,42 @@ def step(s: Caller, r: api.Step) -> asyncio.Future:
     )  # fmt: skip
     fut = s.submit(ref, Stage.EMBED, op, tokens=n, last_stage=Stage.OUTPUT)
     return fut if cls is Step else _with_grammar(fut, spec.grammar)
+
+
+@handles(api.Generate)
+def generate(s: Caller, r: api.Generate) -> asyncio.Future:
+    """A generation loop run by the control layer (see :class:`pastry.api.Generate` and
+    :mod:`pastry.control.loops`): checked here once, its steps queued as they complete."""
+    ref = s.queue(r.q)
+    info = ref.model.info
+    vocab = info.vocab_size
+    max_tokens = _count(r.max_tokens, "max_tokens")
+    if max_tokens == 0:
+        raise ApiError("max_tokens must be at least 1")
+    position, min_tokens = _count(r.position, "position"), _count(r.min_tokens, "min_tokens")
+    token_ids([r.token], "token", 0, vocab)
+    stop_tokens = frozenset(token_ids(r.stop_tokens, "stop_tokens", 0, vocab).tolist())
+    recent = token_ids(r.recent, "recent", 0, vocab).tolist()
+    stop = list(r.stop)
+    if not all(isinstance(x, str) for x in stop):
+        raise ApiError("stop must be a list of strings")
+    kv = list(r.kv)
+    if -(-position // info.page_size) > len(kv):
+        raise ApiError(
+            f"{len(kv)} KV pages cannot hold the {position} tokens before position {position}"
+        )
+    spec = sample_spec(r.sampling, vocab, s.constraints)
+    loop = GenerateLoop(
+        s, ref, token=r.token, position=position, embeds=(r.in_embed, r.out_embed), kv=kv,
+        max_tokens=max_tokens, sampling=r.sampling, spec=spec, stop_tokens=stop_tokens,
+        stop=[x for x in stop if x], min_tokens=min_tokens, recent=recent,
+        alloc_page=partial(_one_page, s, r.q),
+    )  # fmt: skip
+    return loop.start()
+
+
+def _one_page(s: Caller, q: int) -> int:
+    return alloc_kvpages(s, api.AllocKvpages(q, 1))[0]
 
 
 def _with_grammar(fut: asyncio.Future, grammar) -> asyncio.Future:
