@@ -167,7 +167,7 @@ async def main(args):
     await ctx.generate(Sampler(), MaxTokens(1))
     px.send("first")
     for _ in range(n - 1):
-        futs, (emb,) = ctx._forward(ctx.pending, 1)
+        futs, (emb,) = ctx.forward_tokens(ctx.pending, 1)
         tok = await await_step(futs, px.sample(ctx.queue, emb))
         ctx.tokens.append(tok)
         ctx.pending = [tok]
