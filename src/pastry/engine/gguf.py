@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # torch and gguf load only when a file is converted (not from
 log = logging.getLogger(__name__)
 
 MAGIC = b"GGUF"
-CONVERTER_VERSION = 1  # part of the cache key: bump when the conversion's output changes
+CONVERTER_VERSION = 2  # part of the cache key: bump when the conversion's output changes
 # Tensor types (GGMLQuantizationType names) the gguf package dequantizes.
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
@@ -297,12 +297,12 @@ def hf_config(meta: _Metadata, tensors: dict[str, Any], name: str) -> dict[str, 
     window = meta.get(key("attention.sliding_window"))
     big = Counter(t.tensor_type for t in tensors.values() if len(t.shape) > 1)
     main = big.most_common(1)[0][0].name if big else "F32"
-    dtype = {"F32": "float32", "F16": "float16"}.get(main, "bfloat16")
     cfg = {
         "architectures": [
             {"qwen2": "Qwen2", "qwen3": "Qwen3"}.get(arch, arch.title()) + "ForCausalLM"
         ],
         "model_type": arch,
+        "gguf_quantized_blocks": "" if main in ("F32", "F16", "BF16") else main,
         "hidden_act": "silu",
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -319,7 +319,7 @@ def hf_config(meta: _Metadata, tensors: dict[str, Any], name: str) -> dict[str, 
         "sliding_window": int(window) if window and arch in ("llama", "mistral") else None,
         "bos_token_id": bos,
         "eos_token_id": eos[0] if len(eos) == 1 else (list(dict.fromkeys(eos)) or None),
-        "dtype": dtype,
+        "dtype": {"F32": "float32", "F16": "float16"}.get(main, "bfloat16"),
         "_name_or_path": name,
     }
     return cfg

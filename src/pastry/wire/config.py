@@ -55,6 +55,9 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (qwen3)
     sliding_window: int | None = None  # mistral; None = full attention
     torch_dtype: str = "float32"
+    # The GGUF block type most weights are stored in when it is a quantized one ("Q4_1"):
+    # their values are exact in float32, not in bfloat16 (engine/dtypes.py); "": dense.
+    quantized_blocks: str = ""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -161,7 +164,6 @@ class ModelConfig:
             if isinstance(eos, list)
             else ((int(eos),) if eos is not None else ())
         )
-        bos = raw.get("bos_token_id")
         return cls(
             arch=arch,
             vocab_size=int(need("vocab_size")),
@@ -180,7 +182,8 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             sliding_window=int(window) if window else None,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-            bos_token_id=None if bos is None else int(bos),
+            quantized_blocks=str(raw.get("gguf_quantized_blocks", "")),
+            bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
             eos_token_ids=eos_ids,
             name=str(raw.get("_name_or_path", "")),
         )
