@@ -52,3 +52,39 @@ def result(events: list[Event]) -> str:
     end = events[-1]
     assert isinstance(end, Finished), end
     return end.result
+
+
+def trusted_and_sandboxed(engine: Engine, source: str, args: Sequence[str]):
+    """Run ``source`` with ``args`` on the trusted runner and in the sandbox at once (skips
+    without wasmtime or the Python runtime component); each instance's events."""
+    import pytest
+
+    pytest.importorskip("wasmtime")
+    pytest.importorskip("componentize_py")
+    from pastry.runtime import build_pyrt
+    from pastry.runtime.wasm import WasmSandbox, sandboxed_program
+
+    try:
+        build_pyrt.build()
+    except build_pyrt.BuildError as e:
+        pytest.skip(f"cannot build the Python runtime component: {e}")
+    box = WasmSandbox(pool_size=1)
+
+    async def collect(inst):
+        return [ev async for ev in inst.events()]
+
+    async def go():
+        controller, rt, handle = await start(engine)
+        insts = [
+            rt.launch(Program.from_source("t", source), list(args)),
+            rt.launch(sandboxed_program("s", source, box=box), list(args)),
+        ]
+        events = await asyncio.gather(*(collect(i) for i in insts))
+        await controller.close()
+        handle.close()
+        return events
+
+    try:
+        return asyncio.run(go())
+    finally:
+        box.close()

@@ -14,11 +14,10 @@ from typing import ClassVar
 import pytest
 
 from commands import fn_command
-from inferlet_util import load_engine, result, run_all, start
+from inferlet_util import load_engine, result, run_all, trusted_and_sandboxed
 from pastry.control.commands import Command, CommandError, Op, Stage
 from pastry.control.policies import KOnly
 from pastry.control.scheduler import BatchScheduler
-from pastry.runtime.trusted import Program
 from pastry.wire.calls import CallError, EmbedTxt, Forward, Sample, ids
 from test_scheduler import Recorder, cmd, fwd
 
@@ -292,35 +291,7 @@ def test_step_gives_the_tokens_of_the_three_calls(eng):
 
 
 def test_step_in_the_sandbox_matches_the_trusted_runner(eng):
-    pytest.importorskip("wasmtime")
-    pytest.importorskip("componentize_py")
-    from pastry.runtime import build_pyrt
-    from pastry.runtime.wasm import WasmSandbox, sandboxed_program
-
-    try:
-        build_pyrt.build()
-    except build_pyrt.BuildError as e:
-        pytest.skip(f"cannot build the Python runtime component: {e}")
-    box = WasmSandbox(pool_size=1)
-    try:
-
-        async def collect(inst):
-            return [ev async for ev in inst.events()]
-
-        async def go():
-            controller, rt, handle = await start(eng)
-            insts = [
-                rt.launch(Program.from_source("t", STEP), [PROMPT]),
-                rt.launch(sandboxed_program("s", STEP, box=box), [PROMPT]),
-            ]
-            events = await asyncio.gather(*(collect(i) for i in insts))
-            await controller.close()
-            handle.close()
-            return events
-
-        events = asyncio.run(go())
-    finally:
-        box.close()
+    events = trusted_and_sandboxed(eng, STEP, [PROMPT])
     trusted, boxed = (json.loads(result(e)) for e in events)
     check(boxed)
     assert boxed["fused"] == trusted["fused"]

@@ -11,8 +11,7 @@ import json
 
 import pytest
 
-from inferlet_util import load_engine, result, run_all, start
-from pastry.runtime.trusted import Program
+from inferlet_util import load_engine, result, run_all, trusted_and_sandboxed
 
 LOOP = """
 import json, math
@@ -160,35 +159,7 @@ def test_generate_gives_the_tokens_of_the_same_steps(eng):
 
 
 def test_generate_in_the_sandbox_matches_the_trusted_runner(eng):
-    pytest.importorskip("wasmtime")
-    pytest.importorskip("componentize_py")
-    from pastry.runtime import build_pyrt
-    from pastry.runtime.wasm import WasmSandbox, sandboxed_program
-
-    try:
-        build_pyrt.build()
-    except build_pyrt.BuildError as e:
-        pytest.skip(f"cannot build the Python runtime component: {e}")
-    box = WasmSandbox(pool_size=1)
-    try:
-
-        async def collect(inst):
-            return [ev async for ev in inst.events()]
-
-        async def go():
-            controller, rt, handle = await start(eng)
-            insts = [
-                rt.launch(Program.from_source("t", LOOP), [PROMPT]),
-                rt.launch(sandboxed_program("s", LOOP, box=box), [PROMPT]),
-            ]
-            events = await asyncio.gather(*(collect(i) for i in insts))
-            await controller.close()
-            handle.close()
-            return events
-
-        events = asyncio.run(go())
-    finally:
-        box.close()
+    events = trusted_and_sandboxed(eng, LOOP, [PROMPT])
     trusted, boxed = (json.loads(result(e)) for e in events)
     check(boxed)
     assert boxed["greedy"] == trusted["greedy"] and boxed["seeded"] == trusted["seeded"]
