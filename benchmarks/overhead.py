@@ -63,7 +63,12 @@ is fixed and nothing depends on the tokenizer.
     batch and its idle time per batch (the control layer and the inferlets run while the
     engine waits). The fused loop
     with 128 running sequences over the same window is the reference row. Policies run
-    interleaved in rounds; each reports its best round.
+    interleaved in rounds; each reports its best round. Two last rows run the built-in
+    ``text-completion`` (the program behind ``/v1/completions``: greedy, ``ignore_eos``)
+    under the adaptive
+    policy, whole (``completion_tokens_per_s_128``, ``completion_tokens_per_s_over_fused_128``)
+    and streaming (``completion_stream_tokens_per_s_…``); its window starts at the first
+    batch that samples for all 128.
 
 (d) Per-inferlet-step control cost from a stub-engine profile: the text-completion
     inferlet (embed -> forward -> sample per token) at 1, 128, 512 and 1024 concurrent
@@ -122,6 +127,7 @@ from pastry.control.policies import BatchPolicy, batch_policy
 from pastry.control.scheduler import SchedulerStats
 from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request, _Running
+from pastry.inferlets import text_completion
 from pastry.runtime.trusted import Program, TrustedRuntime
 from pastry.wire.calls import Call, EngineInfo, Result, Sample
 from pastry.wire.config import EngineConfig
@@ -173,6 +179,9 @@ async def main(args):
         ctx.pending = [tok]
     return ",".join(map(str, ctx.tokens[-n:]))
 """
+
+# The built-in behind /v1/completions, as the server loads it.
+BUILTIN_TEXT_COMPLETION = Path(text_completion.__file__).read_text()
 
 CONTROL_CALLS = """
 import json
@@ -473,25 +482,41 @@ async def policy_throughput(
     max_tokens: int,
     window: float,
     timed: bool = True,
+    builtin: str = "",
 ) -> dict:
     """Throughput over ``handle``; ``timed``: it wraps a :class:`TimedEngine` (the engine's
     batch log gives the window's numbers), else (a remote engine) tokens are the forward
-    items the scheduler dispatched in the window."""
+    items the scheduler dispatched in the window. ``builtin`` "stream" or "whole": the
+    built-in ``text-completion`` (greedy, ``ignore_eos``, streaming or not) instead of the
+    benchmark's program; the window then starts at the first batch that samples for every
+    sequence (a delta can be empty text, so messages cannot mark the prefills' end)."""
     log = handle.engine.log if timed else []
     log.clear()
     async with Server(handle, policy) as server:
-        prog = Program.from_source("text-completion", TEXT_COMPLETION)
-        insts = [server.runtime.launch(prog, [csv(p), str(max_tokens)]) for p in ps]
+        if builtin:
+            prog = Program.from_source(
+                "text-completion", Path(text_completion.__file__).read_text()
+            )
+            opts = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            opts["stream"] = builtin == "stream"
+            argv = [[json.dumps({**opts, "prompt": p})] for p in ps]
+        else:
+            prog = Program.from_source("text-completion", TEXT_COMPLETION)
+            argv = [[csv(p), str(max_tokens)] for p in ps]
+        insts = [server.runtime.launch(prog, a) for a in argv]
         first, done = asyncio.Event(), asyncio.Event()
         n_first, failures, stopping = 0, [], False
 
         async def watch(inst) -> None:
             nonlocal n_first
+            seen = False
             async for ev in inst.events():
                 if isinstance(ev, Message):
-                    n_first += 1
-                    if n_first == len(insts):
-                        first.set()
+                    if not seen and not builtin:
+                        seen = True
+                        n_first += 1
+                        if n_first == len(insts):
+                            first.set()
                     continue
                 if not isinstance(ev, Finished) and not stopping:
                     failures.append(str(ev))
@@ -499,7 +524,11 @@ async def policy_throughput(
                 done.set()
 
         watchers = [asyncio.create_task(watch(i)) for i in insts]
-        await first.wait()
+        if builtin:  # every sequence decoding: one batch sampled for all of them
+            while not (failures or done.is_set() or any(k >= len(ps) for *_, k in log)):
+                await asyncio.sleep(0.005)
+        else:
+            await first.wait()
         if failures:
             raise RuntimeError(failures[0])
         t0 = time.perf_counter()
@@ -555,7 +584,12 @@ def section_policies(
     print("|---|---|---|---|---|---|---|---|---|")
     fused_throughput(handle, ps[:8], 0.5)  # warm up
     ref = "fused loop (reference, no inferlets)"
+    built = {
+        "whole": "built-in text-completion (what /v1/completions runs), adaptive",
+        "stream": "the same, streaming",
+    }
     runs: dict[str, list[dict]] = {ref: [], **{k: [] for k in POLICIES}}
+    runs.update({label: [] for label in built.values()})
     for _ in range(rounds):
         runs[ref].append(fused_throughput(handle, ps, window))
         for kind in POLICIES:
@@ -563,6 +597,10 @@ def section_policies(
             runs[kind].append(
                 asyncio.run(policy_throughput(handle, policy, ps, max_tokens, window))
             )
+        for mode, label in built.items():
+            adaptive = batch_policy("adaptive")
+            run = policy_throughput(handle, adaptive, ps, max_tokens, window, builtin=mode)
+            runs[label].append(asyncio.run(run))
     rows = {name: max(rs, key=lambda r: r["tok_s"]) for name, rs in runs.items()}
     out: dict[str, float] = {}
     for kind in POLICIES:
@@ -580,6 +618,10 @@ def section_policies(
         )
     out["throughput_fused"] = round(rows[ref]["tok_s"], 1)
     out["throughput_adaptive_vs_fused"] = round(adaptive / out["throughput_fused"], 3)
+    for mode, key in (("whole", "completion"), ("stream", "completion_stream")):
+        tok_s = rows[built[mode]]["tok_s"]
+        out[f"{key}_tokens_per_s_{n}"] = round(tok_s, 1)
+        out[f"{key}_tokens_per_s_over_fused_{n}"] = round(tok_s / out["throughput_fused"], 3)
     return out
 
 
@@ -615,18 +657,37 @@ class GcClock:
 
 
 async def stub_step_us(
-    handle: InProcessEngine, conc: int, steps: int, clock: GcClock, source: str = TEXT_COMPLETION
+    handle: InProcessEngine,
+    conc: int,
+    steps: int,
+    clock: GcClock,
+    source: str = TEXT_COMPLETION,
+    builtin: str = "",
 ) -> tuple[float, float, float]:
     """(µs per inferlet-step, share of the decode window the collector took, µs of the
-    scheduler's own work per inferlet-step in the window)."""
+    scheduler's own work per inferlet-step in the window). ``builtin`` "whole" or
+    "stream": the built-in ``text-completion`` instead of ``source``; the window then
+    starts at the end of the last batch that forwards a prompt (a command of several
+    tokens)."""
     async with Server(handle) as server:
-        stats, marks = server.scheduler.stats, [(0.0, 0.0)]  # (time, scheduler seconds)
+        stats = server.scheduler.stats
+        marks = [(0.0, 0.0, False)]  # (time, scheduler seconds, a prefill's forward in it)
         server.scheduler.observers.append(
-            lambda batch, elapsed: marks.append((time.perf_counter(), stats.seconds))
+            lambda batch, elapsed: marks.append(
+                (time.perf_counter(), stats.seconds, any(c.tokens > 1 for c in batch))
+            )
         )
         ps = [[5 + i % 100] * PROMPT for i in range(conc)]
-        events = await launch_and_collect(server, source, [[csv(p), str(steps + 1)] for p in ps])
-    t0 = max(t for evs in events for t, ev in evs if isinstance(ev, Message))
+        if builtin:
+            opts = {"max_tokens": steps + 1, "temperature": 0, "ignore_eos": True}
+            opts["stream"] = builtin == "stream"
+            launches = [[json.dumps({**opts, "prompt": p})] for p in ps]
+            events = await launch_and_collect(server, BUILTIN_TEXT_COMPLETION, launches)
+            t0 = max(t for t, _, prefill in marks if prefill)
+        else:
+            launches = [[csv(p), str(steps + 1)] for p in ps]
+            events = await launch_and_collect(server, source, launches)
+            t0 = max(t for evs in events for t, ev in evs if isinstance(ev, Message))
     t1 = max(evs[-1][0] for evs in events)
     for evs in events:
         check([ev for _, ev in evs])
@@ -700,10 +761,42 @@ def section_stub(info: EngineInfo, steps: int, reps: int, serving: gc_tuning.GcS
                 f"| {best['freeze only'][0] / tuned:.2f}x "
                 f"| {best['default'][0] / tuned:.2f}x |"
             )
+        out.update(stub_builtin(handle, steps, reps, clock))
     finally:
         gc.callbacks.remove(clock)
         gc_tuning.tune_for_serving()
         handle.close()
+    return out
+
+
+def stub_builtin(handle: InProcessEngine, steps: int, reps: int, clock: GcClock) -> dict:
+    """The built-in ``text-completion`` over the stub engine, whole and streaming, beside
+    the benchmark's program (server's collector settings, interleaved)."""
+    print()
+    print(
+        f"(d) the built-in text-completion (what /v1/completions runs: greedy, ignore_eos, "
+        f"{steps + 1} tokens) over the same stub engine, µs per inferlet-step from the last "
+        f"prefill on, fastest of {reps}; beside the benchmark's program (table above)"
+    )
+    print("| inferlets | **whole** (gc share) | **streaming** (gc share) | whole / program |")
+    print("|---|---|---|---|")
+    gc_tuning.tune_for_serving()
+    out: dict[str, float] = {}
+    for c in CONCURRENCY:
+        runs: dict[str, list] = {"whole": [], "stream": [], "program": []}
+        for _ in range(reps):
+            for mode in runs:
+                builtin = "" if mode == "program" else mode
+                run = stub_step_us(handle, c, steps, clock, builtin=builtin)
+                runs[mode].append(asyncio.run(run))
+        best = {m: min(r) for m, r in runs.items()}
+        out[f"stub_step_us_builtin_{c}"] = round(best["whole"][0], 1)
+        out[f"stub_step_us_builtin_stream_{c}"] = round(best["stream"][0], 1)
+        print(
+            f"| {c} | {best['whole'][0]:.1f} ({best['whole'][1]:.0%}) "
+            f"| {best['stream'][0]:.1f} ({best['stream'][1]:.0%}) "
+            f"| {best['whole'][0] / best['program'][0]:.2f}x |"
+        )
     return out
 
 

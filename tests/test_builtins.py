@@ -85,7 +85,9 @@ def test_plain_words_stream_greedy_text(ckpt, tok):
     text, _, _ = expected(tok, ckpt, tok.encode("Once upon a time", True), 32)
     [(messages, result)] = run(ckpt, (TEXT, "Once upon a time"))
     assert result is None
-    assert "".join(messages) == text and len(messages) > 16  # about one message per token
+    # streamed in pieces: one per token, or fewer when the program reads slower than its
+    # run-ahead loop samples (the tokens merge)
+    assert "".join(messages) == text and len(messages) > 1
 
 
 def test_n_forks_share_the_prompt_pages(ckpt, tok):

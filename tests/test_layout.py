@@ -99,7 +99,6 @@ LONG_FUNCTIONS = {
     "engine/model.py:LlamaModel.load_hf_state_dict": 72,
     "engine/serve.py:main": 63,
     "wire/spawn.py:spawn_engine": 70,
-    "inferlets/text_completion.py:generate": 108,
     "server/openai.py:routes": 148,
     "server/openai.py:Run._stream": 62,
     "server/openai_params.py:parse_chat": 67,

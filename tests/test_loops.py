@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +204,207 @@ def test_context_generate_runs_ahead_with_the_per_step_tokens(eng):
     model = next(iter(controller.models.values()))
     model.resources.check_integrity()
     assert model.resources.referenced("kv") == 0
+
+
+# ---------------------------------------------------------------------------- text-completion
+
+# The built-in behind /v1/completions with its main replaced: each option set completed
+# running ahead (its default), running ahead heard by a slow reader (each generate_more
+# 10 ms late, so the loop runs on and the answers merge several tokens), and with one
+# sample call per token (the reference).
+COMPLETE = """
+
+def slow(more):
+    async def generate_more(q, stop):
+        await asyncio.sleep(0.01)
+        return await more(q, stop)
+    return generate_more
+
+
+async def main(args):
+    out = []
+    for case in json.loads(args[0]):
+        opts = {**OPTIONS, **case}
+        got = {}
+        for mode in ("ahead", "slow", "steps"):
+            px.send(json.dumps({"mode": mode}))
+            ctx = Context()
+            more = ctx.api.generate_more
+            if mode == "slow":
+                ctx.api.generate_more = slow(more)
+            ctx.fill_tokens(opts["prompt"])
+            got[mode] = await complete(ctx, opts, run_ahead=mode != "steps")
+            ctx.api.generate_more = more
+            await ctx.release()
+        out.append(got)
+    return json.dumps(out)
+"""
+
+JSON_ITEMS = r'\[\{"a":[12]\}(,\{"a":[12]\}){2,}\]'  # the third item repeats one
+MODES = ("ahead", "slow", "steps")
+
+
+def completion_cases(prompt: list[int], greedy: list[int]) -> list[dict]:
+    """Option sets over ``prompt``; ``greedy``: its greedy continuation (stop tokens from
+    it are sampled, and banned before ``min_tokens``)."""
+    base = {"prompt": prompt, "max_tokens": 14, "temperature": 0}
+    return [
+        base,
+        {**base, "temperature": 1.0, "top_k": 20, "seed": 5, "n": 2},
+        {**base, "temperature": 0.8, "seed": 3, "repetition_penalty": 1.3,
+         "frequency_penalty": 0.5, "presence_penalty": 0.2},
+        {**base, "temperature": 0.7, "top_p": 0.9, "seed": 1, "logprobs": 3,
+         "logit_bias": {"11": 3.0}},
+        {**base, "stream": True, "stop": ["e", "a"], "max_tokens": 24},
+        {**base, "ignore_eos": True, "stop_token_ids": greedy[3:5]},
+        {**base, "ignore_eos": True, "min_tokens": 6, "stop_token_ids": greedy[3:5]},
+        {**base, "temperature": 1.0, "seed": 2, "grammar": {"regex": "[0-9]{5}"},
+         "stream": True},
+        {**base, "temperature": 1.0, "seed": 4, "max_tokens": 40, "stream": True,
+         "grammar": {"regex": JSON_ITEMS}, "stop_repeated_item": True},
+        {**base, "temperature": 1.0, "seed": 9, "best_of": 3, "logprobs": 1},
+        {**base, "stream": True, "max_tokens": 30, "logprobs": 2},
+    ]  # fmt: skip
+
+
+def completion_source() -> str:
+    from pastry.inferlets import text_completion
+
+    return Path(text_completion.__file__).read_text() + COMPLETE
+
+
+def greedy_cases(eng) -> list[dict]:
+    prompt = [int(t) for t in PROMPT.split(",")]
+    first = [{"prompt": prompt, "max_tokens": 8, "temperature": 0}]
+    events, _ = asyncio.run(run_all(eng, [(completion_source(), [json.dumps(first)])]))
+    [got] = json.loads(result(events[0]))
+    return completion_cases(prompt, got["steps"]["choices"][0]["tokens"])
+
+
+def streamed(events) -> dict[str, list[tuple[dict, int]]]:
+    """Per mode, per case: the deltas concatenated per choice index, and how many."""
+    out: dict[str, list[tuple[dict, int]]] = {m: [] for m in MODES}
+    mode = ""
+    for ev in events[:-1]:
+        m = json.loads(ev.text)
+        if "mode" in m:
+            mode = m["mode"]
+            out[mode].append(({}, 0))
+        else:
+            texts, n = out[mode][-1]
+            texts[m["index"]] = texts.get(m["index"], "") + m["delta"]
+            out[mode][-1] = (texts, n + 1)
+    return out
+
+
+def plain(choice: dict) -> dict:
+    """A choice without its log-probabilities (compared to a tolerance)."""
+    return {k: v for k, v in choice.items() if k not in ("logprobs", "cumulative_logprob")}
+
+
+def check_completions(events) -> list:
+    """Every mode gave the reference's choices, usage and streamed text; the cases."""
+    cases = json.loads(result(events))
+    for i, got in enumerate(cases):
+        ref = got["steps"]
+        for mode in ("ahead", "slow"):
+            choices = got[mode]["choices"]
+            assert [plain(c) for c in choices] == [plain(c) for c in ref["choices"]], (i, mode)
+            for c, r in zip(choices, ref["choices"], strict=True):
+                assert (c["logprobs"] is None) == (r["logprobs"] is None)
+                if r["logprobs"] is not None:
+                    assert [e[0] for e in c["logprobs"]] == [e[0] for e in r["logprobs"]]
+                    lps, ref_lps = ([e[1] for e in x["logprobs"]] for x in (c, r))
+                    assert lps == pytest.approx(ref_lps, abs=1e-5)
+            # the runs after the first find its prompt in the prefix cache
+            usage = {k: v for k, v in got[mode]["usage"].items() if k != "prompt_tokens_details"}
+            assert usage == {k: v for k, v in ref["usage"].items() if k != "prompt_tokens_details"}
+    texts = streamed(events)
+    assert [t for t, _ in texts["ahead"]] == [t for t, _ in texts["steps"]]
+    assert [t for t, _ in texts["slow"]] == [t for t, _ in texts["steps"]]
+    return cases
+
+
+def test_text_completion_runs_ahead_with_the_per_token_results(eng):
+    cases = greedy_cases(eng)
+    events, controller = asyncio.run(run_all(eng, [(completion_source(), [json.dumps(cases)])]))
+    got = check_completions(events[0])
+    finishes = [[c["finish_reason"] for c in g["ahead"]["choices"]] for g in got]
+    assert finishes[5] == ["stop"] and finishes[6] == ["length"]  # the ban held
+    repeated = got[8]["ahead"]["choices"][0]
+    assert repeated["finish_reason"] == "stop" and repeated["text"].count("{") >= 2
+    # the slow reader heard the 30 streamed tokens in fewer, merged messages
+    texts = streamed(events[0])
+    assert texts["slow"][-1][1] < texts["steps"][-1][1]
+    res = next(iter(controller.models.values())).resources
+    res.check_integrity()
+    assert res.referenced("embed") == 0 and res.referenced("kv") == 0
+
+
+def test_text_completion_runs_ahead_in_the_sandbox(eng):
+    cases = greedy_cases(eng)
+    trusted, boxed = trusted_and_sandboxed(eng, completion_source(), [json.dumps(cases)])
+    boxed_cases, trusted_cases = check_completions(boxed), check_completions(trusted)
+    for got, ref in zip(boxed_cases, trusted_cases, strict=True):  # logprobs: checked above
+        assert {m: [plain(c) for c in got[m]["choices"]] for m in MODES} == {
+            m: [plain(c) for c in ref[m]["choices"]] for m in MODES
+        }
+
+
+HEARD = """
+import json
+import pastry.sdk as px
+from pastry.api import ApiError
+from pastry.sdk import Context, MaxTokens, Sampler
+from pastry.sdk.stop import StopCondition
+
+class PerStep(StopCondition):
+    def __init__(self, n):
+        self.n = self.max_tokens = n
+    def should_stop(self, tokens, text):
+        return len(tokens) >= self.n
+
+async def main(args):
+    prompt = [int(t) for t in args[0].split(",")]
+    errors, heard = [], []
+    ctx = Context()
+    ctx.fill_tokens(prompt)
+    await ctx.generate(Sampler(), MaxTokens(1))  # the prompt forwarded, one token pending
+    try:
+        px.generate_more(ctx.queue)
+    except ApiError as e:
+        errors.append(str(e))
+
+    def hear(tokens, logprobs):
+        heard.append(list(tokens))
+        if len(heard) == 1:  # the loop runs on meanwhile: a second one is refused
+            try:
+                px.generate(ctx.queue, ctx.pending[0], ctx.kv_len, 0, 1, list(ctx.pages), 4)
+            except ApiError as e:
+                errors.append(str(e))
+        return len(heard) == 2  # enough: stop the loop
+
+    tokens, finish, _ = await ctx.run_ahead(60, every=3, hear=hear)
+    more = await ctx.generate(Sampler(), MaxTokens(6))  # on from where it stopped
+    ref = Context()
+    ref.fill_tokens(prompt)
+    await ref.generate(Sampler(), PerStep(1 + len(tokens) + 6))
+    return json.dumps({"errors": errors, "heard": heard, "tokens": tokens, "finish": finish,
+                       "ctx": [ctx.tokens, ctx.kv_len], "ref": [ref.tokens, ref.kv_len]})
+"""
+
+
+def test_a_heard_loop_merges_stops_and_leaves_the_context_whole(eng):
+    events, controller = asyncio.run(run_all(eng, [(HEARD, [PROMPT])]))
+    out = json.loads(result(events[0]))
+    no_loop, busy = out["errors"]
+    assert "no generation loop runs on queue" in no_loop
+    assert "a generation loop runs on queue" in busy
+    heard = out["heard"]
+    # two answers of at least 3 tokens, then the token of the step in flight at the stop
+    assert out["finish"] == "cancelled" and [len(h) >= 3 for h in heard[:2]] == [True] * 2
+    assert [len(h) for h in heard[2:]] == [1]
+    assert [t for h in heard for t in h] == out["tokens"] and len(out["tokens"]) < 60
+    assert out["ctx"] == out["ref"]  # the same tokens, every one but the last forwarded
+    res = next(iter(controller.models.values())).resources
+    res.check_integrity()

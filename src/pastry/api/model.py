@@ -223,7 +223,12 @@ class Generate:
     and with ``sampling.logprobs`` per token what ``sample`` returns with them. A failure
     after the first step ends the loop with what was done (``error``), so the caller
     keeps a consistent context; the results are exactly those of the same ``step`` calls
-    made one by one."""
+    made one by one.
+
+    ``every``: 0 (the default) resolves when the loop ends; ``k`` >= 1 resolves as soon as
+    ``k`` tokens are sampled, with finish ``""`` (still running), and the loop runs on
+    meanwhile: ``generate_more`` takes the tokens sampled since (one loop per queue at a
+    time; a loop is over for the queue once an answer with a finish was taken)."""
 
     q: Handle
     token: Token
@@ -237,3 +242,17 @@ class Generate:
     stop: Sequence[str] = ()
     min_tokens: Count = 0
     recent: Sequence[Token] = ()
+    every: Count = 0
+
+
+@request("output", trait="output_text", queued=("generated",))
+class GenerateMore:
+    """Queued: the next part of the generation loop running on ``q`` (a ``generate`` with
+    ``every`` k): resolves as ``generate`` does, to everything the loop did since the last
+    answer, once it sampled ``k`` more tokens or ended (a program that reads slower than
+    the loop samples gets the tokens merged, never one answer per token). ``stop``: the
+    loop ends now, finish ``cancelled`` (the step in flight completes first and its token
+    is part of the answer, so the context stays consistent)."""
+
+    q: Handle
+    stop: bool = False

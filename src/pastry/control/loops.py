@@ -13,6 +13,13 @@ ends.
 The steps are the ops a program's own ``step`` calls would queue, with the same sampling
 records (the seed advanced by one per token, the generated tokens appended to the
 penalty history), so the tokens are the same as the per-step loop's.
+
+A program that wants to hear the tokens as they come (to stream them, or to check a
+condition of its own) asks for them every ``k`` tokens (``every``): the first answer
+comes after ``k`` tokens and ``generate_more`` takes the next ones, while the loop goes on
+without waiting for the program. Whatever was sampled since the last answer comes in
+one answer, so a program that reads slower than the loop samples wakes once per read,
+not once per token.
 """
 
 from __future__ import annotations
@@ -28,28 +35,35 @@ from pastry.control.handlers.caller import Caller, QueueRef
 from pastry.control.sampling import SampleSpec, sample_spec
 from pastry.control.steps import SampledStep, Step
 
-LENGTH, STOP, GRAMMAR, ERROR = "length", "stop", "grammar", "error"
+LENGTH, STOP, GRAMMAR, ERROR, CANCELLED = "length", "stop", "grammar", "error", "cancelled"
 
 
 class GenerateLoop:
-    """One :class:`pastry.api.Generate` request in flight (checked by its handler).
+    """One :class:`pastry.api.Generate` request in flight (checked by its handler), on
+    ``ref.loop`` until its last answer is taken.
 
     ``alloc_page()`` allocates one KV page handle for the instance (as ``alloc_kvpages``
-    does); ``future`` resolves to the request's value when the loop ends."""
+    does); ``future`` is the waiting request's (``generate``, then ``generate_more``), None
+    while no request waits."""
 
     __slots__ = (
         "alloc_page",
         "caller",
         "embeds",
+        "error",
+        "every",
+        "finish",
         "first",
         "future",
         "history",
+        "in_flight",
         "kv",
         "logprobs",
         "max_tokens",
         "min_tokens",
         "new_pages",
         "position",
+        "read",
         "recent",
         "ref",
         "sampling",
@@ -57,6 +71,7 @@ class GenerateLoop:
         "static",
         "stop",
         "stop_tokens",
+        "stopping",
         "tail_tokens",
         "tokens",
     )
@@ -78,6 +93,7 @@ class GenerateLoop:
         min_tokens: int,
         recent: list[int],
         alloc_page: Callable[[], int],
+        every: int = 0,
     ) -> None:
         self.caller, self.ref = caller, ref
         self.first, self.position, self.embeds = token, position, list(embeds)
@@ -91,6 +107,10 @@ class GenerateLoop:
         self.alloc_page = alloc_page
         self.tokens: list[int] = []
         self.logprobs: tuple[list, list, list] = ([], [], [])
+        self.every = every
+        self.read = (0, 0)  # tokens and new pages already answered
+        self.finish = self.error = ""  # why the loop ended ("": it runs)
+        self.in_flight = self.stopping = False
         s = sampling
         # Whether every step samples with the first step's record: no seed to advance, no
         # penalty history to grow, no grammar mask to take again, no ban to lift.
@@ -101,18 +121,37 @@ class GenerateLoop:
         self.static = not (min_tokens and stop_tokens) and (
             s is None or (s.seed is None and not penalizes and s.constraint is None)
         )
-        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.future: asyncio.Future | None = asyncio.get_running_loop().create_future()
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the requests
 
     def start(self) -> asyncio.Future:
-        """Queue the first step (its errors are the request's); the loop's future."""
+        """Queue the first step (its errors are the request's); the first answer's future."""
+        fut = self.future
+        assert fut is not None
         grammar = self.spec.grammar if self.spec is not None else None
         if grammar is not None and grammar.matcher.is_stopped():
             self._end(GRAMMAR)
         else:
             self._submit()
-        return self.future
+            self.ref.loop = self
+        return fut
+
+    def more(self, stop: bool) -> asyncio.Future:
+        """A ``generate_more`` request: the next answer's future (``stop``: end the loop
+        once the step in flight completes)."""
+        if self.future is not None and not self.future.done():
+            raise ApiError("a generate or generate_more call on this queue still waits")
+        fut = self.future = asyncio.get_running_loop().create_future()
+        if stop and not self.finish:
+            if self.in_flight:
+                self.stopping = True
+            else:
+                self._end(CANCELLED)
+        self._answer()
+        return fut
+
+    # ------------------------------------------------------------------ the loop
 
     def _submit(self) -> None:
         """Queue the decode step of the newest token (raises what refuses it)."""
@@ -139,6 +178,7 @@ class GenerateLoop:
         fut = self.caller.submit(self.ref, Stage.EMBED, op, tokens=1, last_stage=Stage.OUTPUT)
         if spec is not None and spec.grammar is not None:
             spec.grammar.busy = True  # one sample at a time (SampledStep.finish frees it)
+        self.in_flight = True
         fut.add_done_callback(self._stepped)
 
     def _spec_at(self, n: int) -> SampleSpec | None:
@@ -161,17 +201,20 @@ class GenerateLoop:
 
     def _stepped(self, fut: asyncio.Future) -> None:
         """A step completed: take its token, stop or queue the next one."""
+        self.in_flight = False
         spec = self.spec
         if spec is not None and spec.grammar is not None:
             spec.grammar.busy = False
-        if self.future.done():  # the program stopped waiting (cancelled)
+        if self.future is not None and self.future.cancelled():  # the program gave up on it
             if not fut.cancelled():
                 fut.exception()
+            self._abandon()
             return
         if fut.cancelled() or fut.exception() is not None:
             e = ApiError("the step was cancelled") if fut.cancelled() else fut.exception()
-            if not self.tokens:  # nothing happened: the request fails as a step would
+            if not self.tokens and self.future is not None:  # the request fails as a step
                 self.future.set_exception(e)
+                self._abandon()
             else:
                 self._end(ERROR, str(e))
             return
@@ -190,10 +233,15 @@ class GenerateLoop:
         if reason is not None:
             self._end(reason)
             return
+        if self.stopping:
+            self._end(CANCELLED)
+            return
         try:
             self._submit()
         except Exception as e:  # out of pages, over a quota, the queue closed, ...
             self._end(ERROR, str(e))
+            return
+        self._answer()
 
     def _stopped(self, token: int) -> str | None:
         if token in self.stop_tokens:
@@ -211,7 +259,29 @@ class GenerateLoop:
         return None
 
     def _end(self, finish: str, error: str = "") -> None:
-        lps, ids, tops = self.logprobs
-        self.future.set_result(
-            (list(self.tokens), list(self.new_pages), finish, error, lps, ids, tops)
+        self.finish, self.error = finish, error
+        self._answer()
+
+    def _answer(self) -> None:
+        """Resolve the waiting request with what it has not seen, if it is due: the loop
+        ended, or ``every`` tokens are new."""
+        fut = self.future
+        n, pages = self.read
+        if fut is None or fut.done():
+            return
+        if not self.finish and not (self.every and len(self.tokens) - n >= self.every):
+            return
+        self.read = (len(self.tokens), len(self.new_pages))
+        lps, ids, tops = (x[n:] for x in self.logprobs)
+        fut.set_result(
+            (self.tokens[n:], self.new_pages[pages:], self.finish, self.error, lps, ids, tops)
         )
+        self.future = None
+        if self.finish:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """The loop is over for its queue: a new one may start there."""
+        self.finish = self.finish or CANCELLED
+        if self.ref.loop is self:
+            self.ref.loop = None

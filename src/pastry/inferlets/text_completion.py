@@ -37,9 +37,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from dataclasses import replace
 
 import pastry.sdk as px
-from pastry.sdk import Context, MaxTokens, Sampler, StopCondition, StopStrings
+from pastry.api import Sampling
+from pastry.sdk import Context, StopCondition, StopStrings
 from pastry.sdk.steps import prompt_logprobs, sample_next
 
 OPTIONS = {
@@ -101,11 +103,12 @@ def parse(args: list[str], options: dict) -> dict | None:
     return opts
 
 
-async def complete(ctx: Context, opts: dict, plain: bool = False) -> dict:
+async def complete(ctx: Context, opts: dict, plain: bool = False, run_ahead: bool = True) -> dict:
     """Generate ``opts["n"]`` continuations of ``ctx`` concurrently; the result object.
 
     The branches are forks of ``ctx``: they share the prompt's KV pages, and their steps
-    batch together because they run at the same time.
+    batch together because they run at the same time. ``run_ahead`` False samples every
+    token with its own call (the reference the run-ahead loop is tested against).
     """
     prompt = list(ctx.tokens)
     echo = {"tokens": prompt, "logprobs": None}
@@ -123,7 +126,10 @@ async def complete(ctx: Context, opts: dict, plain: bool = False) -> dict:
     if opts["max_tokens"] > 0:
         branches = [ctx] + [await ctx.fork() for _ in range(best_of - 1)]
         choices = await asyncio.gather(
-            *(generate(b, i, opts, prompt, plain, best_of > n) for i, b in enumerate(branches))
+            *(
+                generate(b, i, opts, prompt, plain, best_of > n, run_ahead)
+                for i, b in enumerate(branches)
+            )
         )
         await asyncio.gather(*(b.release() for b in branches[1:]))  # ctx is the caller's
     else:  # echo only: the prompt scored, nothing generated
@@ -157,113 +163,190 @@ def _choice(index, tokens, finish, entries, cumulative) -> dict:
 
 
 async def generate(
-    ctx: Context, index: int, opts: dict, prompt: list[int], plain: bool, rank: bool
+    ctx: Context,
+    index: int,
+    opts: dict,
+    prompt: list[int],
+    plain: bool,
+    rank: bool,
+    run_ahead: bool = True,
 ) -> dict:
-    """One choice: sample token by token with the request's processing, streaming the text
-    if asked; its index, text, tokens, log-probabilities and finish reason."""
-    a, q = ctx.api, ctx.queue
-    eos = set(ctx.eos_ids)
-    stop_ids = set(map(int, opts["stop_token_ids"])) | (set() if opts["ignore_eos"] else eos)
-    stops = [s for s in opts["stop"] if s]
+    """One choice, streaming the text if asked: its index, text, tokens,
+    log-probabilities and finish reason. The first token is sampled with the prompt's
+    forward; the rest run ahead in the control layer (one ``generate`` request; the
+    program hears the tokens only to stream them or to watch for a repeated item), or,
+    with an adapter (or ``run_ahead`` False), one ``sample`` per token."""
+    c = Choice(ctx, index, opts, prompt, plain, rank)
+    try:
+        if c.constraint is not None and c.constraint.done:
+            c.finish = "stop"
+        while c.finish is None and (len(c.out) == 0 or ctx.adapter or not run_ahead):
+            got = await sample_next(ctx, sampling=c.sampling_at(len(c.out)))
+            tok, *lp = got if c.want is not None else (got,)
+            ctx.fill_tokens([tok])
+            if c.constraint is not None:
+                c.constraint.sampled()
+            c.take(tok, *lp)
+            c.stream()
+            if c.finish is None and c.constraint is not None and c.constraint.done:
+                c.finish = "stop"
+        if c.finish is None:
+            await c.run_ahead()
+    finally:
+        if c.constraint is not None:
+            c.constraint.free()
+    return c.result()
+
+
+class Choice:
+    """One choice's options and what it generated; :meth:`take` applies the stop rules
+    per token, as the control layer's loop does."""
+
+    def __init__(
+        self, ctx: Context, index: int, opts: dict, prompt: list[int], plain: bool, rank: bool
+    ) -> None:
+        self.ctx, self.index, self.plain = ctx, index, plain
+        self.a, self.q = ctx.api, ctx.queue
+        stop_ids = set(map(int, opts["stop_token_ids"]))
+        self.stop_ids = stop_ids | (set() if opts["ignore_eos"] else set(ctx.eos_ids))
+        self.stops = [s for s in opts["stop"] if s]
+        self.strings = StopStrings(self.stops)
+        self.max_tokens, self.min_tokens = opts["max_tokens"], opts["min_tokens"]
+        self.top = opts["logprobs"]
+        self.want = self.top if self.top is not None else (0 if rank else None)
+        self.constraint = None
+        if opts["grammar"] is not None:
+            from pastry.sdk.grammar import Constraint
+
+            self.constraint = Constraint(ctx, opts["grammar"])
+        self.sampling = base_sampling(opts, index, prompt, self.want, self.constraint)
+        self.repeated = RepeatedItem() if opts["stop_repeated_item"] else None
+        self.out: list[int] = []
+        self.entries: list = []
+        self.cumulative = 0.0
+        self.finish: str | None = None
+        self.deltas = None
+        if plain or opts["stream"]:
+            self.sent = 0
+            detokenize = lambda t: self.a.detokenize(self.q, t)  # noqa: E731
+            self.deltas = Deltas(self.send, detokenize, sorted(self.stop_ids), self.stops)
+
+    def send(self, delta: str) -> None:
+        if self.plain:
+            px.send(delta)
+            return
+        entries = self.entries[self.sent :]
+        px.send(json.dumps({"index": self.index, "delta": delta, "logprobs": entries}))
+        self.sent = len(self.entries)
+
+    def sampling_at(self, n: int) -> Sampling:
+        """The sampling of token ``n`` (what the control layer's loop derives per token)."""
+        s = self.sampling
+        changes: dict = {}
+        if s.seed is not None:
+            changes["seed"] = s.seed + n
+        if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
+            changes["penalty_tokens"] = list(self.out)
+        complete = self.constraint is not None and self.constraint.complete
+        if n < self.min_tokens and self.stop_ids and not complete:
+            ban = [(t, -math.inf) for t in sorted(self.stop_ids)]
+            changes["logit_bias"] = [*s.logit_bias, *ban]
+        return replace(s, **changes) if changes else s
+
+    def take(self, tok: int, lp: float = 0.0, ids=(), lps=()) -> None:
+        """Token ``tok`` (with its log-probabilities) joins the output; a stop rule that
+        holds now sets :attr:`finish`."""
+        if self.want is not None:
+            self.cumulative += lp
+            self.entries.append([tok, lp, [list(p) for p in zip(ids, lps, strict=True)]])
+        out = self.out
+        out.append(tok)
+        if self.stopped(out):
+            self.finish = "stop"
+        elif len(out) >= self.max_tokens:
+            self.finish = "length"
+
+    def stopped(self, out: list[int]) -> bool:
+        """A stop token, a stop string (from ``min_tokens`` on) or a repeated item."""
+        if out[-1] in self.stop_ids:
+            return True
+        if self.stops and len(out) >= self.min_tokens:
+            tail = self.a.detokenize(self.q, out[-self.strings.tail_tokens :])
+            if self.strings.should_stop(out, tail):
+                return True
+        rep = self.repeated
+        return rep is not None and rep.closes_a_repeat(lambda: self.a.detokenize(self.q, out))
+
+    def stream(self) -> None:
+        """Send the text that can no longer change."""
+        if self.deltas is not None and self.out[-1] not in self.stop_ids:
+            self.deltas.should_stop(self.out, "")
+
+    async def run_ahead(self) -> None:
+        """The rest as one loop in the control layer, heard per merged part when the
+        program streams or watches for a repeated item."""
+        n, s = len(self.out), self.sampling
+        changes: dict = {"seed": None if s.seed is None else s.seed + n}
+        if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
+            changes["penalty_tokens"] = list(self.out)
+        hear = self.hear if self.deltas is not None or self.repeated is not None else None
+        tail = self.out[-self.strings.tail_tokens :] if self.stops else []
+        _, finish, _ = await self.ctx.run_ahead(
+            self.max_tokens - n, replace(s, **changes), sorted(self.stop_ids), self.stops,
+            max(0, self.min_tokens - n), tail, every=1 if hear else 0,
+            hear=hear or self.hear,
+        )  # fmt: skip
+        if self.finish is None:  # the loop's grammar said so (its other rules are take's)
+            self.finish = "stop" if finish == "grammar" else finish
+
+    def hear(self, tokens: list[int], lps: tuple[list, list, list]) -> bool:
+        """Tokens of the loop: taken one by one; True ends the loop (a repeated item)."""
+        for i, tok in enumerate(tokens):
+            if self.finish is not None:
+                return True  # a rule of the program's own held: the rest is dropped
+            if self.want is not None:
+                self.take(tok, lps[0][i], lps[1][i], lps[2][i])
+            else:
+                self.take(tok)
+        self.stream()
+        return self.finish is not None
+
+    def result(self) -> dict:
+        out = self.out
+        shown = out[:-1] if out and out[-1] in self.stop_ids else out
+        text = self.a.detokenize(self.q, shown)
+        if self.stops:
+            text = self.strings.trim(text)
+        if self.deltas is not None:
+            self.deltas.flush(text)
+        return {
+            **_choice(self.index, out, self.finish or "length", None, None),
+            "logprobs": self.entries if self.top is not None else None,
+            "text": text,
+            "cumulative_logprob": self.cumulative if self.want is not None else None,
+        }
+
+
+def base_sampling(opts: dict, index: int, prompt: list[int], want, constraint) -> Sampling:
+    """The sampling of the first token of choice ``index``."""
     seed = opts["seed"]
     if seed is not None:  # each choice its own draws: far from the others' seed + step
         seed = (seed + index * 0x9E3779B9) % (1 << 62)
-    sampler = Sampler(
-        temperature=opts["temperature"],
-        top_k=opts["top_k"],
-        top_p=opts["top_p"],
-        min_p=opts["min_p"],
-        seed=seed,
-    )
-    bias = [(int(t), float(b)) for t, b in dict(opts["logit_bias"]).items()]
-    banned = [(t, -math.inf) for t in sorted(stop_ids)]  # before min_tokens
     rep, freq, pres = (
-        opts["repetition_penalty"],
-        opts["frequency_penalty"],
-        opts["presence_penalty"],
+        opts[k] for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")
     )
-    penalize = rep != 1.0 or freq != 0.0 or pres != 0.0
-    top = opts["logprobs"]
-    want = top if top is not None else (0 if rank else None)
-    constraint = None
-    if opts["grammar"] is not None:
-        from pastry.sdk.grammar import Constraint
-
-        constraint = Constraint(ctx, opts["grammar"])
-    stop: StopCondition = MaxTokens(opts["max_tokens"]) | StopStrings(stops)
-    entries: list = []
-    repeated = RepeatedItem() if opts["stop_repeated_item"] else None
-    deltas = None
-    if plain or opts["stream"]:
-        sent = [0]
-
-        def send(d: str) -> None:
-            if plain:
-                px.send(d)
-                return
-            px.send(json.dumps({"index": index, "delta": d, "logprobs": entries[sent[0] :]}))
-            sent[0] = len(entries)
-
-        deltas = Deltas(send, lambda t: a.detokenize(q, t), list(stop_ids), stops)
-    out: list[int] = []
-    finish = "length"
-    cumulative = 0.0
-    while len(out) < opts["max_tokens"]:
-        if constraint is not None and constraint.done:
-            finish = "stop"
-            break
-        kw = dict(sampler.params(len(out)))
-        step_bias = bias + banned if len(out) < opts["min_tokens"] else bias
-        if constraint is not None:
-            kw["mask"] = constraint.bitmask()
-            if constraint.complete:  # the end is allowed: min_tokens must not forbid it
-                step_bias = bias
-        if step_bias:
-            kw["logit_bias"] = step_bias
-        if penalize:
-            kw.update(
-                penalty_tokens=out,
-                penalty_prompt=prompt if rep != 1.0 else None,
-                repetition_penalty=rep,
-                frequency_penalty=freq,
-                presence_penalty=pres,
-            )
-        if want is not None:
-            kw["logprobs"] = want
-        got = await sample_next(ctx, **kw)
-        if want is not None:
-            tok, lp, ids, lps = got
-            cumulative += lp
-            entries.append([tok, lp, [list(p) for p in zip(ids, lps, strict=True)]])
-        else:
-            tok = got
-        if constraint is not None:
-            constraint.consume([tok])
-        out.append(tok)
-        ctx.fill_tokens([tok])
-        if tok in stop_ids:
-            finish = "stop"
-            break
-        tail = a.detokenize(q, out[-stop.tail_tokens :]) if stop.tail_tokens else ""
-        if deltas is not None:
-            deltas.should_stop(out, tail)
-        if stops and StopStrings(stops).should_stop(out, tail):
-            finish = "stop"
-            break
-        if repeated is not None and repeated.closes_a_repeat(lambda: a.detokenize(q, out)):
-            finish = "stop"
-            break
-    if constraint is not None:
-        constraint.free()
-    shown = out[:-1] if out and out[-1] in stop_ids else out
-    text = StopStrings(stops).trim(a.detokenize(q, shown)) if stops else a.detokenize(q, shown)
-    if deltas is not None:
-        deltas.flush(text)
-    return {
-        **_choice(index, out, finish, entries if top is not None else None, None),
-        "text": text,
-        "cumulative_logprob": cumulative if want is not None else None,
-    }
+    penalties = {}
+    if rep != 1.0 or freq != 0.0 or pres != 0.0:
+        penalties = dict(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        if rep != 1.0:
+            penalties["penalty_prompt"] = prompt
+    return Sampling(
+        temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"],
+        min_p=opts["min_p"], seed=seed,
+        logit_bias=[(int(t), float(b)) for t, b in dict(opts["logit_bias"]).items()],
+        logprobs=want, constraint=None if constraint is None else constraint.handle,
+        **penalties,
+    )  # fmt: skip
 
 
 class Deltas(StopCondition):

@@ -22,12 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pastry.api import ApiError, InferletApi, Sampling
 from pastry.sdk.current import api
 from pastry.sdk.sampling import Sampler
-from pastry.sdk.stop import AnyOf, EosTokens, MaxTokens, StopCondition, StopStrings
+from pastry.sdk.stop import (
+    EosTokens,
+    LoopFields,
+    MaxTokens,
+    StopCondition,
+    StopStrings,
+    loop_fields,
+)
 
 # Per-instance reference counts of KV page handles shared between forked contexts.
 _page_refs: weakref.WeakKeyDictionary[object, dict[int, int]] = weakref.WeakKeyDictionary()
@@ -73,31 +80,6 @@ async def _first_failure(futs: Sequence[asyncio.Future]) -> None:
             failure = failure or e
     if failure is not None:
         raise failure
-
-
-# (max tokens, stop token ids, stop strings) of a stop condition the control layer checks
-_Ahead = tuple[int, list[int], list[str]]
-_UNBOUNDED = (1 << 31) - 1  # max_tokens of a loop that only a stop token or string ends
-
-
-def _run_ahead_stop(stop: StopCondition) -> _Ahead | None:
-    """``stop`` as the ``generate`` request's stop fields, or None if it is not made of
-    :class:`MaxTokens`, :class:`EosTokens` and :class:`StopStrings` alone (a condition of
-    the program's own is checked by the program, per token)."""
-    conds, ids, strings, bound = [stop], set(), [], _UNBOUNDED
-    while conds:
-        c = conds.pop()
-        if type(c) is AnyOf:
-            conds.extend(c.conds)
-        elif type(c) is MaxTokens:
-            bound = min(bound, c.n)
-        elif type(c) is EosTokens:
-            ids |= c.ids
-        elif type(c) is StopStrings:
-            strings += c.strings
-        else:
-            return None
-    return bound, sorted(ids), strings
 
 
 class Context:
@@ -192,7 +174,7 @@ class Context:
         reserve = max(0, (stop.max_tokens or 1) - 1)
         # Stop conditions the control layer can check itself: the decode steps then run
         # ahead there, and this program wakes once, when they end (``generate`` request).
-        ahead = _run_ahead_stop(stop) if sampler.on_device and self.adapter is None else None
+        ahead = loop_fields(stop) if sampler.on_device and self.adapter is None else None
         while True:
             if ahead is not None and len(self.pending) == 1:
                 await self._run_ahead(sampler, stop, ahead, out)
@@ -217,7 +199,7 @@ class Context:
         return stop.trim(a.detokenize(q, out))
 
     async def _run_ahead(
-        self, sampler: Sampler, stop: StopCondition, ahead: _Ahead, out: list[int]
+        self, sampler: Sampler, stop: StopCondition, ahead: LoopFields, out: list[int]
     ) -> None:
         """The rest of ``generate`` as one loop in the control layer (see run_ahead)."""
         max_tokens, stop_ids, strings = ahead
@@ -235,30 +217,62 @@ class Context:
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         recent: Sequence[int] = (),
+        every: int = 0,
+        hear: Callable[[list[int], tuple[list, list, list]], bool] | None = None,
     ) -> tuple[list[int], str, tuple[list, list, list]]:
         """Generate from the one pending token with one ``generate`` request: the decode
         loop runs in the control layer and this program wakes once, when it ends (see
         :class:`pastry.api.Generate` for the stop rules, the per-token sampling and
         ``recent``). Every sampled token joins the context (the last one pending), as do
         the pages the loop allocated, also when it failed part-way (then ApiError is
-        raised). Returns (the tokens, why it ended: ``length``, ``stop`` or ``grammar``,
-        and with ``sampling.logprobs`` per token (logprob, top ids, top logprobs))."""
+        raised). Returns (the tokens, why it ended: ``length``, ``stop``, ``grammar`` or
+        ``cancelled``, and with ``sampling.logprobs`` per token (logprob, top ids, top
+        logprobs)).
+
+        To hear the tokens as they come, pass ``every`` k >= 1 and ``hear``: it is called
+        with the tokens (and their log-probabilities) sampled since its last call, at
+        least k of them unless the loop ended, while the loop runs on; a true return ends
+        the loop (finish ``cancelled``: the tokens sampled meanwhile are in the context
+        and the result too)."""
         self.check_live()
         if len(self.pending) != 1:
             raise ApiError(f"run_ahead starts from one pending token, not {len(self.pending)}")
+        if every and hear is None:
+            raise ApiError("run_ahead with every needs hear, the function the tokens go to")
         e_in, e_out = self.embed_slots(2)
-        tokens, pages, finish, error, lps, ids, tops = await self.api.generate(
+        answer = await self.api.generate(
             self.queue, self.pending[0], self.kv_len, e_in, e_out, list(self.pages),
             max_tokens, sampling, list(stop_tokens), list(stop), min_tokens, list(recent),
+            every,
         )  # fmt: skip
+        out: list[int] = []
+        logprobs: tuple[list, list, list] = ([], [], [])
+        while True:
+            tokens, finish, error, lps = self._take(answer)
+            out += tokens
+            for whole, part in zip(logprobs, lps, strict=True):
+                whole += part
+            if error:
+                raise ApiError(error)
+            try:
+                ended = hear(tokens, lps) if hear is not None and tokens else False
+            except BaseException:
+                if not finish:  # end the loop, the context kept whole, before raising
+                    self._take(await self.api.generate_more(self.queue, True))
+                raise
+            if finish:
+                return out, finish, logprobs
+            answer = await self.api.generate_more(self.queue, bool(ended))
+
+    def _take(self, answer: tuple) -> tuple[list[int], str, str, tuple[list, list, list]]:
+        """A generation loop's answer into the context: (tokens, finish, error, logprobs)."""
+        tokens, pages, finish, error, *lps = answer
         self.pages.extend(pages)
         self.kv_len += len(tokens)
         self.tokens.extend(tokens)
         if tokens:
             self.pending = [tokens[-1]]
-        if error:
-            raise ApiError(error)
-        return tokens, finish, (lps, ids, tops)
+        return tokens, finish, error, (lps[0], lps[1], lps[2])
 
     async def generate_until(
         self,

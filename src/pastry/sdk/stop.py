@@ -71,3 +71,28 @@ class StopStrings(StopCondition):
     def trim(self, text: str) -> str:
         cut = min((text.find(s) for s in self.strings if s in text), default=-1)
         return text if cut < 0 else text[:cut]
+
+
+# (max tokens, stop token ids, stop strings) of a stop condition the control layer checks
+LoopFields = tuple[int, list[int], list[str]]
+UNBOUNDED = (1 << 31) - 1  # max_tokens of a loop that only a stop token or string ends
+
+
+def loop_fields(stop: StopCondition) -> LoopFields | None:
+    """``stop`` as the ``generate`` request's stop fields, or None if it is not made of
+    :class:`MaxTokens`, :class:`EosTokens` and :class:`StopStrings` alone (a condition of
+    the program's own is checked by the program, per token)."""
+    conds, ids, strings, bound = [stop], set(), [], UNBOUNDED
+    while conds:
+        c = conds.pop()
+        if type(c) is AnyOf:
+            conds.extend(c.conds)
+        elif type(c) is MaxTokens:
+            bound = min(bound, c.n)
+        elif type(c) is EosTokens:
+            ids |= c.ids
+        elif type(c) is StopStrings:
+            strings += c.strings
+        else:
+            return None
+    return bound, sorted(ids), strings

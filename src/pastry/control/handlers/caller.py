@@ -36,6 +36,7 @@ class QueueRef:
     model: Model  # the engine the queue runs on (one of the model's engines)
     queue: Queue
     placed: bool = True  # False: the router may still move it (control/routing.py)
+    loop: Any = None  # the generation loop running on it (control/loops.py), if any
 
 
 def resource_call(fn: Callable[..., T], *args: Any) -> T:

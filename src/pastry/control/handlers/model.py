@@ -270,6 +270,11 @@ def generate(s: Caller, r: api.Generate) -> asyncio.Future:
     """A generation loop run by the control layer (see :class:`pastry.api.Generate` and
     :mod:`pastry.control.loops`): checked here once, its steps queued as they complete."""
     ref = s.queue(r.q)
+    if ref.loop is not None:
+        raise ApiError(
+            f"a generation loop runs on queue {r.q}: take its answers with generate_more "
+            "(stop=True ends it)"
+        )
     info = ref.model.info
     vocab = info.vocab_size
     max_tokens = _count(r.max_tokens, "max_tokens")
@@ -292,9 +297,20 @@ def generate(s: Caller, r: api.Generate) -> asyncio.Future:
         s, ref, token=r.token, position=position, embeds=(r.in_embed, r.out_embed), kv=kv,
         max_tokens=max_tokens, sampling=r.sampling, spec=spec, stop_tokens=stop_tokens,
         stop=[x for x in stop if x], min_tokens=min_tokens, recent=recent,
-        alloc_page=partial(_one_page, s, r.q),
+        alloc_page=partial(_one_page, s, r.q), every=_count(r.every, "every"),
     )  # fmt: skip
     return loop.start()
+
+
+@handles(api.GenerateMore)
+def generate_more(s: Caller, r: api.GenerateMore) -> asyncio.Future:
+    """The next answer of the generation loop on the queue (see control/loops.py)."""
+    loop = s.queue(r.q).loop
+    if loop is None:
+        raise ApiError(f"no generation loop runs on queue {r.q}: start one with generate")
+    if not isinstance(r.stop, bool):
+        raise ApiError(f"stop must be true or false, got {r.stop!r}")
+    return loop.more(r.stop)
 
 
 def _one_page(s: Caller, q: int) -> int:
