@@ -1,8 +1,10 @@
 """One generation with SGLang's sampling parameters, on a :class:`pastry.sdk.Context`.
 
 Shared by the prompt states of :mod:`pastry.lang` (``gen``) and the native HTTP API
-(``POST /generate``). Every step is one ``sample`` call, with everything that shapes the
-distribution done on the device: temperature, top-k / top-p / min-p, the penalties
+(``POST /generate``). The first token is sampled with the prompt's forward and the rest
+runs ahead in the control layer (:meth:`Context.run_ahead`) where no token is decided
+here (see :func:`generate`); every step, run ahead or one ``sample`` call, has everything
+that shapes the distribution done on the device: temperature, top-k / top-p / min-p, the penalties
 (SGLang's: repetition over prompt and output, frequency and presence over the output),
 ``min_new_tokens`` (end tokens get a -inf bias before it), ``regex`` / ``json_schema`` (a
 grammar constraint the host holds and advances, :mod:`pastry.sdk.grammar`; tokens it
@@ -20,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pastry.api import Sampling
 from pastry.lang.expr import SamplingParams
 from pastry.sdk import StopCondition, StopStrings
 from pastry.sdk.context import Context
@@ -78,11 +81,18 @@ def _num(v: Any) -> bool:
 
 
 async def generate(
-    ctx: Context, params: SamplingParams, on_text: Callable[[str], None] | None = None
+    ctx: Context,
+    params: SamplingParams,
+    on_text: Callable[[str], None] | None = None,
+    run_ahead: bool = True,
 ) -> Generation:
     """Generate once on ``ctx`` (which has a pending token); the tokens stay in ``ctx`` (a
     final end token is not added). ``on_text`` receives the text as it grows (pieces that
-    can no longer change)."""
+    can no longer change). After the first token (sampled with the prompt's forward) the
+    rest runs ahead in the control layer (one ``generate`` request, heard only to stream),
+    except where tokens are decided here: a grammar's forced tokens appended without a
+    step, an adapter (the fused step has none), or ``run_ahead`` False (one ``sample`` per
+    token: the reference it is tested against)."""
     check(params)
     p = params
     if p.max_new_tokens == 0:
@@ -94,13 +104,13 @@ async def generate(
         spec = {"regex": p.regex} if p.regex is not None else {"json_schema": p.json_schema}
         constraint = Constraint(ctx, spec)
     try:
-        return await _decode(ctx, p, on_text, constraint)
+        return await _decode(ctx, p, on_text, constraint, run_ahead)
     finally:
         if constraint is not None:
             constraint.free()
 
 
-async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Generation:
+async def _decode(ctx: Context, p: SamplingParams, on_text, constraint, ahead: bool) -> Generation:
     a, q = ctx.api, ctx.queue
     prompt = list(ctx.tokens)
     eos = set(ctx.eos_ids)
@@ -114,6 +124,7 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Gener
     banned = bias + [(t, -math.inf) for t in sorted(ends)]
     penalties = _penalties(p, prompt)
     fast_forward = not p.return_logprob  # a forced token has no log-probability
+    ahead = ahead and ctx.adapter is None and (constraint is None or not fast_forward)
     out: list[int] = []
     chosen: list[tuple[float, int]] = []
     tops: list[list[tuple[float, int]]] = []
@@ -153,10 +164,57 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint) -> Gener
         if _stopped(out, p, stop, stream, a, q):
             reason = {"type": "stop", "matched": _matched(a, q, out, stops)}
             break
+        if ahead and len(out) < p.max_new_tokens:
+            loop = _Ahead(ctx, p, out, ends | (eos if constraint is not None else set()))
+            kw = _sample_args(p, steps, list(out), bias, penalties, constraint)
+            reason = await loop.run(kw, stop, stream, (chosen, tops)) or reason
+            break
     gen = _generation(a, q, out, reason, stream)
     if p.return_logprob:
         gen.logprobs, gen.top_logprobs = chosen, tops
     return gen
+
+
+class _Ahead:
+    """The rest of a generation as one loop in the control layer (``Context.run_ahead``):
+    the same sampling per token as the steps above (seed, penalty history, ``ends``
+    banned before ``min_new_tokens``), heard only to stream the text."""
+
+    def __init__(self, ctx: Context, p: SamplingParams, out: list[int], ends: set[int]):
+        self.ctx, self.p, self.out, self.ends = ctx, p, out, ends
+
+    async def run(self, kw: dict[str, Any], stop, stream, logprobs) -> dict[str, Any] | None:
+        """Generate on from ``out`` with the sampling of the next step (``kw``); the finish
+        reason (None: the length)."""
+        ctx, p, out = self.ctx, self.p, self.out
+        n = len(out)
+        sampling = Sampling(**{k: v for k, v in kw.items() if v is not None})
+        chosen, tops = logprobs
+
+        def hear(tokens: list[int], lps: tuple[list, list, list]) -> bool:
+            out.extend(tokens)
+            if p.return_logprob:
+                chosen.extend(zip(lps[0], tokens, strict=True))
+                tops.extend(list(zip(v, i, strict=True)) for i, v in zip(*lps[1:], strict=True))
+            if stream is not None and out[-1] not in self.ends:
+                stream.should_stop(out, "")
+            return False
+
+        _, finish, _ = await ctx.run_ahead(
+            p.max_new_tokens - n, sampling, sorted(self.ends), stop.strings if stop else [],
+            max(0, p.min_new_tokens - n), out[-stop.tail_tokens :] if stop else [],
+            every=1 if stream is not None else 0, hear=hear,
+        )  # fmt: skip
+        if finish == "grammar":  # it admits nothing more: the output ends as at an end token
+            return {"type": "stop", "matched": ctx.eos_ids[0]}
+        if finish != "stop":
+            return None
+        if out[-1] in self.ends:  # an end token: not part of the context (as a step leaves it)
+            ctx.tokens.pop()
+            ctx.pending = []
+            return {"type": "stop", "matched": out[-1]}
+        a, q = ctx.api, ctx.queue
+        return {"type": "stop", "matched": _matched(a, q, out, stop.strings)}
 
 
 def _penalties(p: SamplingParams, prompt: list[int]) -> dict[str, Any]:
