@@ -235,6 +235,8 @@ async def main(args):
             ctx.fill_tokens(opts["prompt"])
             got[mode] = await complete(ctx, opts, run_ahead=mode != "steps")
             ctx.api.generate_more = more
+            await ctx.flush(keep_last=False)  # as chat does before it exports the KV
+            got[mode]["ctx"] = [ctx.tokens, ctx.kv_len, len(ctx.pages)]
             await ctx.release()
         out.append(got)
     return json.dumps(out)
@@ -317,6 +319,7 @@ def check_completions(events) -> list:
                     lps, ref_lps = ([e[1] for e in x["logprobs"]] for x in (c, r))
                     assert lps == pytest.approx(ref_lps, abs=1e-5)
             # the runs after the first find its prompt in the prefix cache
+            assert got[mode]["ctx"] == ref["ctx"], (i, mode)  # what it leaves to export
             usage = {k: v for k, v in got[mode]["usage"].items() if k != "prompt_tokens_details"}
             assert usage == {k: v for k, v in ref["usage"].items() if k != "prompt_tokens_details"}
     texts = streamed(events)

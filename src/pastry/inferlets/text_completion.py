@@ -42,7 +42,7 @@ from dataclasses import replace
 import pastry.sdk as px
 from pastry.api import Sampling
 from pastry.sdk import Context, StopCondition, StopStrings
-from pastry.sdk.steps import prompt_logprobs, sample_next
+from pastry.sdk.steps import prompt_logprobs, sample_next, truncate
 
 OPTIONS = {
     "model": None,  # None: the first model
@@ -206,6 +206,7 @@ class Choice:
         self, ctx: Context, index: int, opts: dict, prompt: list[int], plain: bool, rank: bool
     ) -> None:
         self.ctx, self.index, self.plain = ctx, index, plain
+        self.prompt_len = len(ctx.tokens)
         self.a, self.q = ctx.api, ctx.queue
         stop_ids = set(map(int, opts["stop_token_ids"]))
         self.stop_ids = stop_ids | (set() if opts["ignore_eos"] else set(ctx.eos_ids))
@@ -298,6 +299,9 @@ class Choice:
         )  # fmt: skip
         if self.finish is None:  # the loop's grammar said so (its other rules are take's)
             self.finish = "stop" if finish == "grammar" else finish
+        keep = self.prompt_len + len(self.out)
+        if len(self.ctx.tokens) > keep:  # the loop ran past where a rule of ours ended it
+            await truncate(self.ctx, keep, spare=False)
 
     def hear(self, tokens: list[int], lps: tuple[list, list, list]) -> bool:
         """Tokens of the loop: taken one by one; True ends the loop (a repeated item)."""

@@ -78,9 +78,11 @@ async def dists_after(ctx: Context, tokens: Sequence[int], k: int = 256) -> list
     return results[-(len(tokens) + 1) :]
 
 
-async def truncate(ctx: Context, length: int) -> None:
+async def truncate(ctx: Context, length: int, spare: bool = True) -> None:
     """Keep only the first ``length`` tokens of ``ctx`` (see the module docstring for what
-    happens to the K/V of the dropped ones). Spare pages are kept for the tokens to come.
+    happens to the K/V of the dropped ones). Spare pages are kept for the tokens to come
+    (``spare`` False frees them: the context then holds exactly its tokens' pages, as an
+    export of it should).
 
     Kept tokens already forwarded stay in the KV cache, so when ``length`` is at most the
     number forwarded nothing is pending: append a token before ``generate``.
@@ -96,14 +98,18 @@ async def truncate(ctx: Context, length: int) -> None:
     used = -(-ctx.kv_len // ps)
     # The next forward writes from slot kv_len on: into the last used page if it is partial,
     # then into the spare pages. None of them may be a page a fork still reads.
-    spare = ctx.pages[used:]
-    shared = {p for i, p in enumerate(spare, used) if refs.get(p, 1) > 1 or i < ctx.frozen}
+    spare_pages = ctx.pages[used:]
+    shared = {p for i, p in enumerate(spare_pages, used) if refs.get(p, 1) > 1 or i < ctx.frozen}
     for p in shared:
         if refs.get(p, 1) > 1:
             refs[p] -= 1
         else:
             free.append(p)
-    ctx.pages = ctx.pages[:used] + [p for p in spare if p not in shared]
+    kept = [p for p in spare_pages if p not in shared]
+    if not spare:
+        free += kept
+        kept = []
+    ctx.pages = ctx.pages[:used] + kept
     ctx.frozen = min(ctx.frozen, used)
     rest = ctx.kv_len % ps
     if rest and (refs.get(ctx.pages[used - 1], 1) > 1 or used - 1 < ctx.frozen):
