@@ -167,28 +167,59 @@ def test_generate_in_the_sandbox_matches_the_trusted_runner(eng):
 
 
 CONTEXT = """
+import asyncio
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler, StopStrings
+from pastry.sdk.steps import sample_next
 from pastry.sdk.stop import StopCondition
 
-class PerStep(StopCondition):
-    # a condition of the program's own: Context.generate checks it per token
-    def __init__(self, n):
+class Own(StopCondition):
+    # a condition of the program's own: after n tokens, or at a token of `at`; the loop
+    # runs ahead and the program checks it on every token it hears
+    def __init__(self, n, at=()):
         self.n = self.max_tokens = n
+        self.at = set(at)
     def should_stop(self, tokens, text):
-        return len(tokens) >= self.n
+        return len(tokens) >= self.n or tokens[-1] in self.at
+
+def slow(more):
+    async def generate_more(q, stop):
+        await asyncio.sleep(0.01)
+        return await more(q, stop)
+    return generate_more
+
+async def by_steps(ctx, sampler, n, at=()):
+    # the reference: one sample per token, as Context.generate did before run-ahead
+    out = []
+    while True:
+        tok = await sample_next(ctx, sampling=sampler.sampling(len(out)))
+        out.append(tok)
+        ctx.fill_tokens([tok])
+        if len(out) >= n or tok in at:
+            return ctx.api.detokenize(ctx.queue, out)
 
 async def main(args):
     prompt = [int(t) for t in args[0].split(",")]
     sampler = Sampler(temperature=0.9, top_k=30, seed=int(args[1]))
+    at = [int(t) for t in args[2].split(",")] if args[2] else []
     out = []
-    for stop in ("ahead", "per_step"):
+    for mode in ("loop", "own", "own slow", "steps"):
         ctx = Context()
+        more = ctx.api.generate_more
+        if mode == "own slow":
+            ctx.api.generate_more = slow(more)
         ctx.fill_tokens(prompt)
-        cond = MaxTokens(16) if stop == "ahead" else PerStep(16)
-        text = await ctx.generate(sampler, cond)
+        if mode == "steps":
+            text = await by_steps(ctx, sampler, 16, at)
+            again = await by_steps(ctx, sampler, 5)
+        elif mode == "loop":  # checked by the loop itself
+            text = await ctx.generate(sampler, MaxTokens(16) | EosTokens(at))
+            again = await ctx.generate(sampler, MaxTokens(5))
+        else:
+            text = await ctx.generate(sampler, Own(16, at))
+            again = await ctx.generate(sampler, Own(5))
+        ctx.api.generate_more = more
         # and on from where it stopped: the context stays consistent
-        more = await ctx.generate(sampler, MaxTokens(5) if stop == "ahead" else PerStep(5))
-        out.append([ctx.tokens, text, more, ctx.kv_len])
+        out.append([ctx.tokens, text, again, ctx.kv_len, len(ctx.pages)])
         await ctx.release()
     return json.dumps(out)
 """
@@ -196,11 +227,21 @@ async def main(args):
 
 def test_context_generate_runs_ahead_with_the_per_step_tokens(eng):
     src = "import json\n" + CONTEXT
-    launches = [(src, [PROMPT, str(seed)]) for seed in range(6)]
+    launches = [(src, [PROMPT, str(seed), ""]) for seed in range(4)]
+    events, _ = asyncio.run(run_all(eng, launches))
+    tokens = [json.loads(result(ev))[3][0] for ev in events]
+    # stopping at a token the loop does not know: the 4th generated one of each seed
+    n = len(PROMPT.split(","))
+    launches += [(src, [PROMPT, str(seed), str(t[n + 3])]) for seed, t in enumerate(tokens)]
     events, controller = asyncio.run(run_all(eng, launches))
-    for ev in events:
-        ahead, per_step = json.loads(result(ev))
-        assert ahead == per_step
+    for i, ev in enumerate(events):
+        loop, own, own_slow, steps = json.loads(result(ev))
+        # the same tokens, text and forwarded length as one sample per token
+        assert loop[:4] == steps[:4] and own[:4] == steps[:4] and own_slow[:4] == steps[:4], i
+        # and the pages generate reserves with the prompt, less what the loop ran past
+        assert own[4] == own_slow[4] == loop[4], i
+        if i >= 4:
+            assert len(steps[0]) < n + 16 + 5
     model = next(iter(controller.models.values()))
     model.resources.check_integrity()
     assert model.resources.referenced("kv") == 0

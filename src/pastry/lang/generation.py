@@ -117,17 +117,15 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint, ahead: b
     ends = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
     stops = [s for s in p.stops if s]
     stop = StopStrings(stops) if stops else None
-    stream = None
-    if on_text is not None:
-        stream = _Stream(on_text, lambda t: a.detokenize(q, t), ends, stops)
+    detokenize = lambda t: a.detokenize(q, t)  # noqa: E731
+    stream = None if on_text is None else _Stream(on_text, detokenize, ends, stops)
     bias = list(p.logit_bias)
     banned = bias + [(t, -math.inf) for t in sorted(ends)]
     penalties = _penalties(p, prompt)
     fast_forward = not p.return_logprob  # a forced token has no log-probability
     ahead = ahead and ctx.adapter is None and (constraint is None or not fast_forward)
     out: list[int] = []
-    chosen: list[tuple[float, int]] = []
-    tops: list[list[tuple[float, int]]] = []
+    chosen, tops = [], []  # type: ignore[var-annotated]  # (logprob, token), top (lp, id)
     reason: dict[str, Any] = {"type": "length", "length": p.max_new_tokens}
     steps = 0
     while len(out) < p.max_new_tokens:
@@ -167,12 +165,8 @@ async def _decode(ctx: Context, p: SamplingParams, on_text, constraint, ahead: b
         if ahead and len(out) < p.max_new_tokens:
             loop = _Ahead(ctx, p, out, ends | (eos if constraint is not None else set()))
             kw = _sample_args(p, steps, list(out), bias, penalties, constraint)
-            reason = await loop.run(kw, stop, stream, (chosen, tops)) or reason
-            break
-    gen = _generation(a, q, out, reason, stream)
-    if p.return_logprob:
-        gen.logprobs, gen.top_logprobs = chosen, tops
-    return gen
+            return await loop.finish(kw, stop, stream, (chosen, tops), reason)
+    return _generation(a, q, out, reason, stream, (chosen, tops) if p.return_logprob else None)
 
 
 class _Ahead:
@@ -182,6 +176,12 @@ class _Ahead:
 
     def __init__(self, ctx: Context, p: SamplingParams, out: list[int], ends: set[int]):
         self.ctx, self.p, self.out, self.ends = ctx, p, out, ends
+
+    async def finish(self, kw: dict[str, Any], stop, stream, logprobs, length) -> Generation:
+        """Generate on from ``out`` with the sampling of the next step (``kw``)."""
+        reason = await self.run(kw, stop, stream, logprobs) or length
+        a, q, p = self.ctx.api, self.ctx.queue, self.p
+        return _generation(a, q, self.out, reason, stream, logprobs if p.return_logprob else None)
 
     async def run(self, kw: dict[str, Any], stop, stream, logprobs) -> dict[str, Any] | None:
         """Generate on from ``out`` with the sampling of the next step (``kw``); the finish
@@ -251,8 +251,9 @@ def _sample_args(
     return kw
 
 
-def _generation(a, q, out: list[int], reason: dict[str, Any], stream) -> Generation:
-    """The output's text (without a matched end token or stop string) and the rest."""
+def _generation(a, q, out: list[int], reason: dict[str, Any], stream, logprobs) -> Generation:
+    """The output's text (without a matched end token or stop string) and the rest
+    (``logprobs``: the chosen tokens' and the top ones, when asked for)."""
     matched = reason.get("matched")
     ended = isinstance(matched, int) and bool(out) and out[-1] == matched
     text = a.detokenize(q, out[:-1] if ended else out)
@@ -260,7 +261,10 @@ def _generation(a, q, out: list[int], reason: dict[str, Any], stream) -> Generat
         text = text[: text.find(matched)]
     if stream is not None:
         stream.flush(text)
-    return Generation(text, out, reason)
+    gen = Generation(text, out, reason)
+    if logprobs is not None:
+        gen.logprobs, gen.top_logprobs = logprobs
+    return gen
 
 
 def _stopped(out: list[int], p: SamplingParams, stop, stream, a, q) -> bool:

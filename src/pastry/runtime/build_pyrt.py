@@ -46,6 +46,7 @@ GUEST_SOURCES = (
     "api/table.py",
     "api/types.py",
     "sdk/__init__.py",
+    "sdk/ahead.py",
     "sdk/args.py",
     "sdk/context.py",
     "sdk/current.py",

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from pastry.api import ApiError, InferletApi, Sampling
+from pastry.sdk.ahead import until_own_stop
 from pastry.sdk.current import api
 from pastry.sdk.sampling import Sampler
 from pastry.sdk.stop import (
@@ -172,9 +173,10 @@ class Context:
         out: list[int] = []
         # Room for the tokens to come, reserved with the prompt (the last is not stored).
         reserve = max(0, (stop.max_tokens or 1) - 1)
-        # Stop conditions the control layer can check itself: the decode steps then run
-        # ahead there, and this program wakes once, when they end (``generate`` request).
-        ahead = loop_fields(stop) if sampler.on_device and self.adapter is None else None
+        # The decode steps run ahead in the control layer (``generate`` request): this
+        # program wakes once, when they end, or per merged part to check a condition of
+        # its own. Not for a sampler that picks the token itself, nor with an adapter.
+        ahead = loop_fields(stop, True) if sampler.on_device and self.adapter is None else None
         while True:
             if ahead is not None and len(self.pending) == 1:
                 await self._run_ahead(sampler, stop, ahead, out)
@@ -202,6 +204,9 @@ class Context:
         self, sampler: Sampler, stop: StopCondition, ahead: LoopFields, out: list[int]
     ) -> None:
         """The rest of ``generate`` as one loop in the control layer (see run_ahead)."""
+        if loop_fields(stop) is None:  # a condition of the program's own
+            await until_own_stop(self, sampler.sampling(len(out)), stop, ahead, out)
+            return
         max_tokens, stop_ids, strings = ahead
         tail = out[-stop.tail_tokens :] if stop.tail_tokens else []
         tokens, _, _ = await self.run_ahead(

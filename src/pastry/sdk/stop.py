@@ -78,10 +78,11 @@ LoopFields = tuple[int, list[int], list[str]]
 UNBOUNDED = (1 << 31) - 1  # max_tokens of a loop that only a stop token or string ends
 
 
-def loop_fields(stop: StopCondition) -> LoopFields | None:
+def loop_fields(stop: StopCondition, partial: bool = False) -> LoopFields | None:
     """``stop`` as the ``generate`` request's stop fields, or None if it is not made of
     :class:`MaxTokens`, :class:`EosTokens` and :class:`StopStrings` alone (a condition of
-    the program's own is checked by the program, per token)."""
+    the program's own is checked by the program, per token). ``partial``: the fields of
+    the parts it is made of anyway, the others bounding only by their ``max_tokens``."""
     conds, ids, strings, bound = [stop], set(), [], UNBOUNDED
     while conds:
         c = conds.pop()
@@ -93,6 +94,8 @@ def loop_fields(stop: StopCondition) -> LoopFields | None:
             ids |= c.ids
         elif type(c) is StopStrings:
             strings += c.strings
-        else:
+        elif not partial:
             return None
+        elif c.max_tokens is not None:
+            bound = min(bound, c.max_tokens)
     return bound, sorted(ids), strings
