@@ -13,6 +13,17 @@ from pastry.runtime.trusted import Program, TrustedRuntime
 from pastry.wire.config import EngineConfig
 from pastry.wire.handle import InProcessEngine
 
+# Guest code (its module imports asyncio): ``slow(api.generate_more)`` answers 10 ms late,
+# so a run-ahead loop runs on meanwhile and its answers merge several tokens.
+SLOW_READER = """
+
+def slow(more):
+    async def generate_more(q, stop):
+        await asyncio.sleep(0.01)
+        return await more(q, stop)
+    return generate_more
+"""
+
 POOLS = dict(num_pages=512, num_embeds=4096, num_host_pages=4, page_size=4)
 
 
@@ -54,21 +65,29 @@ def result(events: list[Event]) -> str:
     return end.result
 
 
-def trusted_and_sandboxed(engine: Engine, source: str, args: Sequence[str]):
-    """Run ``source`` with ``args`` on the trusted runner and in the sandbox at once (skips
-    without wasmtime or the Python runtime component); each instance's events."""
+def sandbox(**kw):
+    """A :class:`~pastry.runtime.wasm.WasmSandbox` (``kw``: its options); skips the test
+    without wasmtime or the Python runtime component."""
     import pytest
 
     pytest.importorskip("wasmtime")
     pytest.importorskip("componentize_py")
     from pastry.runtime import build_pyrt
-    from pastry.runtime.wasm import WasmSandbox, sandboxed_program
+    from pastry.runtime.wasm import WasmSandbox
 
     try:
         build_pyrt.build()
     except build_pyrt.BuildError as e:
         pytest.skip(f"cannot build the Python runtime component: {e}")
-    box = WasmSandbox(pool_size=1)
+    return WasmSandbox(**kw)
+
+
+def trusted_and_sandboxed(engine: Engine, source: str, args: Sequence[str]):
+    """Run ``source`` with ``args`` on the trusted runner and in the sandbox at once (skips
+    without wasmtime or the Python runtime component); each instance's events."""
+    from pastry.runtime.wasm import sandboxed_program
+
+    box = sandbox(pool_size=1)
 
     async def collect(inst):
         return [ev async for ev in inst.events()]

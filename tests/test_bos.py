@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from inferlet_util import load_engine, result, start
+from inferlet_util import load_engine, result, sandbox, start
 from pastry.runtime.trusted import Program
 from pastry.wire.tokenizer import Tokenizer
 
@@ -34,16 +34,7 @@ async def main(args):
 
 @pytest.fixture(scope="module")
 def box():
-    pytest.importorskip("wasmtime")
-    pytest.importorskip("componentize_py")
-    from pastry.runtime import build_pyrt
-    from pastry.runtime.wasm import WasmSandbox
-
-    try:
-        build_pyrt.build()
-    except build_pyrt.BuildError as e:
-        pytest.skip(f"cannot build the Python runtime component: {e}")
-    return WasmSandbox()
+    return sandbox()
 
 
 @pytest.mark.parametrize("sandboxed", [False, True], ids=["trusted", "sandboxed"])

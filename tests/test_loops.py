@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inferlet_util import load_engine, result, run_all, trusted_and_sandboxed
+from inferlet_util import SLOW_READER, load_engine, result, run_all, trusted_and_sandboxed
 
 LOOP = """
 import json, math
@@ -166,7 +166,8 @@ def test_generate_in_the_sandbox_matches_the_trusted_runner(eng):
     assert boxed["greedy"] == trusted["greedy"] and boxed["seeded"] == trusted["seeded"]
 
 
-CONTEXT = """
+CONTEXT = (
+    """
 import asyncio
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler, StopStrings
 from pastry.sdk.steps import sample_next
@@ -180,12 +181,6 @@ class Own(StopCondition):
         self.at = set(at)
     def should_stop(self, tokens, text):
         return len(tokens) >= self.n or tokens[-1] in self.at
-
-def slow(more):
-    async def generate_more(q, stop):
-        await asyncio.sleep(0.01)
-        return await more(q, stop)
-    return generate_more
 
 async def by_steps(ctx, sampler, n, at=()):
     # the reference: one sample per token, as Context.generate did before run-ahead
@@ -223,6 +218,8 @@ async def main(args):
         await ctx.release()
     return json.dumps(out)
 """
+    + SLOW_READER
+)
 
 
 def test_context_generate_runs_ahead_with_the_per_step_tokens(eng):
@@ -253,13 +250,8 @@ def test_context_generate_runs_ahead_with_the_per_step_tokens(eng):
 # running ahead (its default), running ahead heard by a slow reader (each generate_more
 # 10 ms late, so the loop runs on and the answers merge several tokens), and with one
 # sample call per token (the reference).
-COMPLETE = """
-
-def slow(more):
-    async def generate_more(q, stop):
-        await asyncio.sleep(0.01)
-        return await more(q, stop)
-    return generate_more
+COMPLETE = (
+    """
 
 
 async def main(args):
@@ -282,6 +274,8 @@ async def main(args):
         out.append(got)
     return json.dumps(out)
 """
+    + SLOW_READER
+)
 
 JSON_ITEMS = r'\[\{"a":[12]\}(,\{"a":[12]\}){2,}\]'  # the third item repeats one
 MODES = ("ahead", "slow", "steps")

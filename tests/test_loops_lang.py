@@ -11,20 +11,15 @@ import json
 
 import pytest
 
-from inferlet_util import load_engine, result, run_all, trusted_and_sandboxed
+from inferlet_util import SLOW_READER, load_engine, result, run_all, trusted_and_sandboxed
 
-GENERATE = """
+GENERATE = (
+    """
 import asyncio
 import json
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import generate
 from pastry.sdk import Context
-
-def slow(more):
-    async def generate_more(q, stop):
-        await asyncio.sleep(0.01)
-        return await more(q, stop)
-    return generate_more
 
 async def main(args):
     prompt = [int(t) for t in args[0].split(",")]
@@ -53,6 +48,8 @@ async def main(args):
         out.append(got)
     return json.dumps(out)
 """
+    + SLOW_READER
+)
 
 PROMPT = "5,17,42,8,99,3,250,31,7"
 

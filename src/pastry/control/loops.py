@@ -56,7 +56,6 @@ class GenerateLoop:
         "first",
         "future",
         "history",
-        "in_flight",
         "kv",
         "logprobs",
         "max_tokens",
@@ -110,7 +109,7 @@ class GenerateLoop:
         self.every = every
         self.read = (0, 0)  # tokens and new pages already answered
         self.finish = self.error = ""  # why the loop ended ("": it runs)
-        self.in_flight = self.stopping = False
+        self.stopping = False  # asked to stop: end after the step in flight
         s = sampling
         # Whether every step samples with the first step's record: no seed to advance, no
         # penalty history to grow, no grammar mask to take again, no ban to lift.
@@ -143,11 +142,8 @@ class GenerateLoop:
         if self.future is not None and not self.future.done():
             raise ApiError("a generate or generate_more call on this queue still waits")
         fut = self.future = asyncio.get_running_loop().create_future()
-        if stop and not self.finish:
-            if self.in_flight:
-                self.stopping = True
-            else:
-                self._end(CANCELLED)
+        if stop and not self.finish:  # a running loop always has its next step in flight
+            self.stopping = True
         self._answer()
         return fut
 
@@ -178,7 +174,6 @@ class GenerateLoop:
         fut = self.caller.submit(self.ref, Stage.EMBED, op, tokens=1, last_stage=Stage.OUTPUT)
         if spec is not None and spec.grammar is not None:
             spec.grammar.busy = True  # one sample at a time (SampledStep.finish frees it)
-        self.in_flight = True
         fut.add_done_callback(self._stepped)
 
     def _spec_at(self, n: int) -> SampleSpec | None:
@@ -201,7 +196,6 @@ class GenerateLoop:
 
     def _stepped(self, fut: asyncio.Future) -> None:
         """A step completed: take its token, stop or queue the next one."""
-        self.in_flight = False
         spec = self.spec
         if spec is not None and spec.grammar is not None:
             spec.grammar.busy = False

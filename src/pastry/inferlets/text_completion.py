@@ -240,18 +240,20 @@ class Choice:
         px.send(json.dumps({"index": self.index, "delta": delta, "logprobs": entries}))
         self.sent = len(self.entries)
 
-    def sampling_at(self, n: int) -> Sampling:
-        """The sampling of token ``n`` (what the control layer's loop derives per token)."""
+    def sampling_at(self, n: int, ban: bool = True) -> Sampling:
+        """The sampling of token ``n`` (what the control layer's loop derives per token);
+        ``ban``: with the stop tokens banned before ``min_tokens`` (the loop bans them
+        itself)."""
         s = self.sampling
         changes: dict = {}
         if s.seed is not None:
             changes["seed"] = s.seed + n
         if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
             changes["penalty_tokens"] = list(self.out)
-        complete = self.constraint is not None and self.constraint.complete
-        if n < self.min_tokens and self.stop_ids and not complete:
-            ban = [(t, -math.inf) for t in sorted(self.stop_ids)]
-            changes["logit_bias"] = [*s.logit_bias, *ban]
+        banning = ban and n < self.min_tokens and self.stop_ids
+        if banning and (self.constraint is None or not self.constraint.complete):
+            banned = [(t, -math.inf) for t in sorted(self.stop_ids)]
+            changes["logit_bias"] = [*s.logit_bias, *banned]
         return replace(s, **changes) if changes else s
 
     def take(self, tok: int, lp: float = 0.0, ids=(), lps=()) -> None:
@@ -286,16 +288,12 @@ class Choice:
     async def run_ahead(self) -> None:
         """The rest as one loop in the control layer, heard per merged part when the
         program streams or watches for a repeated item."""
-        n, s = len(self.out), self.sampling
-        changes: dict = {"seed": None if s.seed is None else s.seed + n}
-        if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
-            changes["penalty_tokens"] = list(self.out)
-        hear = self.hear if self.deltas is not None or self.repeated is not None else None
+        n = len(self.out)
+        heard = self.deltas is not None or self.repeated is not None  # else once, at the end
         tail = self.out[-self.strings.tail_tokens :] if self.stops else []
         _, finish, _ = await self.ctx.run_ahead(
-            self.max_tokens - n, replace(s, **changes), sorted(self.stop_ids), self.stops,
-            max(0, self.min_tokens - n), tail, every=1 if hear else 0,
-            hear=hear or self.hear,
+            self.max_tokens - n, self.sampling_at(n, ban=False), sorted(self.stop_ids),
+            self.stops, max(0, self.min_tokens - n), tail, every=int(heard), hear=self.hear,
         )  # fmt: skip
         if self.finish is None:  # the loop's grammar said so (its other rules are take's)
             self.finish = "stop" if finish == "grammar" else finish
