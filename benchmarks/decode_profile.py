@@ -1,12 +1,12 @@
 """Where a decode step's time goes: the engine as served, profiled at one batch size.
 
     python benchmarks/decode_profile.py [--quick] [--model DIR] [--batch 1] [--quantize ...]
-        [--no-compile]
+        [--dtype bfloat16|float32] [--no-compile]
 
 Runs ``--batch`` sequences (32-token prompts, greedy) through the fused loop
 (``engine/generate.py``) on the model (default: the random ``small`` checkpoint that
-``engine_decode.py`` writes) in bf16, with the compiled decode step unless ``--no-compile``,
-and profiles the decode steps with ``torch.profiler``. Prints the mean wall time of a step,
+``engine_decode.py`` writes) in ``--dtype`` (default bf16), with the compiled decode step
+unless ``--no-compile``, and profiles the decode steps with ``torch.profiler``. Prints the mean wall time of a step,
 then each operator's self time per step, grouped:
 
 - ``projections``: the decoder layers' linears (``pastry::linear`` in the compiled graph;
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: small)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--quantize", default="auto", choices=QUANT_MODES)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--no-compile", dest="compile", action="store_false")
     args = ap.parse_args()
     if args.model is None:
@@ -103,7 +104,7 @@ def main() -> None:
         args.model = small_checkpoint("cpu")
     b = args.batch
     cfg = EngineConfig(
-        dtype="bfloat16",
+        dtype=args.dtype,
         page_size=16,
         num_pages=b * (PROMPT + 4 * STEPS) // 16 + 64,
         num_embeds=b * (PROMPT + 2) + 64,
@@ -138,7 +139,7 @@ def main() -> None:
     wall_ms = float(np.mean(walls)) * 1e3  # the mean, as the per-operator times
     in_ops = sum(groups.values()) / 1e3
     print(
-        f"# {engine.info.model_name}, batch {b}, bf16, projections "
+        f"# {engine.info.model_name}, batch {b}, {args.dtype}, projections "
         f"{'/'.join(sorted({lin.kind for lin in engine.model.linears()}))}, compiled "
         f"{engine.compiled is not None and engine.compiled.enabled}, {STEPS} steps x {reps}"
     )
@@ -158,6 +159,7 @@ def main() -> None:
     print()
     out = {
         "model": engine.info.model_name,
+        "dtype": args.dtype,
         "batch": b,
         "wall_ms": round(wall_ms, 2),
         **{k: round(v / 1e3, 3) for k, v in groups.items()},

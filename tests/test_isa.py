@@ -1,7 +1,8 @@
 """Every ISA-dependent path, on one machine: the engine in a subprocess per capped ISA
 (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), asserting the path that CPU would take
-(float32 where there is no bf16 arithmetic, oneDNN's packed bf16, the native kernels) and
-that each computes the float32 engine's function. A test never asserts a fast path the
+(float32 where there is no bf16 arithmetic, oneDNN's packed bf16, the native kernels, the
+native float32 panels where there is AVX-512) and that each computes the float32 engine's
+function (float32 panels: MKL's float32 product's, to float32 summation order). A test never asserts a fast path the
 CPU does not offer: what is expected is derived from this CPU's flags and the cap."""
 
 from __future__ import annotations
@@ -24,8 +25,15 @@ from tests.engine_util import SMALL_POOLS, all_probs
 
 path = sys.argv[1]
 tokens = [1, 42, 7, 99, 3, 18, 64, 5, 77, 12]
-ref = all_probs(Engine.load(path, EngineConfig(dtype="float32", **SMALL_POOLS)), tokens)
-out = {"isa": native.cpu_isa(), "bf16": native.cpu_bf16()}
+f32 = Engine.load(path, EngineConfig(dtype="float32", **SMALL_POOLS))
+ref = all_probs(f32, tokens)
+out = {"isa": native.cpu_isa(), "bf16": native.cpu_bf16(), "panels": native.panels_ready}
+out["f32_kinds"] = sorted({lin.kind for lin in f32.model.linears()})
+ready, native.panels_ready = native.panels_ready, False  # MKL's product over plain weights
+plain = Engine.load(path, EngineConfig(dtype="float32", **SMALL_POOLS))
+native.panels_ready = ready
+out["plain_kinds"] = sorted({lin.kind for lin in plain.model.linears()})
+out["f32_err"] = float(np.abs(all_probs(plain, tokens) - ref).max())
 auto = Engine.load(path, EngineConfig(dtype="auto", **SMALL_POOLS))
 out["auto_dtype"] = auto.info.dtype
 out["auto_err"] = float(np.abs(all_probs(auto, tokens) - ref).max())
@@ -62,7 +70,9 @@ def expected(cap: str, flags: set[str]) -> dict:
     # oneDNN's bf16: AVX512 BW/VL/DQ (or AVX-NE-CONVERT) and a cap at AVX512_CORE or above
     bf16 = level >= 1 and (avx512 or "avx_ne_convert" in flags)
     native_bf16 = level >= 3 and avx512 and "avx512_bf16" in flags
-    return {"bf16": bf16, "native": native_bf16}
+    # the float32 panels: AVX-512F and a cap at AVX512_CORE or above
+    panels = level >= 1 and "avx512f" in flags
+    return {"bf16": bf16, "native": native_bf16, "panels": panels}
 
 
 @pytest.mark.parametrize("cap", ORDER)
@@ -81,6 +91,12 @@ def test_each_isa_takes_its_path_and_computes_the_same_function(make_tiny, cap):
     want = expected(cap, cpu_flags())
     assert got["bf16"] == want["bf16"], got
     assert got["native"] == want["native"], got
+    assert got["panels"] == want["panels"], got
+    # float32: Pastry's panels where the CPU has AVX-512, MKL's product over the plain
+    # weight elsewhere (and when they are off); the same function either way
+    assert got["f32_kinds"] == (["panels"] if want["panels"] else ["dense"]), got
+    assert got["plain_kinds"] == ["dense"], got
+    assert got["f32_err"] < 1e-5, got
     if cap == "avx2":
         assert got["isa"] == "AVX2"
     # auto: bf16 only where the CPU multiplies bf16; float32 (the same numbers) elsewhere

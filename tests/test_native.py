@@ -2,10 +2,11 @@
 
 The few-row bf16 product over oneDNN's packed weight equals oneDNN's product up to float32
 summation order (one bf16 rounding: a unit in the last place of a few outputs, more only
-near cancellation), and is what Linear.forward runs below SMALL_M rows; the C++ kernel of
-pastry::linear multiplies exactly as Linear.forward does for every kind of weight; and
-without the library (no compiler, PASTRY_NATIVE=0) an engine starts, compiles and decodes
-as before.
+near cancellation), and is what Linear.forward runs below SMALL_M rows; the float32 product
+over Pastry's panels equals sgemm's to float32 summation order at every row count; the
+C++ kernel of pastry::linear multiplies exactly as Linear.forward does for every kind of
+weight; and without the library (no compiler, PASTRY_NATIVE=0) an engine starts, compiles
+and decodes as before.
 
 The library is built once per source into $PASTRY_HOME/native (~15 s the first time).
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pastry.engine import native
 from pastry.engine.layers import Linear
@@ -139,8 +141,9 @@ def test_blocked_layout_rejects_a_different_weight():
 
 def linears_of_every_kind() -> list[Linear]:
     """A float32 dense Linear, a bf16 packed one with a bias, an int4 one with a dense copy
-    for large batches (int4-hybrid), an int8 one, and an int4 one without a copy (expanded
-    for large batches), each 64 x 96."""
+    for large batches (int4-hybrid), an int8 one, an int4 one without a copy (expanded
+    for large batches) and, where the CPU has AVX-512, a float32 one in panels with a bias;
+    each 64 x 96."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 96, generator=g) / 10
     dense = Linear(96, 64, bias=True)
@@ -155,7 +158,14 @@ def linears_of_every_kind() -> list[Linear]:
     plain4 = Linear(96, 64, bias=True).to(torch.bfloat16)
     plain4.bias.data.copy_(torch.randn(64, generator=g).to(torch.bfloat16))
     plain4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16))
-    return [dense, packed, int4, int8, plain4]
+    lins = [dense, packed, int4, int8, plain4]
+    if native.panels_ready:
+        panels = Linear(96, 64, bias=True)
+        panels.weight.data.copy_(w)
+        panels.bias.data.copy_(torch.randn(64, generator=g))
+        assert panels.prepack() and panels.kind == "panels"
+        lins.append(panels)
+    return lins
 
 
 def test_projections_multiply_as_linear_forward(lib):
@@ -170,6 +180,39 @@ def test_projections_multiply_as_linear_forward(lib):
         for m in (*rows, INT8_DENSE_FROM_M):
             x = torch.randn(m, 96).to(dtype)
             assert torch.equal(torch.ops.pastry_native.call(p, i, x), lin(x)), (lin.kind, m)
+
+
+def panels_linear(n: int, k: int, bias: bool, seed: int = 0) -> tuple[Linear, torch.Tensor]:
+    """A float32 Linear, unpacked, and its weight."""
+    g = torch.Generator().manual_seed(seed)
+    lin = Linear(k, n, bias=bias)
+    lin.weight.data.copy_(torch.randn(n, k, generator=g) / k**0.5)
+    if bias:
+        lin.bias.data.copy_(torch.randn(n, generator=g))
+    return lin, lin.weight.detach().clone()
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 96), (100, 576), (960, 576), (576, 1536), (7, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_panels_multiply_as_sgemm(lib, n, k, bias):
+    """Linear.prepack packs a float32 weight into panels where the CPU has AVX-512 (and
+    keeps the plain weight elsewhere); the product over them equals F.linear's to float32
+    summation order at every row count (partial panels, partial row blocks, many rows), and
+    the weight reads back exactly."""
+    lin, w = panels_linear(n, k, bias)
+    xs = [torch.randn(m, k) for m in (0, 1, 5, 6, 7, 13, 64, 300)]
+    refs = [lin(x) for x in xs]
+    if not native.panels_ready:
+        assert not lin.prepack() and lin.kind == "dense"
+        return
+    assert lin.prepack() and lin.kind == "panels" and lin.weight is None
+    assert torch.equal(lin.dense_weight(), w)
+    for x, ref in zip(xs, refs, strict=True):
+        y = lin(x)
+        assert y.shape == ref.shape and y.dtype == torch.float32 and y.is_contiguous()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    wide = torch.randn(9, 2 * k)[:, ::2]  # rows that are not contiguous
+    torch.testing.assert_close(lin(wide), F.linear(wide, w, lin.bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("n", "k"), [(128, 64), (960, 576), (4096 + 192, 96)])

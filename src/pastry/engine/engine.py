@@ -843,9 +843,10 @@ def build_model(
             f"quantized weights run on the CPU only (device is {device}); use --quantize none "
             "to expand them"
         )
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        # bf16 products of few rows over the packed weights, int4 expanded for many rows
-        # (engine/native.py; built once, before the weights are packed, which checks them)
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        # bf16 products of few rows over the packed weights, int4 expanded for many rows,
+        # float32 products over panels (engine/native.py; built once, before the weights
+        # are packed, which checks them)
         native.load()
     # the weights stream once per decode step: on huge pages, fewer TLB misses (hugepages.py)
     with huge_pages() if device.type == "cpu" else contextlib.nullcontext():

@@ -26,6 +26,11 @@ class Linear(nn.Module):
     fixed cost of ~11 us a call and streams the weight well below bandwidth. The results
     equal oneDNN's up to the last bit of a few outputs.
 
+    On CPU in float32 with AVX-512, :meth:`prepack` packs the weight once into Pastry's own
+    panels (:func:`pastry.engine.native.pack`) and drops the plain one: the native product
+    over them streams the weight once per call at every row count (decode batches of 4-32
+    rows 1.4-1.8x faster than MKL's sgemm over ``[N, K]``, prefill within 0.85-1.0x).
+
     :meth:`set_quantized` replaces the weight by a weight-only quantized one
     (:mod:`pastry.engine.quant`): int4 or int8 codes multiplied by PyTorch's CPU kernels
     without expanding them.
@@ -41,16 +46,27 @@ class Linear(nn.Module):
         # the packed weight's padded input width when the native kernel can read it
         self.blocked_kp: int | None = None
         self.quantized: QuantizedWeight | None = None
+        # float32 panels [ceil(N/64)][K][64] (native.pack), the weight of the native product
+        self.panels: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:
-        """How the weight is held: "dense", "packed" (oneDNN), "int8" or "int4"."""
+        """How the weight is held: "dense", "packed" (oneDNN bf16), "panels" (native
+        float32), "int8" or "int4"."""
         if self.quantized is not None:
             return self.quantized.kind
+        if self.panels is not None:
+            return "panels"
         return "packed" if self.packed is not None else "dense"
 
     def prepack(self) -> bool:
         w = self.weight
+        if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
+            if not native.panels_ready:
+                return False  # MKL's product over the plain weight
+            self.panels = native.pack(w.detach())
+            self.weight = None
+            return True
         if w is None or not (
             w.device.type == "cpu" and w.dtype == torch.bfloat16 and native.cpu_bf16()
         ):
@@ -69,6 +85,7 @@ class Linear(nn.Module):
                 f"projection {self.out_features}x{self.in_features}"
             )
         self.quantized, self.weight, self.packed, self.blocked_kp = weight, None, None, None
+        self.panels = None
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a dense ``[out, in]`` tensor (for quantizing or inspecting)."""
@@ -76,6 +93,8 @@ class Linear(nn.Module):
             return self.weight
         if self.quantized is not None:
             return self.quantized.dequantize()
+        if self.panels is not None:
+            return native.unpack(self.panels, self.out_features)
         assert self.packed is not None
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").t()
@@ -87,7 +106,9 @@ class Linear(nn.Module):
             return self.weight.dtype
         if self.quantized is not None:
             return self.quantized.dtype
-        return torch.bfloat16  # only bf16 weights are packed
+        if self.panels is not None:
+            return torch.float32
+        return torch.bfloat16  # only bf16 weights are packed by oneDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # float32 activations over bf16 weights: round the input
@@ -95,6 +116,8 @@ class Linear(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return native.panel_linear(x, self.panels, self.bias, self.out_features)
         if self.packed is not None:
             if self.blocked_kp is not None and x.shape[0] < native.SMALL_M and native.ready:
                 return torch.ops.pastry_native.blocked_linear(

@@ -1,6 +1,6 @@
 """Pastry's native CPU kernels (``data/native.cpp``), built on first use.
 
-Two things, both for the decode step on CPU:
+Three things, for the CPU:
 
 - **A bfloat16 product for few rows over oneDNN's packed weight.** ``Linear.prepack``
   reorders a bf16 weight into oneDNN's blocked layout; on a CPU with AVX512_BF16 that
@@ -11,6 +11,13 @@ Two things, both for the decode step on CPU:
   streams more slowly (SmolLM2-135M's 120 decoder projections at one row: ~10 ms with
   oneDNN, ~7 ms native on the 2-core Zen 4; benchmarks/RESULTS.md). Float32 sums, one
   rounding to bfloat16: a few outputs differ from oneDNN's in the last bit.
+- **A float32 product over Pastry's own layout.** With AVX-512, ``Linear.prepack`` packs a
+  float32 weight into panels of 64 output columns (``[ceil(N/64)][K][64]``, :func:`pack`)
+  and drops the plain one; :func:`panel_linear` multiplies by it at every row count. It
+  streams the weight once per call, where MKL's sgemm over the ``[N, K]`` weight reads it
+  at about half the bandwidth for the 4-32 rows of decode batches (1.4-1.8x faster there
+  on SmolLM2-135M's projections, within 0.85-1.0x of sgemm for prefill's hundreds of rows;
+  benchmarks/RESULTS.md). :data:`panels_ready` says whether it runs here.
 - **The C++ kernel of ``pastry::linear``**, the compiled decode step's opaque projection
   call (:mod:`pastry.engine.compiled`): called from inductor's C++ wrapper through the
   dispatcher, it no longer enters Python (120 round trips a step on SmolLM2-135M).
@@ -52,11 +59,12 @@ BLOCK = 64  # output rows per block of oneDNN's packed bf16 layout (native.cpp)
 # is faster (its cost grows more slowly with the rows; benchmarks/RESULTS.md).
 SMALL_M = 5
 # kinds of Projections.add (native.cpp)
-DENSE, BLOCKED, INT4, INT8 = 0, 1, 2, 3
+DENSE, BLOCKED, INT4, INT8, PANELS = 0, 1, 2, 3, 4
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "error": str
 ready = False  # the library is loaded and this CPU runs its bf16 kernel
+panels_ready = False  # the library is loaded and this CPU runs its float32 panel kernel
 
 
 def build_dir() -> Path:
@@ -70,7 +78,7 @@ def load() -> bool:
     """Build (the first time) and load the library into the process, once; False, with the
     reason in :func:`error`, logged once, if it cannot be built or loaded or
     ``PASTRY_NATIVE=0``. Sets :data:`ready`."""
-    global ready
+    global ready, panels_ready
     with _lock:
         if "loaded" in _state:
             return bool(_state["loaded"])
@@ -91,6 +99,12 @@ def load() -> bool:
             _state["loaded"] = True
             capped = isa_capped()
             ready = bool(torch.ops.pastry_native.supported()) and capped is None
+            panels_ready = bool(torch.ops.pastry_native.panel_supported()) and (
+                isa_capped("avx512") is None
+            )
+            if not panels_ready:
+                log.info("float32 products stay with MKL (%s)",
+                         isa_capped("avx512") or "this CPU lacks AVX-512")  # fmt: skip
             if capped is not None:
                 log.info("native bf16 kernels off: the ISA is capped (%s)", capped)
             elif not ready:
@@ -126,12 +140,19 @@ _BF16_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
               "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")  # fmt: skip
 
 
-def isa_capped() -> str | None:
-    """Why the native kernels must not run although the CPU could: the ISA is capped below
-    AVX512_BF16 by ``ONEDNN_MAX_CPU_ISA`` or ``ATEN_CPU_CAPABILITY`` (how the tests and a
-    user emulate an older CPU: every path then is the one that CPU would take)."""
+# and the AVX-512 ones below it (what the float32 panel kernel needs)
+_AVX512_ISAS = ("AVX512_CORE", "AVX512_CORE_VNNI", *_BF16_ISAS)
+
+
+def isa_capped(need: str = "bf16") -> str | None:
+    """Why a native kernel must not run although the CPU could: the ISA is capped below
+    what it needs (``need``: "bf16", AVX512_BF16 for the bf16 kernels; "avx512", AVX-512
+    for the float32 panels) by ``ONEDNN_MAX_CPU_ISA`` or ``ATEN_CPU_CAPABILITY`` (how the
+    tests and a user emulate an older CPU: every path then is the one that CPU would
+    take)."""
+    allowed = _BF16_ISAS if need == "bf16" else _AVX512_ISAS
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
-    if onednn and onednn not in _BF16_ISAS:
+    if onednn and onednn not in allowed:
         return f"ONEDNN_MAX_CPU_ISA={onednn}"
     aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     if aten in ("default", "avx2", "zvector", "vsx"):
@@ -190,6 +211,22 @@ def attention(head_dim: int) -> bool:
     """Whether the compiled decode step's attention runs natively for this head dim
     (``pastry_native::decode_attention``; requires :func:`load`)."""
     return ready and bool(torch.ops.pastry_native.attention_head_dim(head_dim))
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``w [N, K]`` as panels ``[ceil(N/64)][K][64]`` (requires
+    :data:`panels_ready`)."""
+    return torch.ops.pastry_native.panel_pack(w)
+
+
+def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[N, K]`` weight back from its panels."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int):
+    """``x [M, K]`` times the packed weight (``[M, n]``, float32, + ``bias``)."""
+    return torch.ops.pastry_native.panel_linear(x, panels, bias, n)
 
 
 def error() -> str | None:
@@ -252,7 +289,9 @@ def projections(linears: list[Linear]) -> torch.ScriptObject:
     p = torch.classes.pastry_native.Projections()
     for lin in linears:
         q, bias = lin.quantized, lin.bias
-        if q is None and lin.packed is not None and lin.blocked_kp is not None and ready:
+        if q is None and lin.panels is not None:
+            p.add(PANELS, lin.panels, None, None, bias, 0, 0, lin.out_features, 0)
+        elif q is None and lin.packed is not None and lin.blocked_kp is not None and ready:
             kp = lin.blocked_kp
             p.add(BLOCKED, lin.packed, None, None, bias, SMALL_M, 0, lin.out_features, kp)
         elif q is None:

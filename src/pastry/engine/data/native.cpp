@@ -12,7 +12,9 @@
 //    the result is rounded to bfloat16 once, as oneDNN does (the order of the float32 sums
 //    differs, so results differ from oneDNN's in the last bit of a few outputs).
 //
-// 2. The CPU kernel of pastry::linear, the compiled decode step's opaque projection call
+// 2. A float32 product over Pastry's own layout (panels), at every row count.
+//
+// 3. The CPU kernel of pastry::linear, the compiled decode step's opaque projection call
 //    (pastry/engine/compiled.py). Inductor's C++ wrapper reaches it through the dispatcher;
 //    in C++ the call never enters Python. The projections of the model being run are a
 //    Projections object (a TorchScript custom class built once per engine); use() makes it
@@ -25,6 +27,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -523,6 +526,146 @@ bool attention_head_dim(int64_t d) {
   return cpu_has_bf16() && d % 16 == 0 && (d <= 128 ? d != 48 && d != 112 : d == 256);
 }
 
+// ------------------------------------------------------------------ float32 panels
+//
+// A float32 weight [N, K] is packed once, at load, into panels of 64 output columns:
+// [ceil(N/64)][K][64], the last panel zero-padded (Linear.prepack; the plain weight is then
+// dropped). Each thread takes whole panels and walks a panel in chunks of kPanelK inputs
+// (32 KB, held in L1); each chunk serves every row of x, six rows at a time (24
+// accumulators: 6 rows x 4 vectors of 16 columns; per input, 4 loads of the weight, 6
+// broadcasts of x and 24 FMAs), while the first row block prefetches the next chunk. The
+// weight so streams from memory once per call whatever the row count, where MKL's sgemm
+// over the [N, K] weight streams it at about half the bandwidth for 4-32 rows (decode
+// batches; measured on SmolLM2-135M's projections, benchmarks/RESULTS.md). Each output is
+// a float32 sum, blocked by chunk (panel_rows): results differ from sgemm's in the last bits.
+
+constexpr int64_t kPanel = 64;    // output columns per panel
+constexpr int64_t kPanelK = 128;  // inputs per chunk of a panel
+constexpr int kPanelRows = 6;     // rows of x per pass over a chunk
+
+bool cpu_has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+
+at::Tensor panel_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "w must be a 2-D float32 weight");
+  int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(n > 0 && k > 0, "an empty weight");
+  at::Tensor padded = at::zeros({panels * kPanel, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+}
+
+// y[MR rows, one panel's columns] (+)= x[MR rows, kc inputs] * chunk [kc][64]; `mask`
+// selects the panel's columns that exist; `next` (or null) is prefetched into L1. A chunk
+// sums into fresh accumulators that are then added to y: sums of at most kPanelK terms in
+// a row, then one per chunk (rounding error grows with 128 + K/128 terms, not with K: sgemm
+// blocks its sums alike, and the logits stay within 1e-4 of transformers'). The loops
+// over rows and vectors are unrolled (the library builds at -O2, which would otherwise
+// keep the 24 accumulators in memory).
+template <int MR>
+__attribute__((target("avx512f"))) void panel_rows(
+    const float* x, int64_t xs, const float* w, int64_t kc, float* y, int64_t ys,
+    const __mmask16* mask, bool first, const float* next) {
+  __m512 acc[MR][4];
+  #pragma GCC unroll 8
+  for (int m = 0; m < MR; m++) {
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      acc[m][j] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t kk = 0; kk < kc; kk++) {
+    const float* wk = w + kk * kPanel;
+    if (next != nullptr) {
+      const char* pf = reinterpret_cast<const char*>(next + kk * kPanel);
+      _mm_prefetch(pf, _MM_HINT_T0);
+      _mm_prefetch(pf + 64, _MM_HINT_T0);
+      _mm_prefetch(pf + 128, _MM_HINT_T0);
+      _mm_prefetch(pf + 192, _MM_HINT_T0);
+    }
+    __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    #pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+      __m512 xv = _mm512_set1_ps(x[m * xs + kk]);
+      acc[m][0] = _mm512_fmadd_ps(xv, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xv, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xv, w2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(xv, w3, acc[m][3]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int m = 0; m < MR; m++) {
+    #pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+      float* out = y + m * ys + j * 16;
+      __m512 sum = first ? acc[m][j] : _mm512_add_ps(_mm512_maskz_loadu_ps(mask[j], out), acc[m][j]);
+      _mm512_mask_storeu_ps(out, mask[j], sum);
+    }
+  }
+}
+
+using PanelRows = void (*)(
+    const float*, int64_t, const float*, int64_t, float*, int64_t, const __mmask16*, bool,
+    const float*);
+const PanelRows kPanelRowsOf[kPanelRows + 1] = {
+    nullptr, panel_rows<1>, panel_rows<2>, panel_rows<3>, panel_rows<4>, panel_rows<5>,
+    panel_rows<6>};
+
+// y [M, N] = x [M, K] W^T (+ bias), W packed by panel_pack.
+at::Tensor panel_linear(
+    const at::Tensor& x_in, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+    int64_t n) {
+  TORCH_CHECK(cpu_has_avx512(), "this CPU lacks AVX-512");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be 2-D float32");
+  TORCH_CHECK(
+      panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == at::kFloat &&
+          panels.is_contiguous(),
+      "not a weight of panel_pack");
+  at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  int64_t m = x.size(0), k = x.size(1), count = panels.size(0);
+  TORCH_CHECK(panels.size(1) == k, "x has ", k, " columns, the weight ", panels.size(1));
+  TORCH_CHECK(n > (count - 1) * kPanel && n <= count * kPanel, "n does not match the panels");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m > 0) {
+    const float* xp = x.const_data_ptr<float>();
+    const float* wp = panels.const_data_ptr<float>();
+    float* yp = y.mutable_data_ptr<float>();
+    int64_t xs = x.stride(0);
+    at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; p++) {
+        int64_t cols = std::min(kPanel, n - p * kPanel);
+        __mmask16 mask[4];
+        for (int j = 0; j < 4; j++) {
+          int64_t c = std::clamp<int64_t>(cols - j * 16, 0, 16);
+          mask[j] = static_cast<__mmask16>((1u << c) - 1);
+        }
+        const float* panel = wp + p * k * kPanel;
+        for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
+          int64_t kc = std::min(kPanelK, k - k0);
+          const float* next = k0 + kPanelK < k ? panel + (k0 + kPanelK) * kPanel
+                              : p + 1 < p1     ? panel + k * kPanel
+                                               : nullptr;
+          for (int64_t r = 0; r < m; r += kPanelRows) {
+            int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r));
+            kPanelRowsOf[rows](
+                xp + r * xs + k0, xs, panel + k0 * kPanel, kc, yp + r * n + p * kPanel, n, mask,
+                k0 == 0, r == 0 ? next : nullptr);
+          }
+        }
+      }
+    });
+  }
+  if (bias.has_value()) {
+    y.add_(*bias);
+  }
+  return y;
+}
+
+bool panel_supported() { return cpu_has_avx512(); }
+
 // ------------------------------------------------------------------ pastry::linear
 
 // How a projection multiplies (pastry.engine.native.DENSE / BLOCKED / INT4 / INT8).
@@ -530,6 +673,7 @@ constexpr int64_t kDense = 0;    // oneDNN-packed (mkldnn layout) or a plain [N,
 constexpr int64_t kBlocked = 1;  // oneDNN-packed, read in place below `small_m` rows
 constexpr int64_t kInt4 = 2;     // _weight_int4pack_mm_for_cpu, groups of 32
 constexpr int64_t kInt8 = 3;     // _weight_int8pack_mm, per-channel scales
+constexpr int64_t kPanels = 4;   // float32 panels (panel_pack), at every row count
 
 // Linear.forward of a dense weight: oneDNN's packed product, or F.linear.
 at::Tensor dense_linear(
@@ -553,7 +697,7 @@ struct Projection {
   int64_t threshold;  // blocked: rows below which it runs; int4: rows from which `dense`
                       // runs; int8: rows from which the weight is expanded
   int64_t expand_from;  // int4 without `dense`: rows from which it is expanded (0: never)
-  int64_t n, kp;      // blocked: output rows, padded inputs
+  int64_t n, kp;      // blocked: output rows, padded inputs; panels: output rows
   const uint16_t* data;  // blocked: the packed bytes
 };
 
@@ -565,8 +709,11 @@ struct Projections : torch::CustomClassHolder {
       int64_t kind, at::Tensor weight, std::optional<at::Tensor> scales,
       std::optional<at::Tensor> dense, std::optional<at::Tensor> bias, int64_t threshold,
       int64_t expand_from, int64_t n, int64_t kp) {
-    TORCH_CHECK(kind >= kDense && kind <= kInt8, "unknown projection kind ", kind);
-    TORCH_CHECK(kind < kInt4 || scales.has_value(), "a quantized projection needs its scales");
+    TORCH_CHECK(kind >= kDense && kind <= kPanels, "unknown projection kind ", kind);
+    TORCH_CHECK(kind != kPanels || cpu_has_avx512(), "this CPU lacks AVX-512");
+    TORCH_CHECK(
+        (kind != kInt4 && kind != kInt8) || scales.has_value(),
+        "a quantized projection needs its scales");
     const uint16_t* data = nullptr;
     if (kind == kBlocked) {
       TORCH_CHECK(cpu_has_bf16(), "this CPU lacks AVX512_BF16");
@@ -587,6 +734,8 @@ struct Projections : torch::CustomClassHolder {
     switch (p.kind) {
       case kDense:
         return dense_linear(x, p.weight, p.bias);
+      case kPanels:
+        return panel_linear(x, p.weight, p.bias, p.n);
       case kBlocked:
         if (x.size(0) < p.threshold) {
           return blocked_product(x, p.data, p.n, p.kp, p.bias);
@@ -647,6 +796,9 @@ TORCH_LIBRARY(pastry_native, m) {
   m.def("call", &call);
   m.def("supported", &supported);
   m.def("blocked_linear", &blocked_linear);
+  m.def("panel_pack", &panel_pack);
+  m.def("panel_linear", &panel_linear);
+  m.def("panel_supported", &panel_supported);
   m.def("int4_expanded", &int4_expanded);
   m.def("int4_expand", &int4_expand);
   m.def("int4_expandable", &int4_expandable);
