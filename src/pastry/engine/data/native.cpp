@@ -542,6 +542,7 @@ bool attention_head_dim(int64_t d) {
 constexpr int64_t kPanel = 64;    // output columns per panel
 constexpr int64_t kPanelK = 128;  // inputs per chunk of a panel
 constexpr int kPanelRows = 6;     // rows of x per pass over a chunk
+constexpr int64_t kPanelSplitRows = 96;  // from these rows, a panel's rows split in two
 
 bool cpu_has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f");
@@ -634,8 +635,15 @@ at::Tensor panel_linear(
     const float* wp = panels.const_data_ptr<float>();
     float* yp = y.mutable_data_ptr<float>();
     int64_t xs = x.stride(0);
-    at::parallel_for(0, count, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; p++) {
+    // work items: a panel times a share of the rows. Few rows (decode): one share, each
+    // thread streams whole panels. Many rows: two shares of whole row blocks, so that two
+    // threads stay even when N has an odd number of panels (SmolLM2's 576 = 9 panels).
+    int64_t blocks = (m + kPanelRows - 1) / kPanelRows;
+    int64_t shares = m >= kPanelSplitRows ? 2 : 1;
+    int64_t per = (blocks + shares - 1) / shares * kPanelRows;
+    at::parallel_for(0, count * shares, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; i++) {
+        int64_t p = i / shares, r0 = (i % shares) * per, r1 = std::min(m, r0 + per);
         int64_t cols = std::min(kPanel, n - p * kPanel);
         __mmask16 mask[4];
         for (int j = 0; j < 4; j++) {
@@ -646,13 +654,13 @@ at::Tensor panel_linear(
         for (int64_t k0 = 0; k0 < k; k0 += kPanelK) {
           int64_t kc = std::min(kPanelK, k - k0);
           const float* next = k0 + kPanelK < k ? panel + (k0 + kPanelK) * kPanel
-                              : p + 1 < p1     ? panel + k * kPanel
+                              : i + 1 < i1     ? wp + (i + 1) / shares * k * kPanel
                                                : nullptr;
-          for (int64_t r = 0; r < m; r += kPanelRows) {
-            int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r));
+          for (int64_t r = r0; r < r1; r += kPanelRows) {
+            int rows = static_cast<int>(std::min<int64_t>(kPanelRows, r1 - r));
             kPanelRowsOf[rows](
                 xp + r * xs + k0, xs, panel + k0 * kPanel, kc, yp + r * n + p * kPanel, n, mask,
-                k0 == 0, r == 0 ? next : nullptr);
+                k0 == 0, r == r0 ? next : nullptr);
           }
         }
       }
