@@ -10,7 +10,7 @@ unless ``--no-compile``, and profiles the decode steps with ``torch.profiler``. 
 then each operator's self time per step, grouped:
 
 - ``projections``: the decoder layers' linears (``pastry::linear`` in the compiled graph;
-  oneDNN, Pastry's native, int8 or int4 kernels);
+  oneDNN, Pastry's native bf16 or float32-panel, int8 or int4 kernels);
 - ``lm_head``: the output head's matrix product, outside the graph;
 - ``compiled graph``: inductor's fused kernels (norms, RoPE, K/V store and gather,
   attention, residuals; everything of the step but the projections) and the graph's
@@ -48,6 +48,7 @@ STEPS = 32
 _KERNELS = (
     "mkldnn::_linear_pointwise",
     "pastry_native::blocked_linear",
+    "pastry_native::panel_linear",
     "pastry_native::int4_expanded",
     "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm_for_cpu",
