@@ -29,7 +29,7 @@ class Linear(nn.Module):
     On CPU in float32 with AVX-512, :meth:`prepack` packs the weight once into Pastry's own
     panels (:func:`pastry.engine.native.pack`) and drops the plain one: the native product
     over them streams the weight once per call at every row count (decode batches of 4-32
-    rows 1.4-1.8x faster than MKL's sgemm over ``[N, K]``, prefill within 0.85-1.0x).
+    rows 1.3-1.8x faster than MKL's sgemm over ``[N, K]``, prefill 0.83-1.0x of it).
 
     :meth:`set_quantized` replaces the weight by a weight-only quantized one
     (:mod:`pastry.engine.quant`): int4 or int8 codes multiplied by PyTorch's CPU kernels

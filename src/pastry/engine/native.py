@@ -15,8 +15,8 @@ Three things, for the CPU:
   float32 weight into panels of 64 output columns (``[ceil(N/64)][K][64]``, :func:`pack`)
   and drops the plain one; :func:`panel_linear` multiplies by it at every row count. It
   streams the weight once per call, where MKL's sgemm over the ``[N, K]`` weight reads it
-  at about half the bandwidth for the 4-32 rows of decode batches (1.4-1.8x faster there
-  on SmolLM2-135M's projections, within 0.85-1.0x of sgemm for prefill's hundreds of rows;
+  at about half the bandwidth for the 4-32 rows of decode batches (1.3-1.8x faster there
+  on SmolLM2-135M's projections, 0.83-1.0x sgemm for prefill's hundreds of rows;
   benchmarks/RESULTS.md). :data:`panels_ready` says whether it runs here.
 - **The C++ kernel of ``pastry::linear``**, the compiled decode step's opaque projection
   call (:mod:`pastry.engine.compiled`): called from inductor's C++ wrapper through the
@@ -77,7 +77,7 @@ def build_dir() -> Path:
 def load() -> bool:
     """Build (the first time) and load the library into the process, once; False, with the
     reason in :func:`error`, logged once, if it cannot be built or loaded or
-    ``PASTRY_NATIVE=0``. Sets :data:`ready`."""
+    ``PASTRY_NATIVE=0``. Sets :data:`ready` and :data:`panels_ready`."""
     global ready, panels_ready
     with _lock:
         if "loaded" in _state:
@@ -99,12 +99,11 @@ def load() -> bool:
             _state["loaded"] = True
             capped = isa_capped()
             ready = bool(torch.ops.pastry_native.supported()) and capped is None
-            panels_ready = bool(torch.ops.pastry_native.panel_supported()) and (
-                isa_capped("avx512") is None
-            )
+            panels_capped = isa_capped("avx512")
+            panels_ready = bool(torch.ops.pastry_native.panel_supported()) and not panels_capped
             if not panels_ready:
                 log.info("float32 products stay with MKL (%s)",
-                         isa_capped("avx512") or "this CPU lacks AVX-512")  # fmt: skip
+                         panels_capped or "this CPU lacks AVX-512")  # fmt: skip
             if capped is not None:
                 log.info("native bf16 kernels off: the ISA is capped (%s)", capped)
             elif not ready:
