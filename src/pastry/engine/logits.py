@@ -1,7 +1,7 @@
 """Logit processing and log-probabilities on the device, for a batch of output rows.
 
-Each row of an output batch (a ``NextDist`` or ``Sample`` call, see
-:mod:`pastry.wire.calls`) may carry a token bitmask, a sparse logit bias and
+Each row of an output batch (a ``NextDist`` or ``Sample`` call) may carry its
+:class:`~pastry.wire.calls.Processing`: a token bitmask, a sparse logit bias and
 repetition / frequency / presence penalties over a token history. :class:`LogitsProcessor`
 gathers them once per batch into a few device tensors and applies them in place, in vLLM's
 order: mask, bias, penalties. Rows without processing are untouched and cost nothing; rows
@@ -14,24 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
-
-class Processed(Protocol):
-    """The logit processing fields shared by ``NextDist`` and ``Sample``."""
-
-    mask: np.ndarray | None
-    bias_ids: np.ndarray
-    bias_values: np.ndarray
-    penalty_tokens: np.ndarray
-    penalty_prompt: np.ndarray
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-
+from pastry.wire.calls import Processing
 
 _LUTS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
@@ -77,16 +64,6 @@ def mask_allows_any(mask: np.ndarray, vocab: int) -> bool:
     return bool(rest) and bool(int(words[full]) & ((1 << rest) - 1))
 
 
-def needs_processing(c: Processed) -> bool:
-    return (
-        c.mask is not None
-        or len(c.bias_ids) > 0
-        or c.repetition_penalty != 1.0
-        or c.frequency_penalty != 0.0
-        or c.presence_penalty != 0.0
-    )
-
-
 @dataclass
 class LogitsProcessor:
     """The processing of one output batch as device tensors (build with :meth:`build`)."""
@@ -105,7 +82,7 @@ class LogitsProcessor:
 
     @classmethod
     def build(
-        cls, calls: Sequence[Processed], vocab: int, device: torch.device
+        cls, calls: Sequence[Processing], vocab: int, device: torch.device
     ) -> LogitsProcessor | None:
         """The processing of ``calls`` (row ``r`` = ``calls[r]``); None when no row has any."""
         p = cls()

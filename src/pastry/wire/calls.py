@@ -115,35 +115,10 @@ class Forward:
         return len(self.in_embeds)
 
 
-@dataclass(slots=True, eq=False)
-class NextDist:
-    """Top-``k`` next-token distribution from the hidden state in embed slot ``embed``.
-
-    The logit processing fields are those of :class:`Sample`; the probabilities are the
-    softmax of the processed logits (tokens a mask forbids have probability 0).
-    """
-
-    embed: int
-    k: int = 256
-    mask: np.ndarray | None = None
-    bias_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
-    bias_values: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
-    penalty_tokens: np.ndarray = field(default_factory=lambda: _EMPTY)
-    penalty_prompt: np.ndarray = field(default_factory=lambda: _EMPTY)
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-
-
-@dataclass(slots=True, eq=False)
-class Sample:
-    """Sample one token on the device from the hidden state in embed slot ``embed``.
-
-    ``temperature == 0`` is greedy. Filters apply in the order top-k, top-p, min-p (0 / 1.0
-    / 0.0 disable them). With a ``seed`` the draw is a pure function of (seed, logits):
-    the same in any batch, on any run; without one the engine draws a seed.
-
-    Logit processing, before temperature and filters, in this order (vLLM's):
+@dataclass(slots=True, eq=False, kw_only=True)
+class Processing:
+    """Logit processing of one output row, applied before temperature and the filters, in
+    this order (vLLM's); the fields of :class:`NextDist` and :class:`Sample` (keyword-only).
 
     - ``mask``: allowed tokens, a packed bitmask of :func:`mask_words` int32 words (bit
       ``t % 32`` of word ``t // 32`` set = token ``t`` allowed; llguidance's
@@ -157,6 +132,50 @@ class Sample:
       logit loses ``frequency_penalty`` times the token's count in ``penalty_tokens`` and
       ``presence_penalty`` if it occurs there at all (0 = off).
 
+    A new processing option is a field here, its check in ``engine/checks.py`` and its
+    step in ``engine/logits.py``; the control layer fills it from the request's
+    ``pastry.api.Sampling`` (``control/sampling.py``).
+    """
+
+    mask: np.ndarray | None = None
+    bias_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
+    bias_values: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    penalty_tokens: np.ndarray = field(default_factory=lambda: _EMPTY)
+    penalty_prompt: np.ndarray = field(default_factory=lambda: _EMPTY)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def processes(self) -> bool:
+        """Whether any processing is asked (False: the logits are used as they are)."""
+        return (
+            self.mask is not None
+            or len(self.bias_ids) > 0
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+
+@dataclass(slots=True, eq=False)
+class NextDist(Processing):
+    """Top-``k`` next-token distribution from the hidden state in embed slot ``embed``:
+    the softmax of the processed logits (:class:`Processing`; tokens a mask forbids have
+    probability 0)."""
+
+    embed: int
+    k: int = 256
+
+
+@dataclass(slots=True, eq=False)
+class Sample(Processing):
+    """Sample one token on the device from the hidden state in embed slot ``embed``.
+
+    ``temperature == 0`` is greedy. Filters apply in the order top-k, top-p, min-p (0 / 1.0
+    / 0.0 disable them), after the logit processing of :class:`Processing`. With a
+    ``seed`` the draw is a pure function of (seed, logits): the same in any batch, on any
+    run; without one the engine draws a seed.
+
     ``logprobs``: -1 returns the token id alone; ``n`` in 0..:data:`MAX_LOGPROBS` returns a
     :class:`Sampled` with the token's log-probability and the ``n`` most likely tokens'.
     Log-probabilities are those of the model's raw distribution (log-softmax of the logits
@@ -169,14 +188,6 @@ class Sample:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    mask: np.ndarray | None = None
-    bias_ids: np.ndarray = field(default_factory=lambda: _EMPTY)
-    bias_values: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
-    penalty_tokens: np.ndarray = field(default_factory=lambda: _EMPTY)
-    penalty_prompt: np.ndarray = field(default_factory=lambda: _EMPTY)
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
     logprobs: int = -1
 
 

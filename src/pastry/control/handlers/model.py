@@ -25,10 +25,12 @@ from pastry.control.ops import ForwardOp, MaskPage, NextDistOp, SampledOp, Sampl
 from pastry.control.sampling import Release, sample_spec
 from pastry.control.steps import Embed, SampledStep, Step
 from pastry.wire.calls import ids
+from pastry.wire.kv_layout import KvNames, kv_write_error
 
 _I64 = 1 << 63
 _NO_TARGETS = ids(())
 _NO_TARGETS.flags.writeable = False
+_API_NAMES = KvNames("in_kv", "in_kv_last_len", "out_kv", "out_kv_offset")
 
 
 def ints(values: object, what: str) -> list[int]:
@@ -60,36 +62,20 @@ def token_ids(values: object, what: str, lo: int, hi: int) -> np.ndarray:
 def check_kv(
     info, in_kv: list, last: object, out_kv: list, offset: object, n: int, overlap: bool = True
 ) -> None:
-    """The context and output pages of ``n`` new tokens, as the engine would check them
-    (so that the error names the request, not a refused engine call). ``overlap``: also
-    that the output pages do not overwrite the context (a pass over the context: the
-    decode step leaves it to the engine)."""
-    ps = info.page_size
+    """The context and output pages of ``n`` new tokens, by the rule the engine checks
+    too (:mod:`pastry.wire.kv_layout`), so that the error names the request's fields, not
+    a refused engine call. ``overlap``: also that the output pages do not overwrite the
+    context (a pass over the context: the decode step leaves it to the engine)."""
     if n > info.max_batch_tokens:
         raise ApiError(
             f"{n} inputs exceed the engine's max_batch_tokens ({info.max_batch_tokens}): "
             "split the forward"
         )
-    if in_kv and not (isinstance(last, int) and 1 <= last <= ps):
-        raise ApiError(f"in_kv_last_len must be from 1 to the page size ({ps}), got {last!r}")
-    if out_kv:
-        if not (isinstance(offset, int) and 0 <= offset < ps):
-            raise ApiError(f"out_kv_offset must be from 0 to {ps - 1}, got {offset!r}")
-        if len(out_kv) * ps - offset < n:
-            raise ApiError(
-                f"{len(out_kv)} output pages from offset {offset} hold "
-                f"{len(out_kv) * ps - offset} tokens, not {n}"
-            )
-        if len(out_kv) > 1 and len(set(out_kv)) != len(out_kv):
-            raise ApiError("out_kv repeats a page")
-        if not overlap:
-            return
-        shared = set(out_kv).intersection(in_kv)
-        if shared and (shared != {in_kv[-1]} or out_kv[0] != in_kv[-1] or offset < last):
-            raise ApiError(
-                "out_kv overlaps the context in_kv: new tokens may only continue the last "
-                "context page, after its in_kv_last_len tokens"
-            )
+    error = kv_write_error(
+        info.page_size, in_kv, last, out_kv, offset, n, names=_API_NAMES, overlap=overlap
+    )
+    if error is not None:
+        raise ApiError(error)
 
 
 def check_tokens(info, tokens: list[int], positions: list[int]) -> None:
