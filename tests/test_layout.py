@@ -30,15 +30,6 @@ KNOWN_CYCLES = {
     frozenset({"pastry.engine.layers", "pastry.engine.native", "pastry.engine.quant"}): (
         "engine lead's numerics files (issue 26)"
     ),
-    frozenset(
-        {
-            "pastry.server.engines",
-            "pastry.server.metrics",
-            "pastry.server.ray_engines",
-            "pastry.server.service",
-            "pastry.server.supervisor",
-        }
-    ): "engine supervision (issue 31)",
 }
 
 # (file, private name) used across a module boundary today.
@@ -61,11 +52,6 @@ KNOWN_PRIVATE = {
     ("engine/quant.py", "_reorder_linear_weight"),
     ("engine/quant.py", "_weight_int4pack_mm_for_cpu"),
     ("engine/quant.py", "_weight_int8pack_mm"),
-    # the server's engine supervision (issue 31)
-    ("server/engines.py", "_handles"),
-    ("server/engines.py", "_procs"),
-    ("server/engines.py", "_start_engine"),
-    ("server/ray_engines.py", "_procs"),
 }
 # Private names a library exports for exactly this use: asyncio lists _set_running_loop in
 # asyncio.__all__ for event-loop implementations (the guest's GuestLoop, wasm_pollers).

@@ -382,7 +382,7 @@ def test_router_swap_without_restarting_engines(make_tiny, tmp_path, single_engi
         server = await _server(make_tiny(), tmp_path, engines=2, router="round-robin")
         try:
             first = server.controller.routing.router
-            handles = list(server._handles)
+            handles = list(server.engines.handles)
             await server.set_router("pd-balance:0.5")
             assert server.controller.routing.router != first
             assert first not in server.runtime.instances  # the old router ended
@@ -391,7 +391,7 @@ def test_router_swap_without_restarting_engines(make_tiny, tmp_path, single_engi
                 await server.set_router("nope")
             with pytest.raises(ValueError, match="failed at start"):
                 await server.set_router("pd-balance:7")
-            assert server._handles == handles
+            assert server.engines.handles == handles
             return texts
         finally:
             await server.stop()
@@ -497,7 +497,7 @@ def test_killing_one_engine_ends_only_its_requests_and_it_comes_back(make_tiny, 
                 )
                 for p in LONG
             ]
-            pids = [p.pid for p in server._procs]
+            pids = [p.pid for p in server.engines.processes]
             cpus = [os.sched_getaffinity(pid) for pid in pids]
             if len(os.sched_getaffinity(0)) >= 2:  # each engine on its own cores
                 assert not cpus[0] & cpus[1], cpus
@@ -505,7 +505,7 @@ def test_killing_one_engine_ends_only_its_requests_and_it_comes_back(make_tiny, 
             while routing.routed < len(LONG):
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.3)
-            lost = server._procs[1]
+            lost = server.engines.processes[1]
             os.kill(lost.pid, signal.SIGKILL)
             ends = [await i.wait() for i in insts]
             during = [a for a, *_ in routing.load(server.models[0])]  # engine 1 restarting

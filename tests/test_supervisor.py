@@ -51,7 +51,7 @@ def test_an_engine_lost_mid_generation_comes_back(make_tiny, tmp_path, how):
     overrides = dict(in_process=False, engine_hang_timeout=3.0)
     with running_server(make_tiny("llama"), tmp_path, **overrides) as (url, server):
         model = server.models[0]
-        (sup,) = server._procs
+        (sup,) = server.engines.processes
         first_pid = sup.pid
         counted = restarts(url).get(sup.name, 0.0)  # the counter is process-wide
         assert health(url) == (200, {"status": "ok", "models": [model], "engines": [
@@ -90,7 +90,7 @@ def test_an_engine_lost_mid_generation_comes_back(make_tiny, tmp_path, how):
 def test_an_idle_engine_killed_is_restarted_before_anyone_asks(make_tiny, tmp_path):
     with running_server(make_tiny("llama"), tmp_path, in_process=False) as (url, server):
         model = server.models[0]
-        (sup,) = server._procs
+        (sup,) = server.engines.processes
         pid = sup.pid
         assert completion(url, model, 4).status_code == 200
         os.kill(pid, signal.SIGKILL)

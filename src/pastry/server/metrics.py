@@ -34,7 +34,7 @@ from starlette.routing import Route
 from pastry.control.commands import Stage
 
 if TYPE_CHECKING:
-    from pastry.server.service import PastryServer
+    from pastry.server.running import RunningServer
 
 REGISTRY = CollectorRegistry()
 _LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -138,7 +138,7 @@ class _Gauges:
     """Read at scrape time from the server installed last."""
 
     def __init__(self) -> None:
-        self.server: weakref.ReferenceType[PastryServer] | None = None
+        self.server: weakref.ReferenceType[RunningServer] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         server = self.server() if self.server is not None else None
@@ -171,7 +171,7 @@ _GAUGES = _Gauges()
 REGISTRY.register(_GAUGES)
 
 
-def install(server: PastryServer) -> None:
+def install(server: RunningServer) -> None:
     """Observe ``server``'s schedulers and read its gauges (call once it has started)."""
     _GAUGES.server = weakref.ref(server)
     for name, m in server.controller.models.items():

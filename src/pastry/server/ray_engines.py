@@ -26,7 +26,7 @@ from pastry.wire.config import EngineConfig
 from pastry.wire.handle import EngineHandle
 
 if TYPE_CHECKING:
-    from pastry.server.service import PastryServer
+    from pastry.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +76,17 @@ class _RayEngine:
         ray.kill(self.actor)
 
 
-async def start_ray_engines(server: PastryServer, model: Path, n: int) -> list[EngineHandle]:
-    """``n`` engines as Ray actors of the cluster at ``server.config.ray_address``."""
+async def start_ray_engines(
+    cfg: ServerConfig, model: Path, n: int, processes: list
+) -> list[EngineHandle]:
+    """``n`` engines as Ray actors of the cluster at ``cfg.ray_address``. The actors are
+    added to ``processes`` (what the server terminates at stop) as soon as they exist."""
     try:
         import ray
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'pastry[ray]' (the `ray` extra)") from None
     from pastry.wire.remote import RemoteEngine
 
-    cfg = server.config
     token = cfg.engine_token or secrets.token_urlsafe(24)
     address = None if cfg.ray_address == "local" else cfg.ray_address
     if not ray.is_initialized():
@@ -94,7 +96,7 @@ async def start_ray_engines(server: PastryServer, model: Path, n: int) -> list[E
                          num_embeds=cfg.num_embeds, **cfg.engine_kwargs)  # fmt: skip
     actor = ray.remote(num_cpus=1)(EngineActor)
     actors = [actor.remote(str(model), asdict(econf), token) for _ in range(n)]
-    server._procs.extend(_RayEngine(a) for a in actors)
+    processes.extend(_RayEngine(a) for a in actors)
     endpoints = await asyncio.to_thread(ray.get, [a.endpoint.remote() for a in actors])
     log.info("Ray placed %d engines: %s", n, ", ".join(endpoints))
     return [await RemoteEngine.connect(ep, token=token) for ep in endpoints]

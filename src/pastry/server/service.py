@@ -1,7 +1,8 @@
 """``PastryServer``: engines, the control layer, the runner and the program registry, wired.
 
-Start-up: one engine per device in ``engine_devices`` (its own process, reached over
-ZeroMQ IPC; or in-process when ``in_process``), a :class:`Controller` over them, a
+Start-up, from a :class:`ServerConfig` (``server/config.py``): one engine per device in
+``engine_devices`` (its own process, reached over ZeroMQ IPC; or in-process when
+``in_process``; several: ``server/engines.py``), a :class:`Controller` over them, a
 :class:`TrustedRuntime`, and a :class:`ProgramRegistry` with the built-in inferlets.
 Instances are launched by program name or hash; the endpoints (``server/ws.py``,
 ``server/openai.py``) track which connection owns which instance.
@@ -13,126 +14,27 @@ Tenancy (``docs/security.md``): clients authenticate as users (:class:`Directory
 
 from __future__ import annotations
 
-import ipaddress
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from pastry.control.controller import Controller
 from pastry.control.gc_tuning import tune_for_serving
 from pastry.control.mcp import McpServer
-from pastry.control.policies import (
-    DEFAULT_SCHEDULE,
-    admission_policy,
-    batch_policy,
-    schedule_policy,
-)
-from pastry.control.quotas import Quotas
-from pastry.control.users import LOCAL_USER, Account, Directory, User, UsersError, check_token
+from pastry.control.policies import admission_policy, batch_policy, schedule_policy
+from pastry.control.users import LOCAL_USER, User
 from pastry.paths import programs_dir
 from pastry.runtime.trusted import Instance, TrustedRuntime
-from pastry.server.engines import start_engines, supervise, swap_router
-from pastry.server.registry import ProgramRegistry
-from pastry.wire.config import EngineConfig
-from pastry.wire.handle import EngineHandle
+from pastry.server.config import ConfigError, ServerConfig  # importable from here too
+from pastry.server.engines import ServerEngines
+from pastry.server.registry import ProgramRegistry, RegistryError
 
 log = logging.getLogger(__name__)
 
 
-class ConfigError(ValueError):
-    """The server cannot start with this configuration."""
-
-
 class LaunchQuotaError(ValueError):
     """A launch would take its user over ``Quotas.instances_per_user``."""
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model: Path | None = None  # None: the embedded default model
-    host: str = "127.0.0.1"
-    port: int = 8080
-    auth_token: str | None = field(default=None, repr=False)
-    engine_devices: tuple[str, ...] = ("cpu",)
-    dtype: str = "auto"
-    page_size: int = 16
-    num_pages: int = 0  # 0: from available memory
-    num_embeds: int = 0
-    policy: str = "adaptive"
-    http_allow: tuple[str, ...] = ()
-    # MCP servers inferlets may use: NAME=COMMAND or NAME=URL (control/mcp.py: McpServer)
-    mcp_servers: tuple[str, ...] = ()
-    max_upload_bytes: int = 1 << 20
-    programs_dir: Path | None = None  # default: $PASTRY_HOME/programs
-    in_process: bool = False  # run the engine in this process (tests, smallest setups)
-    trusted_uploads: bool = False  # run uploaded programs in the server, not the sandbox
-    adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory) to load
-    engine_kwargs: dict = field(default_factory=dict)
-    schedule: str = DEFAULT_SCHEDULE  # fcfs | mlfq | plas | atlas (docs/scheduling.md)
-    max_batch: int | None = None  # forward calls per batch (None: no cap)
-    # Several engines (docs/multi-engine.md): engine processes per device on this host,
-    # engines started elsewhere (`pastry engine --listen`), Ray placement, the router.
-    engines: int = 1
-    remote_engines: tuple[str, ...] = ()  # tcp:// endpoints of `pastry engine` processes
-    engine_token: str | None = None  # the token remote engines were started with
-    ray_address: str | None = None  # place the engines as Ray actors of this cluster
-    router: str = ""  # NAME[:ARG] of inferlets/routers/, or a program; "" = round-robin
-    users: tuple[Account, ...] = field(default=(), repr=False)  # --users FILE
-    grants: tuple[tuple[str, str], ...] = ()  # (owner, reader): reader may read owner's
-    quotas: Quotas = field(default_factory=Quotas)
-    prefix_cache: bool = True  # the automatic prefix cache (RadixAttention)
-    # an engine process whose batch (or, idle, a ping) goes unanswered this long is killed
-    # and restarted (server/supervisor.py)
-    engine_hang_timeout: float = 120.0
-    admission: str = "lpm"  # order of waiting prefills: lpm, fcfs or random
-
-    def __post_init__(self) -> None:
-        if self.auth_token:  # "" is no token, like an empty PASTRY_AUTH_TOKEN
-            try:
-                check_token(self.auth_token, "the auth token (--auth-token / PASTRY_AUTH_TOKEN)")
-            except UsersError as e:
-                raise ConfigError(str(e)) from None
-        if not self.auth_token and not self.users and not is_loopback(self.host):
-            raise ConfigError(
-                f"refusing to listen on {self.host} without an auth token: anyone who can "
-                "reach it could run programs. Set --auth-token (or PASTRY_AUTH_TOKEN) or "
-                "--users FILE, or bind 127.0.0.1"
-            )
-        self.directory()  # validates users and grants
-        batch_policy(self.policy)  # validates the name
-        schedule_policy(self.schedule)
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ConfigError(
-                f"max_batch must be >= 1 (forward calls per batch), got {self.max_batch}"
-            )
-        if self.engines < 0 or (self.engines == 0 and not self.remote_engines):
-            raise ConfigError(
-                f"--engines must be at least 1 (0 only with --engine), got {self.engines}"
-            )
-        if self.remote_engines and not self.engine_token:
-            raise ConfigError(
-                "--engine needs the engines' token (--engine-token or PASTRY_ENGINE_TOKEN): "
-                "`pastry engine --listen` prints it, and refuses clients without it"
-            )
-        admission_policy(self.admission)  # validates the name
-
-    def directory(self) -> Directory:
-        """Who may connect, as which user (from ``auth_token`` and ``users``)."""
-        try:
-            return Directory.build(self.auth_token or None, self.users, self.grants)
-        except UsersError as e:
-            raise ConfigError(str(e)) from None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class PastryServer:
@@ -150,17 +52,14 @@ class PastryServer:
             max_bytes_per_user=q.upload_bytes_per_user,
         )
         self.registry.add_builtins()
-        self._procs: list = []
-        self._handles: list[EngineHandle] = []
-        self._in_process: list = []  # engines run in this process (closed at stop)
+        self.engines = ServerEngines()
+        """The engines: their handles, and what :meth:`stop` ends (``server/engines.py``)."""
         self.owners: dict[int, object] = {}  # instance id -> owning connection (None: detached)
         self.running: Counter[str] = Counter()  # user -> instances running
         self.streams = None  # the /ws endpoint's instance streams (server/ws.py sets it)
         self.loop = None  # the event loop the server runs on, set by start()
 
     async def start(self) -> None:
-        import asyncio
-
         self.loop = asyncio.get_running_loop()
         cfg = self.config
         if cfg.trusted_uploads:
@@ -176,9 +75,9 @@ class PastryServer:
             from pastry.engine.default_model import default_model
 
             model = default_model()
-        self._handles = await start_engines(self, model)
+        await self.engines.start(cfg, model)
         self.controller = Controller(
-            self._handles,
+            self.engines.handles,
             batch_policy(cfg.policy),
             http_allow=cfg.http_allow,
             schedule=lambda: schedule_policy(cfg.schedule),
@@ -191,17 +90,17 @@ class PastryServer:
             mcp_servers=[McpServer.parse(spec) for spec in cfg.mcp_servers],
         )
         self.runtime = TrustedRuntime(self.controller)
-        supervise(self)  # engines that exit, are killed or hang come back
+        self.engines.supervise(self)  # engines that exit, are killed or hang come back
         # Long-lived objects (tokenizers, an in-process model) stay out of later garbage
         # collections, and young collections are rare enough that a batch cycle's objects
         # die first (control/gc_tuning.py: the per-step cost stays flat in the inferlets).
         tune_for_serving()
-        if len(self._handles) > 1:
+        if len(self.engines.handles) > 1:
             try:
                 await self.set_router(cfg.router or "round-robin")
             except ValueError as e:
                 raise ConfigError(f"--router: {e}") from None
-        for h in self._handles:
+        for h in self.engines.handles:
             i = h.info
             log.info(
                 "model %s (%s, %s on %s): %d KV pages x %d tokens, %d embeds, max %d tokens/batch",
@@ -212,38 +111,41 @@ class PastryServer:
     async def set_router(self, spec: str, user: User = LOCAL_USER) -> Instance:
         """Make ``spec`` (``NAME[:ARG]`` of ``inferlets/routers/``, or a program's name or
         hash with ``:ARGS``) the active router, without restarting engines: the new router
-        runs detached; the old one ends, and what it had not placed is placed anew."""
-        return await swap_router(self, spec, user)
-
-    async def _start_engine(self, model: Path, econf: EngineConfig, **spawn_kw) -> EngineHandle:
-        if self.config.in_process:
-            from pastry.engine.engine import Engine
-            from pastry.wire.handle import InProcessEngine
-
-            engine = Engine.load(model, econf)
-            for name, path in self.config.adapters:
-                engine.load_adapter(path, name)
-            self._in_process.append(engine)
-            return InProcessEngine(engine)
-        from pastry.wire.remote import RemoteEngine
-        from pastry.wire.spawn import spawn_engine
-
-        proc = spawn_engine(model, econf, adapters=self.config.adapters, **spawn_kw)
-        self._procs.append(proc)
-        return await RemoteEngine.connect(proc.endpoint, token=spawn_kw.get("token"))
+        runs detached; the old one ends, and what it had not placed is placed anew. Raises
+        ``ValueError`` naming the routers when the program is unknown or fails at start."""
+        name, _, arg = spec.partition(":")
+        args = [a for a in arg.split(",") if a]
+        known = sorted(p.name[7:] for p in self.registry.list() if p.name.startswith("router-"))
+        program = f"router-{name}" if name in known else name
+        try:
+            prog = self.registry.get(program, user.name)  # a built-in, or one of user's
+        except RegistryError:
+            raise ValueError(
+                f"no router '{name}' (built-in routers: {', '.join(known)}; or upload a "
+                "program and name it)"
+            ) from None
+        routing = self.controller.routing
+        old = routing.router
+        inst = self.runtime.launch(prog, args, user.name)
+        self.owners[inst.id] = None
+        routing.set_router(inst.id, spec)
+        for _ in range(20):  # a router that fails at once (a bad argument) is reported here
+            await asyncio.sleep(0)
+            if inst.done.is_set():
+                end = inst.end
+                why = getattr(end, "error", None) or getattr(end, "reason", None) or end
+                raise ValueError(f"router '{spec}' failed at start:\n{why}")
+        if old is not None and old != inst.id:
+            self.runtime.terminate(old, f"replaced by router '{spec}'")
+        log.info("router %s is instance %d", spec, inst.id)
+        return inst
 
     async def stop(self) -> None:
         if self.controller is not None:
             for inst in list(self.runtime.instances.values()):
                 self.runtime.terminate(inst.id, "the server is shutting down")
             await self.controller.close()
-        for h in self._handles:
-            await h.aclose()
-        for p in self._procs:
-            p.terminate()
-        for e in self._in_process:
-            e.close()
-        self._handles, self._procs, self._in_process = [], [], []
+        await self.engines.close()
         self.registry.close()
 
     # ------------------------------------------------------------------ instances

@@ -33,11 +33,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pastry.server import metrics
 from pastry.wire.calls import EngineInfo, Result
 from pastry.wire.handle import EngineDied, EngineError, EngineHandle
 
 if TYPE_CHECKING:
-    from pastry.server.service import PastryServer
+    from pastry.server.running import RunningServer
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +223,6 @@ class EngineSupervisor(EngineHandle):
         self.restarts += 1
         self.last_failure = reason
         log.error("engine %s (pid %s) lost: %s; restarting it", self.name, self.pid, reason)
-        from pastry.server import metrics
-
         metrics.engine_restarted(self.name)
         if self._on_lost is not None:
             try:
@@ -292,7 +291,7 @@ def _same_engine(old: EngineInfo, new: EngineInfo) -> bool:
     return all(getattr(old, k, None) == getattr(new, k, None) for k in keys)
 
 
-def release_lost_engine(server: PastryServer, supervisor: EngineSupervisor, reason: str) -> None:
+def release_lost_engine(server: RunningServer, supervisor: EngineSupervisor, reason: str) -> None:
     """``on_lost`` for a server's engine: end the instances that held anything on it, with
     a reason naming the engine, and empty its page table (checked)."""
     controller, runtime = server.controller, server.runtime
@@ -315,7 +314,7 @@ def release_lost_engine(server: PastryServer, supervisor: EngineSupervisor, reas
         m.scheduler.wake()
 
 
-def health(server: PastryServer) -> tuple[str, list[dict]]:
+def health(server: RunningServer) -> tuple[str, list[dict]]:
     """``("ok" | "degraded", engines)``: each supervised engine's state."""
     rows = []
     for m in server.controller.all_engines() if server.controller else []:
