@@ -79,7 +79,6 @@ LONG_FILES = {
     "engine/engine.py": 875,  # the engine lead's numerics and start-up, and call checks
     "engine/gguf.py": 724,  # engine lead's loader
     "server/openai.py": 691,  # clients' endpoints (issue 30)
-    "server/openai_params.py": 610,  # clients' request checking (issue 30)
     "server/responses.py": 758,  # clients' Responses API (issue 30)
     "server/ws.py": 571,  # the WebSocket endpoint
 }
@@ -101,7 +100,6 @@ LONG_FUNCTIONS = {
     "wire/spawn.py:spawn_engine": 70,
     "server/openai.py:routes": 148,
     "server/openai.py:Run._stream": 62,
-    "server/openai_params.py:parse_chat": 67,
     "server/responses.py:parse_response": 113,
     "server/responses.py:routes": 77,
     "server/errors.py:RequestIds.__call__": 68,  # reliability's request ids (issue 31)
