@@ -78,7 +78,6 @@ LONG_FILES = {
     "cli.py": 823,  # subcommands (engine lead's serve flags among them)
     "engine/engine.py": 875,  # the engine lead's numerics and start-up, and call checks
     "engine/gguf.py": 724,  # engine lead's loader
-    "server/responses.py": 758,  # clients' Responses API (issue 30)
     "server/ws.py": 571,  # the WebSocket endpoint
 }
 # Functions over MAX_FUNCTION_LINES today ("file:qualified name": lines then).
@@ -97,8 +96,6 @@ LONG_FUNCTIONS = {
     "engine/model.py:LlamaModel.load_hf_state_dict": 72,
     "engine/serve.py:main": 63,
     "wire/spawn.py:spawn_engine": 70,
-    "server/responses.py:parse_response": 113,
-    "server/responses.py:routes": 77,
     "server/errors.py:RequestIds.__call__": 68,  # reliability's request ids (issue 31)
     "server/ws.py:Connection.serve": 63,
 }
