@@ -95,7 +95,6 @@ LONG_FUNCTIONS = {
     "engine/model.py:LlamaModel.load_hf_state_dict": 72,
     "engine/serve.py:main": 63,
     "wire/spawn.py:spawn_engine": 70,
-    "server/errors.py:RequestIds.__call__": 68,  # reliability's request ids (issue 31)
 }
 
 
