@@ -63,10 +63,6 @@ WASMTIME_DOOR = "runtime/wasmtime_raw.py"
 LONG_FILES = {
     "cli.py": 823,  # subcommands (engine lead's serve flags among them)
     "engine/gguf.py": 724,  # engine lead's loader
-    "server/openai.py": 691,  # clients' endpoints (issue 30)
-    "server/openai_params.py": 610,  # clients' request checking (issue 30)
-    "server/responses.py": 758,  # clients' Responses API (issue 30)
-    "server/ws.py": 571,  # the WebSocket endpoint
 }
 # Functions over MAX_FUNCTION_LINES today ("file:qualified name": lines then).
 LONG_FUNCTIONS = {
@@ -83,13 +79,6 @@ LONG_FUNCTIONS = {
     "engine/model.py:LlamaModel.load_hf_state_dict": 72,
     "engine/serve.py:main": 63,
     "wire/spawn.py:spawn_engine": 70,
-    "server/openai.py:routes": 148,
-    "server/openai.py:Run._stream": 62,
-    "server/openai_params.py:parse_chat": 67,
-    "server/responses.py:parse_response": 113,
-    "server/responses.py:routes": 77,
-    "server/errors.py:RequestIds.__call__": 68,  # reliability's request ids (issue 31)
-    "server/ws.py:Connection.serve": 63,
 }
 
 

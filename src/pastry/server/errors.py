@@ -104,75 +104,91 @@ class RequestIds:
         state = RequestState(rid)
         token = _current.set(state)
         scope.setdefault("state", {})["request_id"] = rid
-        header = (b"x-request-id", rid.encode())
-        started = False
-        held: Message | None = None  # a 5xx JSON start, until its body is complete
-        body = b""
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal started, held, body
-            kind = message["type"]
-            if kind == "websocket.accept":
-                message = {**message, "headers": [*message.get("headers", []), header]}
-            elif kind == "http.response.start":
-                started = state.started = True
-                message = {**message, "headers": [*message.get("headers", []), header]}
-                status = message["status"]
-                if status >= 500:
-                    if _is_json(message):
-                        held = message
-                        return
-                    self._log(scope, state, status, "")
-            elif kind == "http.response.body" and held is not None:
-                body += message.get("body", b"")
-                if message.get("more_body", False) and len(body) <= _MAX_BUFFERED:
-                    return
-                start, held = held, None
-                status = start["status"]
-                new_body, text = _with_request_id(body, rid)
-                if message.get("more_body", False):  # too large to rewrite: as it came
-                    new_body = body
-                self._log(scope, state, status, text)
-                headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
-                if not message.get("more_body", False):
-                    headers.append((b"content-length", str(len(new_body)).encode()))
-                await send({**start, "headers": headers})
-                message = {**message, "body": new_body}
-            await send(message)
-
+        reply = _IdSender(scope, state, send)
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive, reply)
         except Exception:
             log.exception(
                 "request %s: %s %s failed with an exception", rid, _method(scope), _path(scope)
             )
-            if scope["type"] == "http" and not started:
-                error = {
-                    "message": f"internal server error (logged as request {rid})",
-                    "type": "server_error",
-                    "param": None,
-                    "code": None,
-                    "request_id": rid,
-                }
-                data = json.dumps({"error": error}).encode()
-                headers = [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(data)).encode()),
-                    header,
-                ]
-                await send({"type": "http.response.start", "status": 500, "headers": headers})
-                await send({"type": "http.response.body", "body": data})
+            if scope["type"] == "http" and not state.started:
+                await reply.internal_error()
         finally:
             _current.reset(token)
 
-    @staticmethod
-    def _log(scope: Scope, state: RequestState, status: int, message: str) -> None:
-        details = "".join(f"\n{d.rstrip()}" for d in state.details)
-        level = logging.WARNING if status == 503 else logging.ERROR
-        log.log(
-            level, "request %s: %d on %s %s: %s%s",
-            state.id, status, _method(scope), _path(scope), message or "(no message)", details,
-        )  # fmt: skip
+
+class _IdSender:
+    """The ``send`` of one request: adds ``X-Request-Id`` to the answer's headers, logs a
+    5xx, and holds a 5xx JSON answer until its body is complete, to add the id to it."""
+
+    def __init__(self, scope: Scope, state: RequestState, send: Send) -> None:
+        self.scope, self.state, self.send = scope, state, send
+        self.header = (b"x-request-id", state.id.encode())
+        self.held: Message | None = None  # a 5xx JSON start, until its body is complete
+        self.body = b""
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "websocket.accept":
+            message = {**message, "headers": [*message.get("headers", []), self.header]}
+        elif kind == "http.response.start":
+            self.state.started = True
+            message = {**message, "headers": [*message.get("headers", []), self.header]}
+            status = message["status"]
+            if status >= 500:
+                if _is_json(message):
+                    self.held = message
+                    return
+                _log_failure(self.scope, self.state, status, "")
+        elif kind == "http.response.body" and self.held is not None:
+            self.body += message.get("body", b"")
+            if message.get("more_body", False) and len(self.body) <= _MAX_BUFFERED:
+                return
+            message = await self._release(message)
+        await self.send(message)
+
+    async def _release(self, last: Message) -> Message:
+        """Log the held 5xx and send its start; returns ``last`` carrying the whole body,
+        the id added (a body too large to rewrite goes as it came)."""
+        start, self.held = self.held, None
+        status = start["status"]
+        new_body, text = _with_request_id(self.body, self.state.id)
+        if last.get("more_body", False):  # too large to rewrite: as it came
+            new_body = self.body
+        _log_failure(self.scope, self.state, status, text)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        if not last.get("more_body", False):
+            headers.append((b"content-length", str(len(new_body)).encode()))
+        await self.send({**start, "headers": headers})
+        return {**last, "body": new_body}
+
+    async def internal_error(self) -> None:
+        """The 500 of an exception that escaped the app before it answered."""
+        rid = self.state.id
+        error = {
+            "message": f"internal server error (logged as request {rid})",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+            "request_id": rid,
+        }
+        data = json.dumps({"error": error}).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            self.header,
+        ]
+        await self.send({"type": "http.response.start", "status": 500, "headers": headers})
+        await self.send({"type": "http.response.body", "body": data})
+
+
+def _log_failure(scope: Scope, state: RequestState, status: int, message: str) -> None:
+    details = "".join(f"\n{d.rstrip()}" for d in state.details)
+    level = logging.WARNING if status == 503 else logging.ERROR
+    log.log(
+        level, "request %s: %d on %s %s: %s%s",
+        state.id, status, _method(scope), _path(scope), message or "(no message)", details,
+    )  # fmt: skip
 
 
 def _client_id(scope: Scope) -> str | None:

@@ -5,31 +5,37 @@ Every parameter of the body is either implemented or rejected with a 400 that na
 never ignored: :data:`COMPLETION_FIELDS` and :data:`CHAT_FIELDS` are what is accepted
 (OpenAI's parameters plus vLLM's extensions, with vLLM's meaning); ``null`` is the same as
 leaving a parameter out. The generation options become the JSON argument of the built-in
-inferlets (``text-completion``, ``chat``), which run them.
+inferlets (``text-completion``, ``chat``), which run them; the options completions and chat
+share are checked in :mod:`pastry.server.openai_options`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
 
 from pastry.server.limits import MAX_MESSAGES, MAX_TOOLS, too_many
+from pastry.server.openai_options import (
+    MAX_LOGPROBS,
+    MAX_N,
+    OpenAIError,
+    check_fields,
+    compile_grammar,
+    generation_options,
+    include_usage,
+    param,
+)
 from pastry.server.openai_tools import (
     HermesFormat,
     ToolCallFormat,
-    closed_schema,
     inline_tools,
     named_schema,
     required_schema,
     template_messages,
 )
-
-MAX_N = 16
-MAX_LOGPROBS = 20
 
 _COMMON = {
     "model", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
@@ -53,25 +59,6 @@ CHAT_FIELDS = frozenset(
     }
 )
 TOOL_FORMAT: ToolCallFormat = HermesFormat()
-
-
-class OpenAIError(Exception):
-    """A failed request, answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.param, self.status, self.code, self.kind = param, status, code, kind
-
-    def body(self) -> dict:
-        error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}
-        return {"error": error}
 
 
 @dataclass(frozen=True)
@@ -117,28 +104,28 @@ class Job:
 def parse_completion(model, body: dict, adapter: str | None = None) -> Job:
     """``model``: the served model (``controller.models[name]``); ``adapter``: one of its
     LoRA adapters, applied to every forward."""
-    _known(body, COMPLETION_FIELDS)
+    check_fields(body, COMPLETION_FIELDS)
     prompts = _prompts(body.get("prompt"), model)
-    echo = _get(body, "echo", bool, False, lambda v: True, "true or false")
+    echo = param(body, "echo", bool, False, lambda v: True, "true or false")
     least = 0 if echo else 1
-    max_tokens = _get(body, "max_tokens", int, 16, lambda v: v >= least, f"an integer >= {least}")
+    max_tokens = param(body, "max_tokens", int, 16, lambda v: v >= least, f"an integer >= {least}")
     for p in prompts:
         _check_length(len(p), max_tokens, model.info.max_position, "prompt", "max_tokens")
     if body.get("suffix") not in (None, ""):
         raise OpenAIError(
             "'suffix' is not supported by this server (no fill-in-the-middle)", "suffix"
         )
-    logprobs = _get(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")  # fmt: skip
-    opts = _options(body, model, max_tokens, logprobs)
+    logprobs = param(body, "logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")  # fmt: skip
+    opts = generation_options(body, model, max_tokens, logprobs)
     opts["echo"] = echo
-    best_of = _get(body, "best_of", int, None, lambda v: opts["n"] <= v <= MAX_N, f"an integer from n ({opts['n']}) to {MAX_N}")  # fmt: skip
+    best_of = param(body, "best_of", int, None, lambda v: opts["n"] <= v <= MAX_N, f"an integer from n ({opts['n']}) to {MAX_N}")  # fmt: skip
     if best_of is not None and best_of > opts["n"] and opts["stream"]:
         raise OpenAIError("'best_of' greater than 'n' cannot be streamed", "best_of")
     opts["best_of"] = best_of
     opts["adapter"] = adapter
     args = tuple(json.dumps({"prompt": p, **opts}) for p in prompts)
     return Job(
-        False, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs, echo,
+        False, model.name, args, opts["n"], opts["stream"], include_usage(body), logprobs, echo,
         adapter=adapter,
     )  # fmt: skip
 
@@ -165,249 +152,77 @@ def parse_chat(
     the rendered prompt starts with its text, the prompt is its tokens plus the rest
     tokenized, and its KV export is imported instead of computed again. ``options``: more
     options of the ``chat`` inferlet (e.g. ``kv_export``)."""
-    _known(body, CHAT_FIELDS if fields is None else fields)
+    check_fields(body, CHAT_FIELDS if fields is None else fields)
     messages = check_messages(body.get("messages"))
     tools, choice, tool_list = _tools(body)
+    text = _render(model, messages, tool_list, choice)
+    prompt, kv_import = _chat_prompt(model, text, history)
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
+    room = model.info.max_position - len(prompt)
+    max_tokens = param(body, name, int, room, lambda v: v >= 1, "an integer >= 1")
+    _check_length(len(prompt), max_tokens, model.info.max_position, "messages", name)
+    want = param(body, "logprobs", bool, False, lambda v: True, "true or false")
+    top = param(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")  # fmt: skip
+    if top is not None and not want:
+        raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    logprobs = (top or 0) if want else None
+    opts = generation_options(body, model, max_tokens, logprobs)
+    if tools is not None and tools.mode != "auto":
+        _force_tool_calls(opts, tools, tool_list, model)
+    opts.update(kv_import=kv_import, adapter=adapter, **(options or {}))
+    args = (json.dumps({"prompt": prompt, **opts}),)
+    return Job(
+        True, model.name, args, opts["n"], opts["stream"], include_usage(body), logprobs,
+        tools=tools, prompt_text=text, adapter=adapter,
+    )  # fmt: skip
+
+
+def _render(model, messages: list[dict], tool_list: list[dict], choice: str | None) -> str:
+    """The chat's prompt text: the messages (and tools) through the model's chat template;
+    tools go into the system message when the template has no place for them."""
     render = template_messages(messages)
     template = model.tokenizer.chat_template or ""
     if tool_list and choice is not None and "tools" not in template:
         render = inline_tools(render, tool_list, TOOL_FORMAT)
     try:
-        text = model.tokenizer.apply_chat_template(
+        return model.tokenizer.apply_chat_template(
             render, add_generation_prompt=True, tools=tool_list or None
         )
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise OpenAIError(
             f"'messages' cannot be rendered with the chat template: {e}", "messages"
         ) from None
-    kv_import = None
+
+
+def _chat_prompt(model, text: str, history: History | None) -> tuple[list[int], dict | None]:
+    """The prompt's token ids, and the KV export to import (None: compute it all): when
+    ``text`` continues ``history``'s, only the rest is tokenized."""
     if history is not None and text.startswith(history.text) and len(text) > len(history.text):
         (rest,) = _encode(model, [text[len(history.text) :]], "messages")
-        prompt = history.tokens + rest
+        kv_import = None
         if history.export is not None:
             kv_import = {"name": history.export, "tokens": len(history.tokens)}
+        return history.tokens + rest, kv_import
+    (prompt,) = _encode(model, [text], "messages")  # issue 17: off the event loop
+    return prompt, None
+
+
+def _force_tool_calls(opts: dict, tools: Tools, tool_list: list[dict], model) -> None:
+    """A named or required tool choice as the grammar of the output (in ``opts``)."""
+    if opts["grammar"] is not None:
+        raise OpenAIError(
+            "a forced tool call cannot be combined with 'response_format' or structured outputs",
+            "tool_choice",
+        )
+    if tools.mode == "named":
+        [tool] = [t for t in tool_list if t["function"]["name"] == tools.name]
+        opts["grammar"] = {"json_schema": named_schema(tool)}
     else:
-        (prompt,) = _encode(model, [text], "messages")  # issue 17: off the event loop
-    name = (
-        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    )
-    room = model.info.max_position - len(prompt)
-    max_tokens = _get(body, name, int, room, lambda v: v >= 1, "an integer >= 1")
-    _check_length(len(prompt), max_tokens, model.info.max_position, "messages", name)
-    want = _get(body, "logprobs", bool, False, lambda v: True, "true or false")
-    top = _get(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")  # fmt: skip
-    if top is not None and not want:
-        raise OpenAIError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    logprobs = (top or 0) if want else None
-    opts = _options(body, model, max_tokens, logprobs)
-    if tools is not None and tools.mode != "auto":
-        if opts["grammar"] is not None:
-            raise OpenAIError(
-                "a forced tool call cannot be combined with 'response_format' or structured "
-                "outputs",
-                "tool_choice",
-            )
-        if tools.mode == "named":
-            [tool] = [t for t in tool_list if t["function"]["name"] == tools.name]
-            opts["grammar"] = {"json_schema": named_schema(tool)}
-        else:
-            opts["grammar"] = {"json_schema": required_schema(tool_list, tools.parallel)}
-            opts["stop_repeated_item"] = tools.parallel  # a repeated call ends the array
-        _compile("tools", opts["grammar"], model)
-    opts.update(kv_import=kv_import, adapter=adapter, **(options or {}))
-    args = (json.dumps({"prompt": prompt, **opts}),)
-    return Job(
-        True, model.name, args, opts["n"], opts["stream"], _include_usage(body), logprobs,
-        tools=tools, prompt_text=text, adapter=adapter,
-    )  # fmt: skip
-
-
-def _known(body: dict, fields: frozenset[str]) -> None:
-    for name in body:
-        if name not in fields and body[name] is not None:
-            raise OpenAIError(f"'{name}' is not supported by this server", name)
-
-
-def _get(body: dict, name: str, kinds, default, valid, what: str):
-    """``body[name]`` (``default`` when missing or null), checked to be ``what``."""
-    value = body.get(name)
-    if value is None:
-        return default
-    is_bool = isinstance(value, bool)  # JSON true/false are not numbers here
-    if is_bool != (kinds is bool) or not isinstance(value, kinds) or not valid(value):
-        raise OpenAIError(f"'{name}' must be {what}, got {value!r}", name)
-    return value
-
-
-def _options(body: dict, model, max_tokens: int, logprobs: int | None) -> dict:
-    """The built-ins' generation options from the request's parameters."""
-    vocab = model.info.vocab_size
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise OpenAIError(f"'stop' must be a string or a list of strings, got {stop!r}", "stop")
-    number = (int, float)
-    n = _get(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"an integer from 1 to {MAX_N}")
-    top_k = _get(body, "top_k", int, 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)")
-    min_tokens = _get(body, "min_tokens", int, 0, lambda v: 0 <= v <= max_tokens, f"an integer from 0 to the maximum tokens ({max_tokens})")  # fmt: skip
-    return {
-        "model": model.name,
-        "max_tokens": max_tokens,
-        "temperature": _get(
-            body, "temperature", number, 1.0, lambda v: 0 <= v <= 2, "a number from 0 to 2"
-        ),
-        "top_p": _get(body, "top_p", number, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        "top_k": max(top_k, 0),
-        "min_p": _get(body, "min_p", number, 0.0, lambda v: 0 <= v <= 1, "a number from 0 to 1"),
-        "seed": _get(body, "seed", int, None, lambda v: -(2**63) <= v < 2**63, "a 64-bit integer"),
-        "stop": stop or [],
-        "stop_token_ids": _token_list(body, "stop_token_ids", vocab),
-        "ignore_eos": _get(body, "ignore_eos", bool, False, lambda v: True, "true or false"),
-        "min_tokens": min_tokens,
-        "n": n,
-        "stream": _get(body, "stream", bool, False, lambda v: True, "true or false"),
-        "logprobs": logprobs,
-        "logit_bias": _logit_bias(body.get("logit_bias"), vocab),
-        "frequency_penalty": _get(
-            body, "frequency_penalty", number, 0.0, lambda v: -2 <= v <= 2, "a number from -2 to 2"
-        ),
-        "presence_penalty": _get(
-            body, "presence_penalty", number, 0.0, lambda v: -2 <= v <= 2, "a number from -2 to 2"
-        ),
-        "repetition_penalty": _get(
-            body, "repetition_penalty", number, 1.0, lambda v: 0 < v <= 10, "a number in (0, 10]"
-        ),
-        "grammar": _grammar(body, model),
-    }
-
-
-def _token_list(body: dict, name: str, vocab: int) -> list[int]:
-    value = body.get(name) or []
-    if not (isinstance(value, list) and all(type(t) is int and 0 <= t < vocab for t in value)):
-        raise OpenAIError(f"'{name}' must be a list of token ids below {vocab}", name)
-    return value
-
-
-def _logit_bias(value: Any, vocab: int) -> dict[str, float]:
-    if not value:
-        return {}
-    if not isinstance(value, dict):
-        raise OpenAIError("'logit_bias' must map token ids to numbers", "logit_bias")
-    out = {}
-    for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            token = -1
-        if not 0 <= token < vocab:
-            raise OpenAIError(
-                f"'logit_bias' has key {key!r}, not a token id below {vocab}", "logit_bias"
-            )
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise OpenAIError(
-                f"'logit_bias' values must be numbers from -100 to 100, got {bias!r}", "logit_bias"
-            )
-        out[str(token)] = float(bias)
-    return out
-
-
-def _grammar(body: dict, model) -> dict | None:
-    """The grammar of ``response_format``, vLLM's ``structured_outputs`` or ``guided_*``
-    (at most one of them)."""
-    found: list[tuple[str, dict]] = []
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind == "json_object":
-            found.append(("response_format", {"json_schema": {"type": "object"}}))
-        elif kind == "json_schema":
-            found.append(("response_format", json_schema_format(fmt.get("json_schema"))))
-        elif kind != "text":
-            raise OpenAIError(
-                '\'response_format\' must be {"type": "text" | "json_object" | '
-                f'"json_schema"}}, got {fmt!r:.100}',
-                "response_format",
-            )
-    so = body.get("structured_outputs")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise OpenAIError("'structured_outputs' must be an object", "structured_outputs")
-        for key, value in so.items():
-            if value is None or value is False:
-                continue
-            where = f"structured_outputs.{key}"
-            if key not in ("json", "regex", "choice", "grammar", "json_object"):
-                raise OpenAIError(f"'{where}' is not supported by this server", where)
-            found.append((where, _guided(key, value, where)))
-    for key in ("json", "regex", "choice", "grammar"):
-        value = body.get(f"guided_{key}")
-        if value is not None:
-            found.append((f"guided_{key}", _guided(key, value, f"guided_{key}")))
-    if len(found) > 1:
-        names = ", ".join(f"'{w}'" for w, _ in found)
-        raise OpenAIError(f"give one output constraint, not {names}", found[1][0])
-    if not found:
-        return None
-    where, grammar = found[0]
-    _compile(where, grammar, model)
-    return grammar
-
-
-def json_schema_format(spec: Any, where: str = "response_format") -> dict:
-    """The grammar of a ``json_schema`` format ``{"name", "description", "schema",
-    "strict"}``: with ``strict``, every object is closed (no property the schema does not
-    name), as OpenAI's structured outputs are."""
-    shape = (
-        f'\'{where}.json_schema\' must be {{"name", "description", "schema": {{...}}, "strict"}}'
-    )
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise OpenAIError(shape, where)
-    extra = sorted(k for k in spec if k not in ("name", "description", "schema", "strict"))
-    if extra:
-        raise OpenAIError(f"{shape}; '{extra[0]}' is not supported", f"{where}.json_schema.{extra[0]}")  # fmt: skip
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise OpenAIError(f"'{where}.json_schema.strict' must be true or false", where)
-    schema = spec["schema"]
-    return {"json_schema": closed_schema(schema) if strict else schema}
-
-
-def _guided(kind: str, value: Any, where: str) -> dict:
-    if kind == "json_object":
-        return {"json_schema": {"type": "object"}}
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise OpenAIError(f"'{where}' is not valid JSON", where) from None
-        if not isinstance(value, dict):
-            raise OpenAIError(f"'{where}' must be a JSON schema object", where)
-        return {"json_schema": value}
-    if kind == "choice":
-        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
-            raise OpenAIError(f"'{where}' must be a non-empty list of strings", where)
-        return {"regex": "(" + "|".join(re.escape(c) for c in value) + ")"}
-    if not isinstance(value, str):
-        raise OpenAIError(f"'{where}' must be a string", where)
-    return {"regex": value} if kind == "regex" else {"lark": value}
-
-
-def _compile(where: str, grammar: dict, model) -> None:
-    """Compile the grammar here, in the request's worker thread, so that a bad one is a
-    400, not a failed instance, and the instance gets a ready matcher instead of compiling
-    on the event loop (``control/constraints.py``)."""
-    from pastry.api import ApiError
-    from pastry.control.constraints import prepare
-
-    info = model.info
-    try:
-        prepare(model.tokenizer, info.vocab_size, tuple(info.eos_token_ids), grammar)
-    except ValueError as e:
-        raise OpenAIError(f"'{where}' is not a valid output constraint: {e}", where) from None
-    except (ApiError, ImportError) as e:  # this model or server cannot take grammars
-        raise OpenAIError(f"'{where}': this server cannot constrain output: {e}", where) from None
+        opts["grammar"] = {"json_schema": required_schema(tool_list, tools.parallel)}
+        opts["stop_repeated_item"] = tools.parallel  # a repeated call ends the array
+    compile_grammar("tools", opts["grammar"], model)
 
 
 FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
@@ -455,7 +270,7 @@ def _tools(body: dict) -> tuple[Tools | None, str | None, list[dict]]:
         return None, None, tools
     if not tools:
         raise OpenAIError("'tool_choice' needs 'tools'", "tool_choice")
-    parallel = _get(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")
+    parallel = param(body, "parallel_tool_calls", bool, True, lambda v: True, "true or false")
     if choice in ("auto", "required"):
         return Tools(choice, parallel=parallel), choice, tools
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -471,17 +286,6 @@ def _tools(body: dict) -> tuple[Tools | None, str | None, list[dict]]:
         f'"function": {{"name": ...}}}}, got {choice!r:.100}',
         "tool_choice",
     )
-
-
-def _include_usage(body: dict) -> bool:
-    opts = body.get("stream_options") or {}
-    if (
-        not isinstance(opts, dict)
-        or set(opts) - {"include_usage"}
-        or not isinstance(opts.get("include_usage", False), bool)
-    ):
-        raise OpenAIError("'stream_options' must be {\"include_usage\": bool}", "stream_options")
-    return opts.get("include_usage", False)
 
 
 def _prompts(prompt: Any, model) -> list[list[int]]:
@@ -608,3 +412,9 @@ def _check_length(length: int, max_tokens: int, max_position: int, what: str, na
             f"'{name}'",
             name,
         )
+
+
+__all__ = [
+    "CHAT_FIELDS", "COMPLETION_FIELDS", "MAX_LOGPROBS", "MAX_N", "History", "Job", "OpenAIError",
+    "Tools", "check_messages", "check_tools", "parse_chat", "parse_completion",
+]  # fmt: skip
