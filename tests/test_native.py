@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pastry.engine import native
-from pastry.engine.layers import Linear
+from pastry.engine.layers import Linear, native_projections
 from pastry.engine.quant import (
     INT4_DENSE_FROM_M,
     INT4_EXPAND_FROM_M,
@@ -172,7 +172,7 @@ def test_projections_multiply_as_linear_forward(lib):
     """pastry::linear's C++ kernel gives Linear.forward's results, bit for bit, for every
     kind of weight and on both sides of each kind's row threshold."""
     lins = linears_of_every_kind()
-    p = native.projections(lins)
+    p = native_projections(lins)
     assert p.size() == len(lins)
     for i, lin in enumerate(lins):
         dtype = lin.dtype  # the projection's own (pastry::linear gets it in the graph)
@@ -292,7 +292,7 @@ def test_pastry_linear_resolves_the_thread_s_projections(lib):
 
     assert compiled._kernel() == "native"
     lins = linears_of_every_kind()
-    p = native.projections(lins)
+    p = native_projections(lins)
     x = torch.randn(2, 96)
     with pytest.raises(RuntimeError, match="outside CompiledDecode"):
         torch.ops.pastry.linear(x, 0, 64)

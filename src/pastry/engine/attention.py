@@ -264,26 +264,11 @@ def paged_attention(
     """
     meta = current_metadata()
     if meta.store_slots is not None:
-        ks = k if meta.store_rows is None else take(k, meta.store_rows)
-        vs = v if meta.store_rows is None else take(v, meta.store_rows)
-        d, kvd = k_cache.shape[-1], k_cache.dtype
-        idx = meta.store_slots.view(-1)
-        k_cache.view(-1, d).index_copy_(0, idx, ks.transpose(0, 1).reshape(-1, d).to(kvd))
-        v_cache.view(-1, d).index_copy_(0, idx, vs.transpose(0, 1).reshape(-1, d).to(kvd))
+        _store(meta, k, v, k_cache, v_cache)
     out = None
     for grp in meta.groups:
         qg = q.view(grp.size, grp.n, *q.shape[1:]) if grp.rows is None else take(q, grp.rows)
-        if grp.kv_slots is not None:
-            kg, vg = (gather(c, grp.kv_slots).to(q.dtype) for c in (k_cache, v_cache))  # widened
-        else:
-            if grp.rows is None:
-                kg, vg = (t.view(grp.size, grp.n, *t.shape[1:]) for t in (k, v))
-            else:
-                kg, vg = take(k, grp.rows), take(v, grp.rows)
-            kg, vg = kg.permute(2, 0, 1, 3), vg.permute(2, 0, 1, 3)
-            if grp.ctx_slots is not None:
-                kg = torch.cat((gather(k_cache, grp.ctx_slots).to(kg.dtype), kg), dim=2)
-                vg = torch.cat((gather(v_cache, grp.ctx_slots).to(vg.dtype), vg), dim=2)
+        kg, vg = _group_kv(grp, k, v, k_cache, v_cache, q.dtype)
         if grp.n == 1 and q.device.type == "cpu":
             if grp.bias is None:
                 grp.bias = _decode_bias(grp.mask, kg.shape[0], kg.shape[2], q.dtype)
@@ -305,6 +290,33 @@ def paged_attention(
                 out = torch.empty_like(q)
             out.index_copy_(0, grp.rows.view(-1), og.reshape(-1, *og.shape[2:]))
     return out
+
+
+def _store(meta: AttnMetadata, k, v, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Write the new ``k, v [N, Hkv, D]`` rows ``meta.store_rows`` (all when None) to the
+    pool's slots ``meta.store_slots``, in the pool's dtype."""
+    ks = k if meta.store_rows is None else take(k, meta.store_rows)
+    vs = v if meta.store_rows is None else take(v, meta.store_rows)
+    d, kvd = k_cache.shape[-1], k_cache.dtype
+    idx = meta.store_slots.view(-1)
+    k_cache.view(-1, d).index_copy_(0, idx, ks.transpose(0, 1).reshape(-1, d).to(kvd))
+    v_cache.view(-1, d).index_copy_(0, idx, vs.transpose(0, 1).reshape(-1, d).to(kvd))
+
+
+def _group_kv(grp: AttnGroup, k, v, k_cache, v_cache, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's keys and values ``[Hkv, G, L, D]`` in ``dtype``: gathered from the pool
+    when all its tokens are stored, else its context's (if any) followed by its new ones."""
+    if grp.kv_slots is not None:
+        return tuple(gather(c, grp.kv_slots).to(dtype) for c in (k_cache, v_cache))  # widened
+    if grp.rows is None:
+        kg, vg = (t.view(grp.size, grp.n, *t.shape[1:]) for t in (k, v))
+    else:
+        kg, vg = take(k, grp.rows), take(v, grp.rows)
+    kg, vg = kg.permute(2, 0, 1, 3), vg.permute(2, 0, 1, 3)
+    if grp.ctx_slots is not None:
+        kg = torch.cat((gather(k_cache, grp.ctx_slots).to(kg.dtype), kg), dim=2)
+        vg = torch.cat((gather(v_cache, grp.ctx_slots).to(vg.dtype), vg), dim=2)
+    return kg, vg
 
 
 def _decode_bias(mask: torch.Tensor | None, hkv: int, length: int, dtype) -> torch.Tensor:

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pastry.engine import native
+from pastry.engine import native, torch_raw
 from pastry.engine.attention import AttnMetadata
-from pastry.engine.layers import Linear
+from pastry.engine.layers import Linear, native_projections
 from pastry.engine.model import LlamaModel
 from pastry.paths import pastry_home
 
@@ -119,7 +119,7 @@ def _projection(lin: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     bound ``forward`` (which skips ``nn.Module.__call__``'s hook handling). Taken when the
     engine starts: the model's weights do not change afterwards."""
     if lin.packed is not None and lin.bias is None and not native.ready:
-        op, w = torch.ops.mkldnn._linear_pointwise.default, lin.packed
+        op, w = torch_raw.onednn_linear_op(), lin.packed
         return lambda x: op(x, w, None, "none", [], "")
     return lin.forward
 
@@ -175,15 +175,8 @@ def decode_layer(
 ) -> torch.Tensor:
     """Decoder layer ``layer`` of a decode step (see :func:`decode_step`); ``store`` and
     ``kv`` as (head, slot) index pairs into the pool, ``kv_rows`` as flat head-major rows."""
-    b, hq, hkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-    inter = spec.intermediate_size
-    qkv = _lin(spec, _rms(x, norms[0], spec.eps), 4 * layer + QKV, (hq + 2 * hkv) * d)
-    q = qkv[:, : hq * d].view(b, hq, d)
-    k = qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
-    v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
-    if spec.qk_norm:
-        q, k = _rms(q, norms[2], spec.eps), _rms(k, norms[3], spec.eps)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    b, hq, d, inter = x.shape[0], spec.num_heads, spec.head_dim, spec.intermediate_size
+    q, k, v = _qkv(spec, x, cos, sin, norms, layer)
     # Written with index_put_ on the pool itself (not a view of it), which inductor does in
     # place; a view's index_copy_ made it copy the whole pool every step.
     n = spec.num_layers
@@ -196,10 +189,47 @@ def decode_layer(
         o = torch.ops.pastry_native.decode_attention(
             q.to(pool.dtype), pool, layer, n + layer, kv_rows, mask, d**-0.5
         ).to(x.dtype)
-        x = x + _lin(spec, o.reshape(b, hq * d), 4 * layer + OUT, spec.hidden_size)
-        h = _lin(spec, _rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        return x + _lin(spec, h, 4 * layer + DOWN, spec.hidden_size)
+        o = o.reshape(b, hq * d)
+    else:
+        o = _pool_attention(spec, q, pool, kv, mask, layer).to(x.dtype)
+    x = x + _lin(spec, o, 4 * layer + OUT, spec.hidden_size)
+    h = _lin(spec, _rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
+    h = F.silu(h[:, :inter]) * h[:, inter:]
+    return x + _lin(spec, h, 4 * layer + DOWN, spec.hidden_size)
+
+
+def _qkv(
+    spec: Spec,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norms: list[torch.Tensor],
+    layer: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s rotated queries ``[B, Hq, D]`` and keys and values ``[B, Hkv, D]``
+    of the normed ``x`` (with the model's q/k norms where it has them)."""
+    b, hq, hkv, d = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qkv = _lin(spec, _rms(x, norms[0], spec.eps), 4 * layer + QKV, (hq + 2 * hkv) * d)
+    q = qkv[:, : hq * d].view(b, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(b, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(b, hkv, d)
+    if spec.qk_norm:
+        q, k = _rms(q, norms[2], spec.eps), _rms(k, norms[3], spec.eps)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _pool_attention(
+    spec: Spec,
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    layer: int,
+) -> torch.Tensor:
+    """Attention of ``q [B, Hq, D]`` over the pool's rows ``kv`` of layer ``layer`` under
+    ``mask [B, L]``, in float32: ``[B, Hq * D]``."""
+    b, hq, hkv, d = q.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+    n = spec.num_layers
     k_at, v_at = torch.full_like(kv[0], layer), torch.full_like(kv[0], n + layer)
     # Each query head against its KV head's rows of the pool ([Hkv, B, L, D], gathered and
     # widened in one fused pass), in float32: [Hkv, B, rep, L] scores. Batched matrix
@@ -216,11 +246,7 @@ def decode_layer(
     scores = torch.matmul(qg, pool[k_at, *kv].float().transpose(-1, -2)) / (d**0.5)
     scores = scores.masked_fill(~mask.view(1, b, 1, -1), torch.finfo(torch.float32).min)
     o = torch.matmul(scores.softmax(-1), pool[v_at, *kv].float())  # [Hkv, B, rep, D]
-    o = o[:, :, :rep].to(x.dtype).transpose(0, 1).reshape(b, hq * d)
-    x = x + _lin(spec, o, 4 * layer + OUT, spec.hidden_size)
-    h = _lin(spec, _rms(x, norms[1], spec.eps), 4 * layer + GATE_UP, 2 * inter)
-    h = F.silu(h[:, :inter]) * h[:, inter:]
-    return x + _lin(spec, h, 4 * layer + DOWN, spec.hidden_size)
+    return o[:, :, :rep].transpose(0, 1).reshape(b, hq * d)
 
 
 def decode_step(
@@ -280,7 +306,7 @@ def _compiled(one: bool) -> Callable[..., torch.Tensor]:
     if step is None:
         # One graph per (architecture, dtype, batch 1 or more): a process with
         # several engines (tests, benchmarks) needs more than dynamo's default of 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch_raw.raise_recompile_limit(64)
         if one:
             step = torch.compile(decode_step_one, fullgraph=True, options={"cpp_wrapper": True})
         else:
@@ -320,7 +346,7 @@ class CompiledDecode:
         self.pool = pool
         # pool sizes differ between starts (derived from free memory): keep the slot count
         # symbolic so that the cached graph serves any pool
-        torch._dynamo.maybe_mark_dynamic(pool, 2)
+        torch_raw.mark_dynamic(pool, 2)
         linears = [
             lin
             for m in model.layers
@@ -332,7 +358,7 @@ class CompiledDecode:
             )
         ]
         # the projections as pastry::linear's kernel reads them
-        self.native = native.projections(linears) if self.kernel == "native" else None
+        self.native = native_projections(linears) if self.kernel == "native" else None
         self.forwards = [_projection(lin) for lin in linears]
         norms = []
         for layer in model.layers:
@@ -373,7 +399,7 @@ class CompiledDecode:
         x = x.to(self.model.act_dtype)  # the embedding slots' dtype to the activations'
         try:
             out = self._run(x, positions, meta.store_slots, g.kv_slots, g.mask.view(g.size, -1))
-        except torch._dynamo.exc.TorchDynamoException as e:
+        except torch_raw.compile_error() as e:
             # A batch the warm-up did not cover failed to compile (nothing ran): serve it,
             # and every later one, eagerly.
             self._disable(e)
@@ -392,9 +418,9 @@ class CompiledDecode:
         # Only the batch and context dims are symbolic; a batch of 1 gets its own graph.
         if x.shape[0] > 1:
             for t, dim in ((x, 0), (positions, 0), (store, 1), (kv, 1), (mask, 0)):
-                torch._dynamo.maybe_mark_dynamic(t, dim)
-        torch._dynamo.maybe_mark_dynamic(kv, 2)
-        torch._dynamo.maybe_mark_dynamic(mask, 1)
+                torch_raw.mark_dynamic(t, dim)
+        torch_raw.mark_dynamic(kv, 2)
+        torch_raw.mark_dynamic(mask, 1)
         with _running(self.forwards, self.native):
             return _compiled(x.shape[0] == 1)(
                 self.spec,
@@ -419,7 +445,7 @@ class CompiledDecode:
         hkv, slots = self.spec.num_kv_heads, 64
         scratch = torch.zeros((*self.pool.shape[:2], slots, self.pool.shape[3]),
                               dtype=dtype, device=dev)  # fmt: skip
-        torch._dynamo.maybe_mark_dynamic(scratch, 2)
+        torch_raw.mark_dynamic(scratch, 2)
         act = self.model.act_dtype
         for b in batch_sizes:
             label = "1" if b == 1 else "2 and more"

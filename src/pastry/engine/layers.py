@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pastry.engine import native
-from pastry.engine.quant import QuantizedWeight
+from pastry.engine import native, torch_raw
+from pastry.engine.quant import (
+    INT4_DENSE_FROM_M,
+    INT4_EXPAND_FROM_M,
+    INT8_DENSE_FROM_M,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+)
 from pastry.wire.config import ModelConfig
 
 
@@ -71,7 +78,7 @@ class Linear(nn.Module):
             w.device.type == "cpu" and w.dtype == torch.bfloat16 and native.cpu_bf16()
         ):
             return False  # the plain product (oneDNN has no bf16 reorder on this CPU)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        self.packed = torch_raw.onednn_pack(w.detach())
         # the native kernel reads it in place if it runs here and can read this layout
         self.blocked_kp = native.blocked_layout(w.detach(), self.packed) if native.ready else None
         self.weight = None
@@ -97,7 +104,7 @@ class Linear(nn.Module):
             return native.unpack(self.panels, self.out_features)
         assert self.packed is not None
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
-        return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").t()
+        return torch_raw.onednn_linear(eye, self.packed, None).t()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -123,11 +130,48 @@ class Linear(nn.Module):
                 return torch.ops.pastry_native.blocked_linear(
                     x, self.packed, self.bias, self.out_features, self.blocked_kp
                 )
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch_raw.onednn_linear(x, self.packed, self.bias)
         if self.quantized is not None:
             y = self.quantized.matmul(x)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+def native_projections(linears: list[Linear]) -> torch.ScriptObject:
+    """A ``pastry_native.Projections`` over ``linears`` (in ``pastry::linear``'s index
+    order) that multiplies as each :meth:`Linear.forward` does (requires
+    :func:`pastry.engine.native.load`)."""
+    p = torch.classes.pastry_native.Projections()
+    for lin in linears:
+        q, bias = lin.quantized, lin.bias
+        if q is None and lin.panels is not None:
+            p.add(native.PANELS, lin.panels, None, None, bias, 0, 0, lin.out_features, 0)
+        elif q is None and lin.packed is not None and lin.blocked_kp is not None and native.ready:
+            kp = lin.blocked_kp
+            p.add(
+                native.BLOCKED,
+                lin.packed,
+                None,
+                None,
+                bias,
+                native.SMALL_M,
+                0,
+                lin.out_features,
+                kp,
+            )
+        elif q is None:
+            w = lin.packed if lin.packed is not None else lin.weight
+            p.add(native.DENSE, w, None, None, bias, 0, 0, 0, 0)
+        elif isinstance(q, Int4Weight):
+            expand = INT4_EXPAND_FROM_M if q.expandable and native.ready else 0
+            p.add(
+                native.INT4, q.packed, q.scale_zeros, q.dense, bias, INT4_DENSE_FROM_M, expand, 0, 0
+            )
+        elif isinstance(q, Int8Weight):
+            p.add(native.INT8, q.q, q.scale, None, bias, INT8_DENSE_FROM_M, 0, 0, 0)
+        else:
+            raise TypeError(f"no native kernel for {type(q).__name__}")
+    return p
 
 
 class RMSNorm(nn.Module):

@@ -42,14 +42,11 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from pastry.engine import torch_raw
 from pastry.paths import pastry_home
-
-if TYPE_CHECKING:
-    from pastry.engine.layers import Linear
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +67,7 @@ panels_ready = False  # the library is loaded and this CPU runs its float32 pane
 def build_dir() -> Path:
     """Where the library is built: keyed by the source and the torch build it links."""
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
+    key.update(f"{torch.__version__}|{torch_raw.cxx11_abi()}".encode())
     return pastry_home() / "native" / key.hexdigest()[:16]
 
 
@@ -126,11 +123,7 @@ def cpu_bf16() -> bool:
     """Whether oneDNN multiplies bfloat16 on this CPU (AVX512 BW/VL/DQ or AVX-NE-CONVERT;
     ``ONEDNN_MAX_CPU_ISA`` caps it). Without it ``_reorder_linear_weight`` refuses bf16
     weights and bf16 products run PyTorch's generic loops (AVX2: 3-5x slower than float32)."""
-    if not (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
-        return False
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch_raw.onednn_linear_available() and torch_raw.onednn_bf16_supported()
 
 
 # oneDNN's ISA names at or above AVX512_CORE_BF16 (what the bf16 kernels need)
@@ -235,7 +228,7 @@ def error() -> str | None:
 
 def _raw(packed: torch.Tensor) -> torch.Tensor:
     """The bytes of a oneDNN tensor as a flat bfloat16 tensor sharing its memory."""
-    n = torch.ops.mkldnn._nbytes(packed)
+    n = torch_raw.onednn_nbytes(packed)
     buf = (ctypes.c_uint8 * n).from_address(torch.ops.mkldnn.data_ptr(packed))
     return torch.frombuffer(buf, dtype=torch.bfloat16)
 
@@ -248,7 +241,7 @@ def blocked_layout(w: torch.Tensor, packed: torch.Tensor) -> int | None:
     if k % 2 or w.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
         return None
     blocks = -(-n // BLOCK)
-    nbytes = torch.ops.mkldnn._nbytes(packed)
+    nbytes = torch_raw.onednn_nbytes(packed)
     if nbytes % (blocks * BLOCK * 2 * 2):
         return None
     kp = nbytes // (blocks * BLOCK * 2)
@@ -272,35 +265,3 @@ def int4_layout(q: torch.Tensor, packed: torch.Tensor) -> bool:
     halves = q.view(n // BLOCK, 2, BLOCK // 2, k)  # rows i and i + 32 of each block
     want = (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2)  # [N/64, K, 32]
     return torch.equal(packed.reshape(n // BLOCK, k, BLOCK // 2), want)
-
-
-def projections(linears: list[Linear]) -> torch.ScriptObject:
-    """A ``pastry_native.Projections`` over ``linears`` (in ``pastry::linear``'s index
-    order) that multiplies as each :meth:`Linear.forward` does (requires :func:`load`)."""
-    from pastry.engine.quant import (
-        INT4_DENSE_FROM_M,
-        INT4_EXPAND_FROM_M,
-        INT8_DENSE_FROM_M,
-        Int4Weight,
-        Int8Weight,
-    )
-
-    p = torch.classes.pastry_native.Projections()
-    for lin in linears:
-        q, bias = lin.quantized, lin.bias
-        if q is None and lin.panels is not None:
-            p.add(PANELS, lin.panels, None, None, bias, 0, 0, lin.out_features, 0)
-        elif q is None and lin.packed is not None and lin.blocked_kp is not None and ready:
-            kp = lin.blocked_kp
-            p.add(BLOCKED, lin.packed, None, None, bias, SMALL_M, 0, lin.out_features, kp)
-        elif q is None:
-            w = lin.packed if lin.packed is not None else lin.weight
-            p.add(DENSE, w, None, None, bias, 0, 0, 0, 0)
-        elif isinstance(q, Int4Weight):
-            expand = INT4_EXPAND_FROM_M if q.expandable and ready else 0
-            p.add(INT4, q.packed, q.scale_zeros, q.dense, bias, INT4_DENSE_FROM_M, expand, 0, 0)
-        elif isinstance(q, Int8Weight):
-            p.add(INT8, q.q, q.scale, None, bias, INT8_DENSE_FROM_M, 0, 0, 0)
-        else:
-            raise TypeError(f"no native kernel for {type(q).__name__}")
-    return p

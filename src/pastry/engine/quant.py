@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pastry.engine import native
+from pastry.engine import native, torch_raw
 from pastry.wire.config import CheckpointError
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(f"int4 weight of shape {(n, k)} does not fit the kernel")
         self.out_features, self.in_features = n, k
         self.dtype = dtype  # of the activations it multiplies
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.q.to(torch.int32), 1)
+        self.packed = torch_raw.int4_pack(codes.q.to(torch.int32))
         # [K / GROUP, N, 2]: the kernel's layout of scales and zeros
         self.scale_zeros = torch.stack((codes.scale.t(), codes.zero.t()), dim=-1).to(dtype)
         self.scale_zeros = self.scale_zeros.contiguous()
@@ -239,7 +239,7 @@ class Int4Weight(QuantizedWeight):
         rounded to the activation dtype), at the memory cost of a dense copy."""
         w = self._kernel(torch.eye(self.in_features, dtype=self.scale_zeros.dtype)).t()
         if w.dtype == torch.bfloat16 and native.cpu_bf16():  # no bf16 reorder on AVX2
-            self.dense = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+            self.dense = torch_raw.onednn_pack(w.contiguous())
             self._dense_mm = self._packed_mm
         else:
             self.dense = w.contiguous()
@@ -247,12 +247,10 @@ class Int4Weight(QuantizedWeight):
 
     @staticmethod
     def _packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch_raw.onednn_linear(x, w, None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.contiguous(), self.packed, GROUP, self.scale_zeros
-        )
+        return torch_raw.int4_mm(x.contiguous(), self.packed, GROUP, self.scale_zeros)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= INT4_DENSE_FROM_M:
@@ -293,7 +291,7 @@ class Int8Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= INT8_DENSE_FROM_M:
             return F.linear(x, self.dequantize())
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+        return torch_raw.int8_mm(x.contiguous(), self.q, self.scale)
 
     def dequantize(self) -> torch.Tensor:
         return self.q.to(self.scale.dtype) * self.scale.unsqueeze(1)

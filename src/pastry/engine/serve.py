@@ -189,18 +189,53 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ValueError as e:
         parser.error(str(e))
-    token = None
-    if args.token_env:
-        token = os.environ.get(args.token_env)
-        if not token:
-            parser.error(f"--token-env {args.token_env}: the variable is not set or empty")
+    token = _token(args.token_env, parser)
     place(args.threads, args.cpus, parser)
+    _handle_signals(args.exit_with_parent)
+    engine = _load(args, config, parser)
+    transfer = getattr(engine, "transfer", None)
+    if transfer is not None:
+        transfer.token = token
+    receiver = _kv_receiver(engine, args.kv_recv, token) if args.kv_recv else None
+    # Objects alive now (model, tokenizer) live forever: keep them out of every future
+    # garbage collection, which otherwise rescans them on each full pass.
+    gc.collect()
+    gc.freeze()
+    try:
+        serve(engine, args.endpoint, token)
+    except zmq.ZMQError as e:
+        raise SystemExit(f"engine server on {args.endpoint} failed: {e}") from e
+    finally:
+        if receiver is not None:
+            receiver.close()
+        if hasattr(engine, "close"):
+            engine.close()
+
+
+def _token(env: str | None, parser: argparse.ArgumentParser) -> str | None:
+    """The shared secret from the variable ``--token-env`` names (None without it)."""
+    if not env:
+        return None
+    token = os.environ.get(env)
+    if not token:
+        parser.error(f"--token-env {env}: the variable is not set or empty")
+    return token
+
+
+def _handle_signals(exit_with_parent: bool) -> None:
+    """SIGTERM exits; with ``--exit-with-parent`` the engine also exits when its stdin
+    closes and ignores SIGINT."""
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    if args.exit_with_parent:
+    if exit_with_parent:
         threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
         # Ctrl-C in a terminal reaches the whole process group; the parent decides when
         # the engine stops (it terminates us, or we exit when it goes away).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _load(args: argparse.Namespace, config: EngineConfig, parser: argparse.ArgumentParser):
+    """The engine ``--engine-factory`` makes of the model, with every ``--adapter`` loaded;
+    a model or adapter that does not load exits with the reason."""
     try:
         engine = _load_factory(args.engine_factory)(args.model, config)
     except CheckpointError as e:
@@ -213,31 +248,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             engine.load_adapter(path, name)
         except (CheckpointError, ValueError) as e:
             raise SystemExit(f"cannot load adapter '{name}': {e}") from e
-    # Objects alive now (model, tokenizer) live forever: keep them out of every future
-    # garbage collection, which otherwise rescans them on each full pass.
-    receiver = None
-    transfer = getattr(engine, "transfer", None)
-    if transfer is not None:
-        transfer.token = token
-    if args.kv_recv:
-        from pastry.engine.transfer import KvReceiver
+    return engine
 
-        receiver = KvReceiver(engine.kv, args.kv_recv, token)
-        engine.info = dataclasses.replace(
-            engine.info, kv_peers=(*engine.info.kv_peers, receiver.endpoint)
-        )
-        log.info("accepting KV writes from peers on %s", receiver.endpoint)
-    gc.collect()
-    gc.freeze()
-    try:
-        serve(engine, args.endpoint, token)
-    except zmq.ZMQError as e:
-        raise SystemExit(f"engine server on {args.endpoint} failed: {e}") from e
-    finally:
-        if receiver is not None:
-            receiver.close()
-        if hasattr(engine, "close"):
-            engine.close()
+
+def _kv_receiver(engine, endpoint: str, token: str | None):
+    """A receiver of peers' KV writes on ``endpoint``, announced in the engine's info."""
+    from pastry.engine.transfer import KvReceiver
+
+    receiver = KvReceiver(engine.kv, endpoint, token)
+    engine.info = dataclasses.replace(
+        engine.info, kv_peers=(*engine.info.kv_peers, receiver.endpoint)
+    )
+    log.info("accepting KV writes from peers on %s", receiver.endpoint)
+    return receiver
 
 
 def place(threads: int, cpus: str, parser: argparse.ArgumentParser | None = None) -> None:

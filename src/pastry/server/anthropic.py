@@ -32,16 +32,8 @@ from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.server import metrics
 from pastry.server.auth import tenant_session
-from pastry.server.openai import (
-    ChoiceStream,
-    JobRun,
-    adapter_name,
-    admit,
-    chat_message,
-    instance_error,
-    model_name,
-    read_body,
-)
+from pastry.server.openai import adapter_name, admit, model_name, read_body
+from pastry.server.openai_answers import ChoiceStream, JobRun, chat_message, instance_error
 from pastry.server.openai_params import Job, OpenAIError, parse_chat
 from pastry.server.relay import Events, send_json
 from pastry.server.service import PastryServer

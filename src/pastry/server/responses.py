@@ -47,17 +47,14 @@ from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
 from pastry.server import metrics
 from pastry.server.auth import tenant_session, user_of
-from pastry.server.openai import (
+from pastry.server.openai import adapter_name, admit, model_name, read_body
+from pastry.server.openai_answers import (
+    SSE_HEADERS,
     ChoiceStream,
     JobRun,
-    adapter_name,
-    admit,
     chat_message,
     instance_error,
-    model_name,
-    read_body,
 )
-from pastry.server.openai_answers import SSE_HEADERS
 from pastry.server.openai_params import MAX_LOGPROBS, History, OpenAIError
 from pastry.server.relay import Events, send_json
 from pastry.server.responses_events import EventWriter, call_item, message_item

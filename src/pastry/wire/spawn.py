@@ -130,16 +130,7 @@ def spawn_engine(
     if endpoint is None:
         tmpdir = tempfile.mkdtemp(prefix="pastry-engine-")
         endpoint = f"ipc://{tmpdir}/engine.sock"
-    cmd = [sys.executable, "-m", "pastry.engine.serve", "--model", str(model_dir)]
-    cmd += ["--endpoint", endpoint, "--exit-with-parent", *_config_args(config)]
-    for name, path in adapters:
-        cmd += ["--adapter", f"{name}={path}"]
-    if engine_factory is not None:
-        cmd += ["--engine-factory", engine_factory]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    if cpus:
-        cmd += ["--cpus", cpus]
+    cmd = _command(model_dir, endpoint, config, adapters, engine_factory, threads, cpus)
     if kv_recv:
         cmd += ["--kv-recv", kv_recv]
     child_env = engine_environment(env)
@@ -163,6 +154,29 @@ def spawn_engine(
         raise
     log.info("engine process %d serving on %s", proc.pid, endpoint)
     return child
+
+
+def _command(
+    model_dir: str | Path,
+    endpoint: str,
+    config: EngineConfig,
+    adapters: Sequence[tuple[str, str | Path]],
+    engine_factory: str | None,
+    threads: int,
+    cpus: str,
+) -> list[str]:
+    """The command line of an engine process serving ``model_dir`` on ``endpoint``."""
+    cmd = [sys.executable, "-m", "pastry.engine.serve", "--model", str(model_dir)]
+    cmd += ["--endpoint", endpoint, "--exit-with-parent", *_config_args(config)]
+    for name, path in adapters:
+        cmd += ["--adapter", f"{name}={path}"]
+    if engine_factory is not None:
+        cmd += ["--engine-factory", engine_factory]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    if cpus:
+        cmd += ["--cpus", cpus]
+    return cmd
 
 
 def _pump_stderr(proc: subprocess.Popen, tail: collections.deque[str], echo: bool) -> None:
