@@ -35,9 +35,7 @@ KNOWN_CYCLES = {
 # (file, private name) used across a module boundary today.
 KNOWN_PRIVATE = {
     # argparse exposes the type of add_subparsers()'s result only under this name
-    ("cli.py", "_SubParsersAction"),
-    ("cli.py", "_actions"),
-    ("cli_engine.py", "_SubParsersAction"),
+    ("cli_common.py", "_SubParsersAction"),
     # PyTorch's CPU kernels without a public binding (engine lead's numerics files)
     ("engine/compiled.py", "_dynamo"),
     ("engine/compiled.py", "_linear_pointwise"),
@@ -61,13 +59,10 @@ WASMTIME_DOOR = "runtime/wasmtime_raw.py"
 
 # Files over MAX_FILE_LINES today, with their length then (a ceiling until split).
 LONG_FILES = {
-    "cli.py": 823,  # subcommands (engine lead's serve flags among them)
     "engine/gguf.py": 724,  # engine lead's loader
 }
 # Functions over MAX_FUNCTION_LINES today ("file:qualified name": lines then).
 LONG_FUNCTIONS = {
-    "cli.py:_generate": 70,
-    "cli.py:add_serve": 112,
     "engine/attention.py:paged_attention": 62,
     "engine/compiled.py:decode_layer": 61,
     "wire/config.py:ModelConfig.from_dict": 102,
