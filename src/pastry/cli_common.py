@@ -1,9 +1,15 @@
-"""What the ``pastry`` commands share: the --model help, sizes in bytes, the KV memory options."""
+"""What the ``pastry`` commands share: the subparsers type, the --model help, sizes in bytes,
+the usage answer, the KV memory and engine speed options."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
+
+# What ``ArgumentParser.add_subparsers()`` returns, which every ``add_*`` command takes;
+# argparse names its type only privately (the one place that names it).
+Subparsers = argparse._SubParsersAction
 
 MODEL_HELP = (
     "a Hugging Face checkpoint directory or a .gguf file (default: the embedded SmolLM2-135M-"
@@ -29,6 +35,21 @@ def parse_size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+def human_size(n: float) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KB``, ``3.2 MB``, ``1.0 GB`` (1024 a step)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+def print_usage(parser: argparse.ArgumentParser) -> int:
+    """A command group run without its command: its help on stderr, exit status 2."""
+    parser.print_help(sys.stderr)
+    return 2
+
+
 def add_memory_options(p: argparse.ArgumentParser) -> None:
     """``--num-pages`` and ``--kv-memory`` (``pastry serve``, ``pastry engine``)."""
     p.add_argument(
@@ -40,4 +61,19 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
         help="memory for the KV pool, e.g. 2GiB or 512MiB (default: 16 sequences of the "
         "model's full context, within 4 GiB, a quarter of RAM and half of what is free; "
         "the pool's pages are committed as they are used)",
+    )  # fmt: skip
+
+
+def add_engine_speed_options(p: argparse.ArgumentParser, compile_default: bool) -> None:
+    """``--quantize`` and ``--compile`` (``pastry generate``, ``pastry serve``)."""
+    p.add_argument(
+        "--quantize", choices=("auto", "none", "int8", "int4", "int4-hybrid"), default="auto",
+        help="weight-only quantized projections on CPU: int8 or int4 for any checkpoint (a "
+        "GGUF's Q4 blocks are kept as they are); int4-hybrid: int4 plus a bf16 copy for "
+        "batches of 16+ (faster there, more memory); auto (default) and none: dense weights",
+    )  # fmt: skip
+    p.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=compile_default,
+        help="run decode steps through the compiled graph on CPU (compiled at start-up, "
+        f"cached under $PASTRY_HOME/inductor; default {'on' if compile_default else 'off'})",
     )  # fmt: skip

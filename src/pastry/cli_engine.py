@@ -8,10 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from pastry.cli_common import MODEL_HELP, add_memory_options
+from pastry.cli_common import MODEL_HELP, Subparsers, add_memory_options
 
 
-def add_engine(subparsers: argparse._SubParsersAction) -> None:
+def add_engine(subparsers: Subparsers) -> None:
     """``pastry engine``: one engine process for a server elsewhere to attach."""
     p = subparsers.add_parser(
         "engine",
