@@ -26,7 +26,6 @@ MAX_FUNCTION_LINES = 60
 
 # Import cycles that exist today: {modules}: whose, and why it is not fixed here.
 KNOWN_CYCLES = {
-    frozenset({"pastry.engine.checkpoint", "pastry.engine.gguf"}): "engine lead's loaders",
     frozenset({"pastry.engine.layers", "pastry.engine.native", "pastry.engine.quant"}): (
         "engine lead's numerics files (issue 26)"
     ),

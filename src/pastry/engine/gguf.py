@@ -2,7 +2,7 @@
 
 A GGUF file holds a model's hyper-parameters and tokenizer as metadata and its tensors,
 usually quantized, under llama.cpp's names. :func:`load_gguf` turns one into a
-:class:`~pastry.engine.checkpoint.Checkpoint` like a Hugging Face directory's:
+:class:`~pastry.engine.hf_checkpoint.Checkpoint` like a Hugging Face directory's:
 
 - **config**: ``{arch}.block_count``, ``{arch}.attention.head_count``, ... written as an HF
   ``config.json`` and normalised by :class:`~pastry.wire.config.ModelConfig` (llama,
@@ -49,7 +49,12 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
-from pastry.engine.checkpoint import Checkpoint, expected_shapes, load_checkpoint, read_weights
+from pastry.engine.hf_checkpoint import (
+    Checkpoint,
+    expected_shapes,
+    load_hf_checkpoint,
+    read_weights,
+)
 from pastry.paths import models_dir, publish_dir
 from pastry.wire.config import SUPPORTED_ARCHS, CheckpointError, ModelConfig
 from pastry.wire.tokenizer import set_special_post_processor
@@ -710,7 +715,7 @@ def load_gguf(path: str | Path) -> GgufCheckpoint:
     target = cache_dir(path)
     if not (target / "gguf.json").is_file():
         _write_metadata(path, target)
-    ckpt = load_checkpoint(target)
+    ckpt = load_hf_checkpoint(target)
     config = dataclasses.replace(ckpt.config, name=path.stem)  # copies share the cache
     return GgufCheckpoint(
         path=path, config=config, tokenizer=ckpt.tokenizer, name=path.stem, cache=target
