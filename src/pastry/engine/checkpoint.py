@@ -25,7 +25,8 @@ def load_checkpoint(model_dir: str | Path) -> Checkpoint:
     (:func:`pastry.engine.gguf.load_gguf`)."""
     model_dir = Path(os.path.abspath(model_dir))  # keeps a symlinked directory's own name
     if model_dir.is_file():
-        from pastry.engine.gguf import is_gguf, load_gguf
+        from pastry.engine.gguf import load_gguf
+        from pastry.engine.gguf_file import is_gguf
 
         if is_gguf(model_dir) or model_dir.suffix.lower() == ".gguf":
             return load_gguf(model_dir)  # (which says what is wrong with a broken .gguf)
