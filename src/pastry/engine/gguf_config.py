@@ -20,13 +20,7 @@ from pastry.wire.config import SUPPORTED_ARCHS, CheckpointError
 
 def hf_config(meta: Metadata, tensors: dict[str, Any], name: str) -> dict[str, Any]:
     """The HF ``config.json`` the metadata describes (see the module docstring)."""
-    path = meta.path
-    arch = meta.need("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise CheckpointError(
-            f"{path}: general.architecture is '{arch}', which is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
-        )
+    arch = _architecture(meta)
 
     def key(k: str) -> str:
         return f"{arch}.{k}"
@@ -34,28 +28,15 @@ def hf_config(meta: Metadata, tensors: dict[str, Any], name: str) -> dict[str, A
     hidden = meta.integer(key("embedding_length"))
     heads = meta.integer(key("attention.head_count"))
     kv_heads = meta.integer(key("attention.head_count_kv"), heads)
-    head_dim = meta.integer(key("attention.key_length"), hidden // heads)
-    for k in ("attention.value_length", "rope.dimension_count"):
-        if meta.integer(key(k), head_dim) != head_dim:
-            raise CheckpointError(
-                f"{path}: {key(k)} is {meta.integer(key(k))}, but the head size is {head_dim} "
-                "(partial rotary embeddings and distinct value sizes are not supported)"
-            )
+    head_dim = _head_dim(meta, key, hidden // heads)
     embed = tensors.get("token_embd.weight")
     if embed is None:
-        raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing")
+        raise CheckpointError(f"{meta.path}: tensor 'token_embd.weight' is missing")
     vocab = meta.integer(key("vocab_size"), int(embed.shape[-1]))
     rope: dict[str, Any] = {"rope_theta": meta.number(key("rope.freq_base"), 10000.0)}
     rope |= _rope_scaling(meta, tensors, key, head_dim)
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = [
-        i
-        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
-        if (i := meta.get(f"tokenizer.ggml.{k}")) is not None
-    ]
     window = meta.get(key("attention.sliding_window"))
-    big = Counter(t.tensor_type for t in tensors.values() if len(t.shape) > 1)
-    main = big.most_common(1)[0][0].name if big else "F32"
+    main = _main_type(tensors)
     cfg = {
         "architectures": [
             {"qwen2": "Qwen2", "qwen3": "Qwen3"}.get(arch, arch.title()) + "ForCausalLM"
@@ -76,12 +57,53 @@ def hf_config(meta: Metadata, tensors: dict[str, Any], name: str) -> dict[str, A
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "sliding_window": int(window) if window and arch in ("llama", "mistral") else None,
-        "bos_token_id": bos,
-        "eos_token_id": eos[0] if len(eos) == 1 else (list(dict.fromkeys(eos)) or None),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_token_id(meta),
         "dtype": {"F32": "float32", "F16": "float16"}.get(main, "bfloat16"),
         "_name_or_path": name,
     }
     return cfg
+
+
+def _architecture(meta: Metadata) -> str:
+    """``general.architecture``, which must be one of :data:`SUPPORTED_ARCHS`."""
+    arch = meta.need("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise CheckpointError(
+            f"{meta.path}: general.architecture is '{arch}', which is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    return arch
+
+
+def _head_dim(meta: Metadata, key: Callable[[str], str], default: int) -> int:
+    """The head size (``attention.key_length``, else ``default``), which the value size and
+    the rotary dimension must equal."""
+    head_dim = meta.integer(key("attention.key_length"), default)
+    for k in ("attention.value_length", "rope.dimension_count"):
+        if meta.integer(key(k), head_dim) != head_dim:
+            raise CheckpointError(
+                f"{meta.path}: {key(k)} is {meta.integer(key(k))}, but the head size is "
+                f"{head_dim} (partial rotary embeddings and distinct value sizes are not "
+                "supported)"
+            )
+    return head_dim
+
+
+def _eos_token_id(meta: Metadata) -> int | list[int] | None:
+    """``eos_token_id``: the file's EOS, EOT and EOM ids, one as an int, several as a list."""
+    eos = [
+        i
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (i := meta.get(f"tokenizer.ggml.{k}")) is not None
+    ]
+    return eos[0] if len(eos) == 1 else (list(dict.fromkeys(eos)) or None)
+
+
+def _main_type(tensors: dict[str, Any]) -> str:
+    """The tensor type most of the file's matrices have (``F32`` when it has none)."""
+    big = Counter(t.tensor_type for t in tensors.values() if len(t.shape) > 1)
+    return big.most_common(1)[0][0].name if big else "F32"
 
 
 def _rope_scaling(

@@ -134,25 +134,7 @@ def build_tokenizer(meta: Metadata) -> tuple[tokenizers.Tokenizer, dict[str, Any
         [AddedToken(t, special=False, normalized=False)
          for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED]
     )  # fmt: skip
-    special = {}
-    for name, k in (
-        ("bos_token", "bos_token_id"),
-        ("eos_token", "eos_token_id"),
-        ("unk_token", "unknown_token_id"),
-        ("sep_token", "seperator_token_id"),  # sic: llama.cpp's spelling
-        ("pad_token", "padding_token_id"),
-        ("cls_token", "cls_token_id"),
-        ("mask_token", "mask_token_id"),
-    ):
-        i = meta.get(f"tokenizer.ggml.{k}")
-        if i is None:
-            continue
-        if not 0 <= int(i) < len(tokens):
-            raise CheckpointError(
-                f"{path}: tokenizer.ggml.{k} is {i}, not a token id (the vocabulary has "
-                f"{len(tokens)} tokens)"
-            )
-        special[name] = tokens[int(i)]
+    special = _special_tokens(meta, tokens)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     add_bos, add_eos = add_bos and "bos_token" in special, add_eos and "eos_token" in special
@@ -168,6 +150,30 @@ def build_tokenizer(meta: Metadata) -> tuple[tokenizers.Tokenizer, dict[str, Any
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     return tok, config
+
+
+def _special_tokens(meta: Metadata, tokens: list[str]) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ... (those the file names) by their text."""
+    special = {}
+    for name, k in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("sep_token", "seperator_token_id"),  # sic: llama.cpp's spelling
+        ("pad_token", "padding_token_id"),
+        ("cls_token", "cls_token_id"),
+        ("mask_token", "mask_token_id"),
+    ):
+        i = meta.get(f"tokenizer.ggml.{k}")
+        if i is None:
+            continue
+        if not 0 <= int(i) < len(tokens):
+            raise CheckpointError(
+                f"{meta.path}: tokenizer.ggml.{k} is {i}, not a token id (the vocabulary has "
+                f"{len(tokens)} tokens)"
+            )
+        special[name] = tokens[int(i)]
+    return special
 
 
 def _byte_level_bpe(meta: Metadata, tokens: list[str]) -> tuple[tokenizers.Tokenizer, bool]:
