@@ -69,7 +69,6 @@ LONG_FUNCTIONS = {
     "engine/attention.py:paged_attention": 62,
     "engine/compiled.py:decode_layer": 61,
     "wire/config.py:ModelConfig.from_dict": 102,
-    "engine/model.py:LlamaModel.load_hf_state_dict": 72,
     "engine/serve.py:main": 63,
     "wire/spawn.py:spawn_engine": 70,
 }
