@@ -68,7 +68,6 @@ LONG_FUNCTIONS = {
     "cli.py:add_serve": 112,
     "engine/attention.py:paged_attention": 62,
     "engine/compiled.py:decode_layer": 61,
-    "wire/config.py:ModelConfig.from_dict": 102,
     "engine/serve.py:main": 63,
     "wire/spawn.py:spawn_engine": 70,
 }
