@@ -54,7 +54,7 @@ _LAYER_TENSORS = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling as frequency factors (gguf_config)
 
 
 def gguf_name(hf_name: str) -> str:
