@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from pastry.engine.gguf import gguf_name
+from pastry.engine.gguf_weights import gguf_name
 
 # byte layout of the k-quant blocks: (offset of the float16 scale d, of dmin or None)
 _K_SCALES = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208, None)}

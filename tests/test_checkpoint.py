@@ -15,13 +15,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from pastry.engine.checkpoint import (
-    Checkpoint,
-    expected_shapes,
-    load_checkpoint,
-    load_state_dict,
-    weight_files,
-)
+from pastry.engine.checkpoint import load_checkpoint
+from pastry.engine.hf_checkpoint import Checkpoint, expected_shapes, load_state_dict, weight_files
 from pastry.wire.config import CheckpointError, ModelConfig
 
 
@@ -293,7 +288,7 @@ def test_extra_tensors_are_ignored(make_tiny, tmp_path: Path, caplog) -> None:
     tensors["model.vision_tower.proj.weight"] = torch.ones(2, 2)
     save_file(tensors, d / "model.safetensors")
     cfg = load_checkpoint(d).config
-    with caplog.at_level(logging.WARNING, logger="pastry.engine.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="pastry.engine.hf_checkpoint"):
         sd = load_state_dict(d, cfg, torch.float32)
     assert list(sd) == list(expected_shapes(cfg))
     assert [r.getMessage() for r in caplog.records] == [

@@ -1,7 +1,7 @@
-"""GGUF checkpoints (engine/gguf.py) on random weights: files written here with
-gguf.GGUFWriter the way llama.cpp's converter writes them (tests/gguf_util.py), loaded by
-Pastry and by transformers' own GGUF loader; config, tokenizer, dequantization, the cache
-and the errors."""
+"""GGUF checkpoints (engine/gguf.py and its gguf_*.py modules) on random weights: files
+written here with gguf.GGUFWriter the way llama.cpp's converter writes them
+(tests/gguf_util.py), loaded by Pastry and by transformers' own GGUF loader; config,
+tokenizer, dequantization, the cache and the errors."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from engine_util import Pages, Seq, all_probs, hf_from_gguf, hf_model, load
 from gguf_util import hf_weights, write_gguf
 from pastry.engine import gguf as pgguf
 from pastry.engine.checkpoint import load_checkpoint
+from pastry.engine.gguf_file import read_gguf
+from pastry.engine.gguf_weights import _unpermute, gguf_name
 from pastry.wire.config import CheckpointError
 
 TEXTS = [
@@ -136,27 +138,27 @@ def test_every_quantization_type_dequantizes_as_transformers(make_tiny, tmp_path
     from pastry.wire.config import ModelConfig
 
     weights = random_weights(ModelConfig.from_dict(config), seed=3, dtype=torch.float32)
-    order = {n: MIXED[i % len(MIXED)] for i, n in enumerate(pgguf.gguf_name(h) for h in weights)}
+    order = {n: MIXED[i % len(MIXED)] for i, n in enumerate(gguf_name(h) for h in weights)}
     f = write_gguf(tmp_path / "mixed.gguf", config, weights, src, lambda n: order[n])
-    reader = pgguf._read(f)
+    reader = read_gguf(f)
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert set(MIXED) <= set(types.values())
     ckpt = load_checkpoint(f)
     ours = ckpt.load_state_dict(torch.float32)
     by_gguf = {t.name: t for t in reader.tensors}
     for hf_name, w in ours.items():
-        t = by_gguf[pgguf.gguf_name(hf_name)]
+        t = by_gguf[gguf_name(hf_name)]
         if t.tensor_type in (QType.F32, QType.F16, QType.BF16, QType.Q5_0, QType.Q5_1):
             continue  # plain floats, or types transformers' torch dequantizer lacks
         ref = hf_dequantize(torch.from_numpy(np.array(t.data)).reshape(-1), int(t.tensor_type))
         ref = ref.reshape(w.shape)
         if ".q_proj." in hf_name or ".k_proj." in hf_name:  # we also un-permuted the rows
             heads = 4 if ".q_proj." in hf_name else 2
-            ref = pgguf._unpermute(ref, heads)
+            ref = _unpermute(ref, heads)
         assert torch.equal(w, ref), (hf_name, t.tensor_type.name)
     # quantization error where the file holds real quantizations of the random weights
     for hf_name, w in ours.items():
-        kind = by_gguf[pgguf.gguf_name(hf_name)].tensor_type
+        kind = by_gguf[gguf_name(hf_name)].tensor_type
         err = {QType.F32: 0, QType.F16: 1e-3, QType.BF16: 1e-2, QType.Q8_0: 1e-2}.get(kind)
         if err is not None:
             torch.testing.assert_close(w, weights[hf_name], atol=err * 0.1, rtol=err)
@@ -246,7 +248,7 @@ def test_sentencepiece_vocabulary(make_tiny, tmp_path):
     w.add_tensor("token_embd.weight", (0.02 * rng.standard_normal((n, 64))).astype(np.float32))
     for hf_name, t in weights.items():
         if hf_name not in ("model.embed_tokens.weight", "lm_head.weight"):
-            w.add_tensor(pgguf.gguf_name(hf_name), t.numpy())
+            w.add_tensor(gguf_name(hf_name), t.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -301,7 +303,7 @@ def test_second_start_reads_only_the_cache(written, pastry_home, monkeypatch, tm
     def no_hashing(*a, **kw):
         raise AssertionError("the GGUF file was hashed again")
 
-    monkeypatch.setattr(pgguf, "_read", no_parsing)
+    monkeypatch.setattr(pgguf, "read_gguf", no_parsing)
     monkeypatch.setattr(pgguf.hashlib, "file_digest", no_hashing)
     pgguf._reader.cache_clear()
     second = load_checkpoint(f)
@@ -369,7 +371,7 @@ def _rewrite(reader, out: Path, drop: set[str] = frozenset(), **override) -> Pat
 
 def test_errors_name_the_file_and_the_field(written, tmp_path):
     f, _ = written("qwen2", QType.Q8_0)
-    reader = pgguf._read(f)
+    reader = read_gguf(f)
     cases = [
         (dict(**{"general.architecture": "phi3"}), r"general\.architecture is 'phi3'.*supported: llama, mistral, qwen2, qwen3"),
         (dict(drop={"qwen2.block_count"}), r"metadata field 'qwen2\.block_count' is missing"),
@@ -389,7 +391,7 @@ def test_unsupported_quantization_type_is_named(written, tmp_path):
     import gguf
 
     f, _ = written("qwen2", QType.Q8_0)
-    reader = pgguf._read(f)
+    reader = read_gguf(f)
     out = tmp_path / "q8_1.gguf"
     w = gguf.GGUFWriter(out, "qwen2")
     for key, field in reader.fields.items():

@@ -18,6 +18,7 @@ TORCH_FREE = (
     "pastry.paths",
     "pastry.engine.serve",
     "pastry.engine.checkpoint",
+    "pastry.engine.hf_checkpoint",
     "pastry.engine.gguf",
     "pastry.engine.default_model",
     "pastry.runtime.wasm",

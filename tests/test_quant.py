@@ -8,9 +8,10 @@ import torch
 
 from engine_util import Pages, Seq
 from pastry.engine import native, quant
-from pastry.engine.checkpoint import load_checkpoint, load_state_dict
+from pastry.engine.checkpoint import load_checkpoint
 from pastry.engine.engine import Engine, build_model
 from pastry.engine.gguf_export import export_gguf, permute_qk
+from pastry.engine.hf_checkpoint import load_state_dict
 from pastry.engine.quant import Int4Codes, Int4Weight, Int8Codes, Int8Weight
 from pastry.wire.config import EngineConfig
 

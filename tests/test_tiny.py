@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from pastry.cli import main
 from pastry.engine import tiny
-from pastry.engine.checkpoint import expected_shapes, load_checkpoint
+from pastry.engine.checkpoint import load_checkpoint
+from pastry.engine.hf_checkpoint import expected_shapes
 from pastry.engine.tiny import (
     MAX_TOKENIZER_VOCAB,
     create_tiny,

@@ -43,7 +43,8 @@ def add_model(subparsers: Subparsers) -> None:
 def _create_tiny(args: argparse.Namespace) -> int:
     import time
 
-    from pastry.engine.checkpoint import load_checkpoint, weight_files
+    from pastry.engine.checkpoint import load_checkpoint
+    from pastry.engine.hf_checkpoint import weight_files
     from pastry.engine.tiny import create_tiny
 
     t0 = time.perf_counter()

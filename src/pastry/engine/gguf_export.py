@@ -13,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pastry.engine.layers import rope_inv_freq
 from pastry.wire.config import ModelConfig, RopeScaling
+
+if TYPE_CHECKING:  # gguf loads only when a file is written
+    import gguf
 
 # llama.cpp's general.file_type for the types written here
 _FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
@@ -50,9 +54,20 @@ def export_gguf(
         raise ValueError(f"qtype must be one of {', '.join(_FILE_TYPES)}, got {qtype!r}")
     if cfg.arch != "llama" or cfg.sliding_window is not None:
         raise ValueError(f"only llama models without sliding window are written, not {cfg.arch!r}")
-    Q = gguf.GGMLQuantizationType
     path = Path(path)
     w = gguf.GGUFWriter(str(path), "llama")
+    _add_hparams(w, cfg, qtype)
+    _add_tokenizer(w, cfg, tokenizer_from)
+    _add_tensors(w, cfg, weights, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _add_hparams(w: gguf.GGUFWriter, cfg: ModelConfig, qtype: str) -> None:
+    """The model's hyper-parameters as llama.cpp's ``llama.*`` fields, and the file type."""
     w.add_context_length(cfg.max_position)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_layers)
@@ -66,22 +81,37 @@ def export_gguf(
     w.add_value_length(cfg.head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(_FILE_TYPES[qtype])
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, cfg: ModelConfig, tokenizer_from: str | Path | None) -> None:
+    """The ``tokenizer.*`` fields of ``tokenizer_from``, or the synthetic vocabulary."""
+    import gguf
+
     if tokenizer_from is not None:
         reader = gguf.GGUFReader(str(tokenizer_from))
         for key, field in reader.fields.items():
             if key.startswith("tokenizer."):
                 w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1])
-    else:
-        n = cfg.vocab_size
-        tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
-        tokens += [f"\u2581t{i}" for i in range(n - len(tokens))]
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_scores([0.0] * n)
-        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (n - 259))
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
+        return
+    n = cfg.vocab_size
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tokens += [f"\u2581t{i}" for i in range(n - len(tokens))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * n)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (n - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+
+def _add_tensors(
+    w: gguf.GGUFWriter, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: str
+) -> None:
+    """Every tensor under llama.cpp's name, q/k rows permuted, 2-D ones as ``qtype``."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
 
     def put(name: str, arr: np.ndarray) -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)
@@ -115,8 +145,3 @@ def export_gguf(
     put("output_norm.weight", get("model.norm.weight"))
     if not cfg.tie_word_embeddings:
         put("output.weight", get("lm_head.weight"))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path

@@ -173,6 +173,13 @@ def _parse_config(
     file: Path, conf: dict[str, Any], cfg: ModelConfig
 ) -> tuple[int, float, tuple[str, ...], tuple[int, ...]]:
     """(rank, scale, targets, adapted layers) of a validated ``adapter_config.json``."""
+    _check_plain_lora(file, conf)
+    rank, scale = _rank_and_scale(file, conf)
+    return rank, scale, _targets(file, conf), _layers(file, conf, cfg)
+
+
+def _check_plain_lora(file: Path, conf: dict[str, Any]) -> None:
+    """:class:`CheckpointError` for an adapter that computes anything but plain LoRA."""
     peft_type = conf.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise CheckpointError(f"{file}: peft_type is {peft_type!r}; only LORA adapters load")
@@ -190,6 +197,10 @@ def _parse_config(
         raise CheckpointError(
             f"{file}: fan_in_fan_out=true is for Conv1D (GPT-2) layers; need false"
         )
+
+
+def _rank_and_scale(file: Path, conf: dict[str, Any]) -> tuple[int, float]:
+    """``r`` and the delta's scale: ``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``)."""
     rank = conf.get("r")
     if type(rank) is not int or rank < 1:
         raise CheckpointError(f"{file}: r must be a positive integer, got {rank!r}")
@@ -197,41 +208,45 @@ def _parse_config(
     if type(alpha) not in (int, float) or not math.isfinite(alpha):
         raise CheckpointError(f"{file}: lora_alpha must be a number, got {alpha!r}")
     scale = alpha / math.sqrt(rank) if conf.get("use_rslora", False) else alpha / rank
+    return rank, scale
 
+
+def _targets(file: Path, conf: dict[str, Any]) -> tuple[str, ...]:
+    """``target_modules`` as a subset of :data:`TARGETS`, in their order."""
     raw = conf.get("target_modules")
     if raw == "all-linear":
-        targets = TARGETS
-    elif isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
+        return TARGETS
+    if isinstance(raw, list) and raw and all(isinstance(t, str) for t in raw):
         unknown = sorted(set(raw) - set(TARGETS))
         if unknown:
             raise CheckpointError(
                 f"{file}: target_modules has {', '.join(map(repr, unknown))}; supported "
                 f"targets are {', '.join(TARGETS)}"
             )
-        targets = tuple(t for t in TARGETS if t in raw)
-    else:
-        raise CheckpointError(
-            f"{file}: target_modules must be a non-empty list of module names (from "
-            f"{', '.join(TARGETS)}) or 'all-linear', got {raw!r:.80}"
-        )
+        return tuple(t for t in TARGETS if t in raw)
+    raise CheckpointError(
+        f"{file}: target_modules must be a non-empty list of module names (from "
+        f"{', '.join(TARGETS)}) or 'all-linear', got {raw!r:.80}"
+    )
 
+
+def _layers(file: Path, conf: dict[str, Any], cfg: ModelConfig) -> tuple[int, ...]:
+    """The adapted layers (``layers_to_transform``, else all), sorted."""
     chosen = conf.get("layers_to_transform")
     if chosen is None:
-        layers = tuple(range(cfg.num_layers))
-    else:
-        chosen = [chosen] if type(chosen) is int else chosen
-        if not isinstance(chosen, list) or not all(type(i) is int for i in chosen):
-            raise CheckpointError(
-                f"{file}: layers_to_transform must be an int or a list of ints, got {chosen!r}"
-            )
-        bad = [i for i in chosen if not 0 <= i < cfg.num_layers]
-        if bad:
-            raise CheckpointError(
-                f"{file}: layers_to_transform names layer {bad[0]}, but the model has "
-                f"{cfg.num_layers} layers"
-            )
-        layers = tuple(sorted(set(chosen)))
-    return rank, scale, targets, layers
+        return tuple(range(cfg.num_layers))
+    chosen = [chosen] if type(chosen) is int else chosen
+    if not isinstance(chosen, list) or not all(type(i) is int for i in chosen):
+        raise CheckpointError(
+            f"{file}: layers_to_transform must be an int or a list of ints, got {chosen!r}"
+        )
+    bad = [i for i in chosen if not 0 <= i < cfg.num_layers]
+    if bad:
+        raise CheckpointError(
+            f"{file}: layers_to_transform names layer {bad[0]}, but the model has "
+            f"{cfg.num_layers} layers"
+        )
+    return tuple(sorted(set(chosen)))
 
 
 def _read_weights(
@@ -242,6 +257,27 @@ def _read_weights(
     layers: tuple[int, ...],
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """``(layer, target) -> (A, B)`` on the CPU, every expected pair present and shaped."""
+    tensors = _read_tensors(file)
+    layout = _layout(cfg)
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    for name, t in tensors.items():
+        found[_check_tensor(file, name, t, layout, rank, targets, layers)] = t
+    weights = {}
+    for layer in layers:
+        for target in targets:
+            for which in "AB":
+                if (layer, target, which) not in found:
+                    raise CheckpointError(
+                        f"{file}: tensor 'base_model.model.model.layers.{layer}."
+                        f"{_block(layout, target)}.{target}."
+                        f"lora_{which}.weight' is missing (expected from {CONFIG_FILE})"
+                    )
+            weights[layer, target] = (found[layer, target, "A"], found[layer, target, "B"])
+    return weights
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the adapter's safetensors file, by name, on the CPU."""
     if not file.is_file():
         hint = ""
         if (file.parent / "adapter_model.bin").is_file():
@@ -250,62 +286,61 @@ def _read_weights(
                 "with save_pretrained(..., safe_serialization=True))"
             )
         raise CheckpointError(f"{file}: missing{hint}")
-    layout = _layout(cfg)
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except SafetensorError as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
-    found: dict[tuple[int, str, str], torch.Tensor] = {}
-    for name, t in tensors.items():
-        m = _TENSOR_NAME.fullmatch(name)
-        if m is None:
-            raise CheckpointError(
-                f"{file}: tensor '{name}' is not a LoRA weight of a decoder-layer projection "
-                "(expected base_model.model.model.layers.<i>.<self_attn|mlp>.<target>."
-                "lora_<A|B>.weight)"
-            )
-        layer, block, target, which = int(m[1]), m[2], m[3], m[4]
-        if target not in targets or layer not in layers:
-            raise CheckpointError(
-                f"{file}: tensor '{name}' adapts layer {layer} {target}, which "
-                f"{CONFIG_FILE} does not target (target_modules / layers_to_transform)"
-            )
-        if block != ("self_attn" if layout[target][0] in (QKV, OUT) else "mlp"):
-            raise CheckpointError(f"{file}: tensor '{name}': {target} is not under {block}")
-        if not t.is_floating_point():
-            raise CheckpointError(f"{file}: tensor '{name}' has dtype {t.dtype}, not a float")
-        _, _, out, inp = layout[target]
-        want = (rank, inp) if which == "A" else (out, rank)
-        rank_dim = 0 if which == "A" else 1
-        other = 1 - rank_dim
-        if t.dim() == 2 and t.shape[other] == want[other] and t.shape[rank_dim] != rank:
-            raise CheckpointError(
-                f"{file}: tensor '{name}' has rank {t.shape[rank_dim]}, not r={rank} from "
-                f"{CONFIG_FILE}"
-            )
-        if tuple(t.shape) != want:
-            dims = "[r, in_features]" if which == "A" else "[out_features, r]"
-            raise CheckpointError(
-                f"{file}: tensor '{name}' has shape {tuple(t.shape)}, expected {want} = {dims} "
-                f"from r={rank} in {CONFIG_FILE} and the base model's config.json "
-                "(is the adapter for another model?)"
-            )
-        found[layer, target, which] = t
 
-    weights = {}
-    for layer in layers:
-        for target in targets:
-            for which in "AB":
-                if (layer, target, which) not in found:
-                    raise CheckpointError(
-                        f"{file}: tensor 'base_model.model.model.layers.{layer}."
-                        f"{'self_attn' if layout[target][0] in (QKV, OUT) else 'mlp'}.{target}."
-                        f"lora_{which}.weight' is missing (expected from {CONFIG_FILE})"
-                    )
-            weights[layer, target] = (found[layer, target, "A"], found[layer, target, "B"])
-    return weights
+def _block(layout: dict[str, tuple[int, int, int, int]], target: str) -> str:
+    """The decoder-layer block (``self_attn`` or ``mlp``) a target projection is in."""
+    return "self_attn" if layout[target][0] in (QKV, OUT) else "mlp"
+
+
+def _check_tensor(
+    file: Path,
+    name: str,
+    t: torch.Tensor,
+    layout: dict[str, tuple[int, int, int, int]],
+    rank: int,
+    targets: tuple[str, ...],
+    layers: tuple[int, ...],
+) -> tuple[int, str, str]:
+    """``(layer, target, "A" or "B")`` of tensor ``name``, checked against the config."""
+    m = _TENSOR_NAME.fullmatch(name)
+    if m is None:
+        raise CheckpointError(
+            f"{file}: tensor '{name}' is not a LoRA weight of a decoder-layer projection "
+            "(expected base_model.model.model.layers.<i>.<self_attn|mlp>.<target>."
+            "lora_<A|B>.weight)"
+        )
+    layer, block, target, which = int(m[1]), m[2], m[3], m[4]
+    if target not in targets or layer not in layers:
+        raise CheckpointError(
+            f"{file}: tensor '{name}' adapts layer {layer} {target}, which "
+            f"{CONFIG_FILE} does not target (target_modules / layers_to_transform)"
+        )
+    if block != _block(layout, target):
+        raise CheckpointError(f"{file}: tensor '{name}': {target} is not under {block}")
+    if not t.is_floating_point():
+        raise CheckpointError(f"{file}: tensor '{name}' has dtype {t.dtype}, not a float")
+    _, _, out, inp = layout[target]
+    want = (rank, inp) if which == "A" else (out, rank)
+    rank_dim = 0 if which == "A" else 1
+    other = 1 - rank_dim
+    if t.dim() == 2 and t.shape[other] == want[other] and t.shape[rank_dim] != rank:
+        raise CheckpointError(
+            f"{file}: tensor '{name}' has rank {t.shape[rank_dim]}, not r={rank} from {CONFIG_FILE}"
+        )
+    if tuple(t.shape) != want:
+        dims = "[r, in_features]" if which == "A" else "[out_features, r]"
+        raise CheckpointError(
+            f"{file}: tensor '{name}' has shape {tuple(t.shape)}, expected {want} = {dims} "
+            f"from r={rank} in {CONFIG_FILE} and the base model's config.json "
+            "(is the adapter for another model?)"
+        )
+    return layer, target, which
 
 
 # ---------------------------------------------------------------------------- per forward

@@ -144,71 +144,18 @@ class LlamaModel(nn.Module):
         straight from GGUF blocks) instead of tensors: the fused projection is then served
         quantized (:meth:`Linear.set_quantized`) and never expanded."""
         cfg = self.cfg
-
-        def take(name: str) -> torch.Tensor | Codes:
-            if name not in weights:
-                raise CheckpointError(f"checkpoint has no tensor '{name}'")
-            return weights[name]
-
-        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-            if isinstance(src, Int4Codes | Int8Codes):
-                raise CheckpointError(f"tensor '{name}' is quantized; only projections may be")
-            if tuple(dst.shape) != tuple(src.shape):
-                raise CheckpointError(
-                    f"tensor '{name}' has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-                )
-            dst.copy_(src)
-
-        def put_linear(dst: Linear, names: list[str], label: str) -> None:
-            parts = [take(n) for n in names]
-            if not any(isinstance(p, Int4Codes | Int8Codes) for p in parts):
-                put(dst.weight, parts[0] if len(parts) == 1 else torch.cat(parts), label)
-                return
-            for n, p in zip(names, parts, strict=True):
-                if p.shape[1] != dst.in_features:
-                    raise CheckpointError(
-                        f"tensor '{n}' has shape {tuple(p.shape)}, expected [*, {dst.in_features}]"
-                    )
-            if sum(p.shape[0] for p in parts) != dst.out_features:
-                raise CheckpointError(
-                    f"tensors {label} have {sum(p.shape[0] for p in parts)} rows, expected "
-                    f"{dst.out_features}"
-                )
-            codes = [
-                p if isinstance(p, Int4Codes | Int8Codes) else Int8Codes.from_dense(p)
-                for p in parts
-            ]
-            dst.set_quantized(pack(cat_codes(codes), self.embed_tokens.dtype))
-
-        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        load = _StateDict(weights, self.embed_tokens.dtype)
+        embed = "model.embed_tokens.weight"
+        load.put(self.embed_tokens, load.take(embed), embed)
+        head = embed if cfg.tie_word_embeddings else "lm_head.weight"
         if cfg.tie_word_embeddings and isinstance(
             weights.get("lm_head.weight"), Int4Codes | Int8Codes
         ):
             head = "lm_head.weight"  # the tied embedding's codes, kept quantized for the head
-        put_linear(self.lm_head, [head], head)
-        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        load.put_linear(self.lm_head, [head], head)
+        load.put(self.norm.weight, load.take("model.norm.weight"), "model.norm.weight")
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
-            put_linear(attn.qkv_proj, qkv, f"{p}self_attn.q/k/v_proj.weight")
-            if attn.qkv_proj.bias is not None:
-                bias = [take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
-                put(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.q/k/v_proj.bias")
-            put_linear(attn.o_proj, [f"{p}self_attn.o_proj.weight"], f"{p}self_attn.o_proj")
-            if attn.q_norm is not None:
-                put(attn.q_norm.weight, take(f"{p}self_attn.q_norm.weight"), f"{p}q_norm")
-                put(attn.k_norm.weight, take(f"{p}self_attn.k_norm.weight"), f"{p}k_norm")
-            gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-            put_linear(mlp.gate_up_proj, gate_up, f"{p}mlp.gate/up_proj.weight")
-            put_linear(mlp.down_proj, [f"{p}mlp.down_proj.weight"], f"{p}mlp.down_proj")
-            put(layer.input_layernorm.weight, take(f"{p}input_layernorm.weight"), f"{p}in_norm")
-            put(
-                layer.post_attention_layernorm.weight,
-                take(f"{p}post_attention_layernorm.weight"),
-                f"{p}post_norm",
-            )
+            load.layer(layer, f"model.layers.{i}.")
 
     def linears(self) -> list[Linear]:
         """Every projection: the decoder layers' in order, then the head."""
@@ -243,3 +190,70 @@ class LlamaModel(nn.Module):
     def prepack(self) -> int:
         """Prepack every linear for the CPU fast path where it applies; returns how many."""
         return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+
+
+class _StateDict:
+    """HF-named tensors (or quantization codes) copied into a :class:`LlamaModel`'s
+    parameters, with errors that name the tensor."""
+
+    def __init__(self, weights: dict[str, torch.Tensor | Codes], dtype: torch.dtype) -> None:
+        self.weights = weights
+        self.dtype = dtype  # the model's: quantized projections are packed for it
+
+    def take(self, name: str) -> torch.Tensor | Codes:
+        if name not in self.weights:
+            raise CheckpointError(f"checkpoint has no tensor '{name}'")
+        return self.weights[name]
+
+    def put(self, dst: torch.Tensor, src: torch.Tensor | Codes, name: str) -> None:
+        if isinstance(src, Int4Codes | Int8Codes):
+            raise CheckpointError(f"tensor '{name}' is quantized; only projections may be")
+        if tuple(dst.shape) != tuple(src.shape):
+            raise CheckpointError(
+                f"tensor '{name}' has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+            )
+        dst.copy_(src)
+
+    def put_linear(self, dst: Linear, names: list[str], label: str) -> None:
+        parts = [self.take(n) for n in names]
+        if not any(isinstance(p, Int4Codes | Int8Codes) for p in parts):
+            self.put(dst.weight, parts[0] if len(parts) == 1 else torch.cat(parts), label)
+            return
+        for n, p in zip(names, parts, strict=True):
+            if p.shape[1] != dst.in_features:
+                raise CheckpointError(
+                    f"tensor '{n}' has shape {tuple(p.shape)}, expected [*, {dst.in_features}]"
+                )
+        if sum(p.shape[0] for p in parts) != dst.out_features:
+            raise CheckpointError(
+                f"tensors {label} have {sum(p.shape[0] for p in parts)} rows, expected "
+                f"{dst.out_features}"
+            )
+        codes = [
+            p if isinstance(p, Int4Codes | Int8Codes) else Int8Codes.from_dense(p) for p in parts
+        ]
+        dst.set_quantized(pack(cat_codes(codes), self.dtype))
+
+    def layer(self, layer: DecoderLayer, p: str) -> None:
+        """Decoder layer ``layer``'s tensors, named with the prefix ``p``."""
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+        self.put_linear(attn.qkv_proj, qkv, f"{p}self_attn.q/k/v_proj.weight")
+        if attn.qkv_proj.bias is not None:
+            bias = [self.take(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]
+            self.put(attn.qkv_proj.bias, torch.cat(bias), f"{p}self_attn.q/k/v_proj.bias")
+        self.put_linear(attn.o_proj, [f"{p}self_attn.o_proj.weight"], f"{p}self_attn.o_proj")
+        if attn.q_norm is not None:
+            self.put(attn.q_norm.weight, self.take(f"{p}self_attn.q_norm.weight"), f"{p}q_norm")
+            self.put(attn.k_norm.weight, self.take(f"{p}self_attn.k_norm.weight"), f"{p}k_norm")
+        gate_up = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+        self.put_linear(mlp.gate_up_proj, gate_up, f"{p}mlp.gate/up_proj.weight")
+        self.put_linear(mlp.down_proj, [f"{p}mlp.down_proj.weight"], f"{p}mlp.down_proj")
+        self.put(
+            layer.input_layernorm.weight, self.take(f"{p}input_layernorm.weight"), f"{p}in_norm"
+        )
+        self.put(
+            layer.post_attention_layernorm.weight,
+            self.take(f"{p}post_attention_layernorm.weight"),
+            f"{p}post_norm",
+        )

@@ -28,7 +28,7 @@ from tokenizers import (
     trainers,
 )
 
-from pastry.engine.checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes
+from pastry.engine.hf_checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes
 from pastry.paths import models_dir, publish_dir
 from pastry.wire.config import ModelConfig
 

@@ -91,79 +91,14 @@ class ModelConfig:
                 raise CheckpointError(f"{source}: missing required field '{key}'")
             return raw[key]
 
-        arch = need("model_type")
-        if arch not in SUPPORTED_ARCHS:
-            raise CheckpointError(
-                f"{source}: model_type '{arch}' is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"{source}: hidden_act '{act}' is not supported (only silu)")
+        arch = _arch(raw, need("model_type"), source)
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        if heads % kv_heads:
-            raise CheckpointError(
-                f"{source}: num_attention_heads ({heads}) is not a multiple of "
-                f"num_key_value_heads ({kv_heads})"
-            )
+        kv_heads = _kv_heads(raw, heads, source)
         head_dim = raw.get("head_dim") or hidden // heads
-        # transformers >= 5 nests theta and scaling in rope_parameters; older files use
-        # rope_theta + rope_scaling.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-        if kind == "llama3":
-            if "factor" not in rope:
-                raise CheckpointError(f"{source}: llama3 rope scaling has no 'factor'")
-            scaling = RopeScaling(
-                kind="llama3",
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-            )
-        elif kind == "linear":
-            if "factor" not in rope:
-                raise CheckpointError(f"{source}: linear rope scaling has no 'factor'")
-            scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
-        elif kind == "freq_factors":
-            factors = rope.get("freq_factors")
-            if not isinstance(factors, list) or not all(
-                isinstance(f, int | float) and f > 0 for f in factors
-            ):
-                raise CheckpointError(
-                    f"{source}: rope type 'freq_factors' needs 'freq_factors', a list of "
-                    "positive numbers (one per frequency, head_dim / 2 of them)"
-                )
-            scaling = RopeScaling(kind="freq_factors", freq_factors=tuple(map(float, factors)))
-        elif kind == "default":
-            scaling = RopeScaling()
-        else:
-            raise CheckpointError(
-                f"{source}: rope type '{kind}' is not supported "
-                "(supported: default, linear, llama3, freq_factors)"
-            )
-        if scaling.kind == "freq_factors" and len(scaling.freq_factors) != int(head_dim) // 2:
-            raise CheckpointError(
-                f"{source}: rope freq_factors has {len(scaling.freq_factors)} values, expected "
-                f"head_dim / 2 = {int(head_dim) // 2}"
-            )
-        window = raw.get("sliding_window")
-        if arch in ("qwen2", "qwen3"):
-            if raw.get("use_sliding_window", False):
-                raise CheckpointError(
-                    f"{source}: use_sliding_window=true is not supported for {arch} "
-                    "(per-layer windows via max_window_layers)"
-                )
-            window = None
-        eos = raw.get("eos_token_id")
-        eos_ids = (
-            tuple(int(e) for e in eos)
-            if isinstance(eos, list)
-            else ((int(eos),) if eos is not None else ())
-        )
+        theta, scaling = _rope(raw, head_dim, source)
+        window = _sliding_window(raw, arch, source)
+        eos_ids = _eos_ids(raw)
         return cls(
             arch=arch,
             vocab_size=int(need("vocab_size")),
@@ -198,6 +133,100 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: not valid JSON ({e})") from e
         return cls.from_dict(raw, source=str(path))
+
+
+def _arch(raw: dict[str, Any], arch: Any, source: str) -> str:
+    """``model_type`` (``arch``), one of :data:`SUPPORTED_ARCHS`, with a silu MLP."""
+    if arch not in SUPPORTED_ARCHS:
+        raise CheckpointError(
+            f"{source}: model_type '{arch}' is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: hidden_act '{act}' is not supported (only silu)")
+    return arch
+
+
+def _kv_heads(raw: dict[str, Any], heads: int, source: str) -> int:
+    """``num_key_value_heads`` (default: ``heads``), which must divide ``heads``."""
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise CheckpointError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    return kv_heads
+
+
+def _rope(raw: dict[str, Any], head_dim: Any, source: str) -> tuple[float, RopeScaling]:
+    """RoPE's base frequency and scaling. transformers >= 5 nests theta and scaling in
+    ``rope_parameters``; older files use ``rope_theta`` + ``rope_scaling``."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = _rope_scaling(rope, source)
+    if scaling.kind == "freq_factors" and len(scaling.freq_factors) != int(head_dim) // 2:
+        raise CheckpointError(
+            f"{source}: rope freq_factors has {len(scaling.freq_factors)} values, expected "
+            f"head_dim / 2 = {int(head_dim) // 2}"
+        )
+    return theta, scaling
+
+
+def _rope_scaling(rope: dict[str, Any], source: str) -> RopeScaling:
+    """The :class:`RopeScaling` of a ``rope_parameters`` (or ``rope_scaling``) object."""
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "llama3":
+        if "factor" not in rope:
+            raise CheckpointError(f"{source}: llama3 rope scaling has no 'factor'")
+        return RopeScaling(
+            kind="llama3",
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+        )
+    if kind == "linear":
+        if "factor" not in rope:
+            raise CheckpointError(f"{source}: linear rope scaling has no 'factor'")
+        return RopeScaling(kind="linear", factor=float(rope["factor"]))
+    if kind == "freq_factors":
+        factors = rope.get("freq_factors")
+        if not isinstance(factors, list) or not all(
+            isinstance(f, int | float) and f > 0 for f in factors
+        ):
+            raise CheckpointError(
+                f"{source}: rope type 'freq_factors' needs 'freq_factors', a list of "
+                "positive numbers (one per frequency, head_dim / 2 of them)"
+            )
+        return RopeScaling(kind="freq_factors", freq_factors=tuple(map(float, factors)))
+    if kind == "default":
+        return RopeScaling()
+    raise CheckpointError(
+        f"{source}: rope type '{kind}' is not supported "
+        "(supported: default, linear, llama3, freq_factors)"
+    )
+
+
+def _sliding_window(raw: dict[str, Any], arch: str, source: str) -> Any:
+    """``sliding_window`` as the file has it; qwen2/qwen3 files carry one they do not use
+    (None), and their per-layer windows (``use_sliding_window``) are not supported."""
+    if arch in ("qwen2", "qwen3"):
+        if raw.get("use_sliding_window", False):
+            raise CheckpointError(
+                f"{source}: use_sliding_window=true is not supported for {arch} "
+                "(per-layer windows via max_window_layers)"
+            )
+        return None
+    return raw.get("sliding_window")
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """``eos_token_id``, an int or a list of them, as a tuple."""
+    eos = raw.get("eos_token_id")
+    if isinstance(eos, list):
+        return tuple(int(e) for e in eos)
+    return (int(eos),) if eos is not None else ()
 
 
 # The default KV pool: this many sequences of the model's full context, within at most
