@@ -3,6 +3,9 @@ the engine both check, each naming its own fields."""
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 
 from pastry.wire.kv_layout import FORWARD_NAMES, KvNames, kv_write_error
@@ -50,3 +53,41 @@ def test_layouts_the_rule_refuses_name_the_callers_field(
 def test_overlap_check_can_be_left_to_the_engine():
     assert kv_write_error(PS, [1, 2], 3, [2], 2, 1, overlap=False) is None
     assert "overlaps" in kv_write_error(PS, [1, 2], 3, [2], 2, 1)
+
+
+def test_the_rule_decides_as_spelled_out_on_every_small_layout():
+    """Every small layout, the decode step's fast path's shapes among them: the answer is
+    the rule written out plainly (``_spelled_out``)."""
+    pages = [[], [1], [1, 2]]
+    outs = [[], [2], [3], [1], [2, 3], [3, 3]]
+    values = [0, 1, 2, PS - 1, PS, PS + 1, -1, True, 2.0, np.int64(2)]
+    for ctx, out, last, offset, n, overlap in itertools.product(
+        pages, outs, values, values, [0, 1, 2, PS], [True, False]
+    ):
+        error = kv_write_error(PS, ctx, last, out, offset, n, overlap=overlap)
+        valid = _spelled_out(ctx, last, out, offset, n, overlap)
+        assert (error is None) == valid, (ctx, last, out, offset, n, overlap, error)
+
+
+def _spelled_out(ctx, last, out, offset, n, overlap) -> bool:
+    """The layout rule written out plainly: whether the write is valid."""
+
+    def is_int(v):
+        return (isinstance(v, int) and not isinstance(v, bool)) or isinstance(v, np.integer)
+
+    if not ctx:
+        if last != 0:
+            return False
+    elif not (is_int(last) and 1 <= last <= PS):
+        return False
+    if not out:
+        return True
+    if not (is_int(offset) and 0 <= offset < PS):
+        return False
+    if len(out) * PS - offset < n or len(set(out)) != len(out):
+        return False
+    if overlap:
+        shared = set(out) & set(ctx)
+        if shared and (shared != {ctx[-1]} or out[0] != ctx[-1] or offset < last):
+            return False
+    return True

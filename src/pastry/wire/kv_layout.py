@@ -56,6 +56,24 @@ def kv_write_error(
     context). ``overlap=False`` leaves that last check, a pass over the context, to the
     engine (the control layer's decode step, which builds its pages itself)."""
     ps = page_size
+    # The decode step's shape (a context, at most one output page, plain ints), accepted
+    # without the general checks' calls; anything else, valid or not, takes the path below.
+    if (
+        ctx_pages
+        and type(last) is int
+        and 0 < last <= ps
+        and len(out_pages) <= 1
+        and (
+            not out_pages
+            or (
+                type(offset) is int
+                and 0 <= offset < ps
+                and offset + n <= ps
+                and not (overlap and out_pages[0] in ctx_pages)
+            )
+        )
+    ):
+        return None
     if not ctx_pages:
         if last != 0:
             return f"{names.last} is {last!r} but there is no context ({names.ctx} is empty)"

@@ -80,6 +80,12 @@ def check_kv(
 
 def check_tokens(info, tokens: list[int], positions: list[int]) -> None:
     """Token ids in the vocabulary, positions below the model's ``max_position``."""
+    if (  # a decode step's one token, without min/max
+        len(tokens) == len(positions) == 1
+        and 0 <= tokens[0] < info.vocab_size
+        and 0 <= positions[0] < info.max_position
+    ):
+        return
     if tokens and not (min(tokens) >= 0 and max(tokens) < info.vocab_size):
         bad = next(t for t in tokens if not 0 <= t < info.vocab_size)
         raise ApiError(f"token id {bad} is outside the vocabulary (0 to {info.vocab_size - 1})")
