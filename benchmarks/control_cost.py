@@ -11,12 +11,15 @@ inputs whatever else the machine is doing:
   scheduler and resource tables over a stub engine that answers every call at once (no
   torch, no model: what is counted is the control layer's, the SDK's and the inferlets'
   Python, and the stub's few instructions);
+- ``per-step``: the same tokens, one ``Context.decode_step`` request per token (what programs
+  that decide per token pay, and every explicit API call);
 - ``floor`` (the reference): N asyncio tasks each submitting a small command and awaiting
   its future, one resolver answering a round at a time (``benchmarks/loop_floor.py``'s
   ``call`` shape): the least a step can cost with N inferlets on one event loop.
 
 Each runs at S1 and S2 steps; (count at S2 - count at S1) / (N x (S2 - S1)) is the count
-per inferlet-step, with start-up, imports and launches cancelled out. ``control / floor``
+per inferlet-step, with start-up, imports and launches cancelled out (S2 is raised so that
+N x (S2 - S1) >= 2,048: a single inferlet's 8 steps are lost in the start-up's variation). ``control / floor``
 is the ratio the table reports. ``--quick`` runs the same shapes once; the full run twice
 (the counts should agree to a few parts in a thousand: allocation addresses and hash
 seeds differ between processes).
@@ -25,7 +28,8 @@ seeds differ between processes).
 
 Needs valgrind (Debian's ``valgrind``); without it the script says so and prints
 ``{"skipped": ...}``. Prints a table, then one JSON line (``control_instr_per_step_N``,
-``floor_instr_per_step_N``, ``control_over_floor_N``).
+``per_step_instr_per_step_N``, ``floor_instr_per_step_N``, ``control_over_floor_N``,
+``per_step_over_floor_N``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from machine import cpu_name  # benchmarks/ is on the path (the script's dir)
 
 HERE = Path(__file__).resolve().parent
 PROMPT = 32
+MIN_SPAN = 2048  # inferlet-steps between the two runs of a measurement
 INFERLET = """
 from pastry.sdk import Context, MaxTokens, Sampler
 
@@ -53,9 +58,25 @@ async def main(args):
     await ctx.generate(Sampler(), MaxTokens(int(args[1])))
     return str(len(ctx.tokens))
 """
+# The same tokens stepped one request per token (``Context.decode_step``, the fused step):
+# what programs that decide per token pay, and every explicit API call.
+PER_STEP = """
+from pastry.sdk import Context, MaxTokens, Sampler
+
+async def main(args):
+    ctx = Context()
+    ctx.fill_tokens([5] * int(args[0]))
+    sampler = Sampler()
+    await ctx.generate(sampler, MaxTokens(1))
+    for i in range(1, int(args[1])):
+        tok = await ctx.decode_step(ctx.pending[0], sampler.sampling(i))
+        ctx.tokens.append(tok)
+        ctx.pending = [tok]
+    return str(len(ctx.tokens))
+"""
 
 
-def run_control(n: int, steps: int) -> None:
+def run_control(n: int, steps: int, source: str = INFERLET) -> None:
     """N inferlets x ``steps`` greedy tokens over a stub engine, every one checked."""
     from pastry.control import gc_tuning
     from pastry.control.controller import Controller
@@ -69,7 +90,7 @@ def run_control(n: int, steps: int) -> None:
     async def go() -> None:
         controller = Controller([handle], None)
         runtime = TrustedRuntime(controller)
-        prog = Program.from_source("control-cost", INFERLET)
+        prog = Program.from_source("control-cost", source)
         insts = [runtime.launch(prog, [str(PROMPT), str(steps)]) for _ in range(n)]
         ends = await asyncio.gather(*(_last(i) for i in insts))
         await controller.close()
@@ -137,6 +158,10 @@ def count(kind: str, n: int, steps: int) -> int:
 
 
 def per_step(kind: str, n: int, s1: int, s2: int) -> float:
+    """Instructions per inferlet-step: the difference of two runs over at least 2,048
+    inferlet-steps (fewer inferlets take more steps), so that what varies between
+    processes (start-up, the event loop's idle polls) stays small beside it."""
+    s2 = max(s2, s1 + -(-MIN_SPAN // n))
     return (count(kind, n, s2) - count(kind, n, s1)) / (n * (s2 - s1))
 
 
@@ -149,7 +174,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         kind, n, steps = args.child[0], int(args.child[1]), int(args.child[2])
-        (run_control if kind == "control" else run_floor)(n, steps)
+        if kind == "floor":
+            run_floor(n, steps)
+        else:
+            run_control(n, steps, PER_STEP if kind == "per-step" else INFERLET)
         return
     if shutil.which("valgrind") is None:
         print("control_cost.py: valgrind is not installed (apt install valgrind); skipped")
@@ -163,18 +191,23 @@ def main() -> None:
     print(f"# control_cost: {cpu_name()}, python {sys.version.split()[0]}, steps {s1} -> {s2}")
     print("Instructions per inferlet-step (callgrind), control layer over a stub engine vs the")
     print(f"event-loop floor; {reps} repetition(s) each")
-    print("| inferlets | **control** | floor | **control / floor** |")
-    print("|---|---|---|---|")
+    print(
+        "| inferlets | **control** (run ahead) | per step | floor | **control / floor** | per step / floor |"
+    )
+    print("|---|---|---|---|---|---|")
     out: dict[str, object] = {"quick": args.quick, "steps": [s1, s2]}
     for n in counts:
         control = [per_step("control", n, s1, s2) for _ in range(reps)]
+        stepped = [per_step("per-step", n, s1, s2) for _ in range(reps)]
         floor = [per_step("floor", n, s1, s2) for _ in range(reps)]
-        c, f = sum(control) / reps, sum(floor) / reps
+        c, p, f = (sum(x) / reps for x in (control, stepped, floor))
         spread = f" ({min(control):,.0f}-{max(control):,.0f})" if reps > 1 else ""
-        print(f"| {n} | {c:,.0f}{spread} | {f:,.0f} | {c / f:.1f}x |")
+        print(f"| {n} | {c:,.0f}{spread} | {p:,.0f} | {f:,.0f} | {c / f:.1f}x | {p / f:.1f}x |")
         out[f"control_instr_per_step_{n}"] = round(c)
+        out[f"per_step_instr_per_step_{n}"] = round(p)
         out[f"floor_instr_per_step_{n}"] = round(f)
         out[f"control_over_floor_{n}"] = round(c / f, 2)
+        out[f"per_step_over_floor_{n}"] = round(p / f, 2)
     print(json.dumps(out))
 
 
