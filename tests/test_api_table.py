@@ -22,6 +22,7 @@ from pastry.api.types import wit_text, wit_type
 from pastry.api.wit import PATH as WIT
 from pastry.api.wit import generate
 from pastry.control.handlers import HANDLERS
+from pastry.control.session import Session
 
 
 def test_the_wit_file_is_what_the_table_writes():
@@ -112,6 +113,30 @@ def test_inferlet_api_has_one_method_per_request_with_its_fields():
 def test_every_request_has_exactly_one_handler():
     assert set(HANDLERS) == set(REQUESTS)
     assert all(callable(h) for h in HANDLERS.values())
+
+
+def test_methods_answered_by_handlers_build_the_same_records():
+    """``answered_by`` (what ``Session`` uses) has InferletApi's signatures and hands each
+    handler exactly the record ``InferletApi.call`` would get; a missing kind is refused."""
+    got: list = []
+    methods = api.answered_by({cls: lambda self, r: got.append(r) or r for cls in REQUESTS})
+    assert set(methods) == set(api.API_FUNCTIONS)
+    for name, fn in methods.items():
+        assert inspect.signature(fn) == inspect.signature(getattr(api.InferletApi, name)), name
+    for spec in SPECS.values():
+        args = [_example(p.tree) for p in spec.params]
+        assert methods[spec.name](None, *args) == spec.cls(*args) == got[-1], spec.name
+    sampled = methods["sample"](None, 1, 2, temperature=0.5, seed=3)
+    assert sampled == api.Sample(1, 2, Sampling(temperature=0.5, seed=3))
+    assert methods["sample"](None, 1, 2, Sampling(top_k=4)).sampling == Sampling(top_k=4)
+    fwd = methods["forward_with_adapter"](None, 0, "lora", [1], 2, [3], [4], 5, [6])
+    assert fwd == api.Forward(0, [1], 2, [3], [4], 5, [6], adapter="lora")
+    partial = {cls: HANDLERS[cls] for cls in REQUESTS if cls is not api.Step}
+    with pytest.raises(ValueError, match="Step"):
+        api.answered_by(partial)
+    assert Session.step is not api.InferletApi.step
+    sig = inspect.signature
+    assert all(sig(getattr(Session, n)) == sig(getattr(api.InferletApi, n)) for n in methods)
 
 
 def _conforms(value, ann) -> bool:

@@ -33,7 +33,7 @@ from pastry.api.memory import *  # noqa: F403
 from pastry.api.model import *  # noqa: F403
 from pastry.api.sampling import MAX_LOGPROBS, Sampling, sampling_of
 from pastry.api.services import *  # noqa: F403
-from pastry.api.surface import API_FUNCTIONS, InferletApi
+from pastry.api.surface import API_FUNCTIONS, InferletApi, answered_by
 from pastry.api.table import ALIASES, BY_CLASS, SPECS, VALUES, Alias, Param, Spec, traits
 
 TRAITS: dict[str, tuple[str, ...]] = traits()
@@ -43,6 +43,7 @@ TRAITS: dict[str, tuple[str, ...]] = traits()
 REQUESTS: tuple[type, ...] = tuple(s.cls for s in SPECS.values())
 
 __all__ = [
+    "answered_by",
     "ALIASES",
     "API_FUNCTIONS",
     "BY_CLASS",

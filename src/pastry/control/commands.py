@@ -116,7 +116,6 @@ class Prepared(Op):
         return self.call
 
 
-@dataclass(eq=False)
 class Command:
     """One queued API call: its :class:`Op` (what it does, as data) and its place in the
     batch.
@@ -125,29 +124,54 @@ class Command:
     from ``stage`` to ``last_stage`` (the SDK's decode step: embed, forward, sample): they
     go into one batch, the engine runs each with the calls of its type, and the command
     resolves once, with ``finish`` of its last call's result (or the first call's error).
+
+    ``end_stage`` (the stage of its last call) and ``forwards`` (whether it runs a forward,
+    which counts against the forward caps) are fixed when it is made: a command's stages
+    never change, and batch forming reads both several times per command. Slotted, with
+    its own ``__init__``: one is made per API call on the decode path.
     """
 
-    stage: Stage
-    op: Op
-    tokens: int = 0  # forward tokens, for the batch limit
-    future: asyncio.Future = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    created: float = field(default_factory=time.perf_counter)
-    call: Call | tuple[Call, ...] | None = None
-    queue: Queue | None = None  # set by submit
-    admission: Any = None  # what a waiting prefill asks for (control/policies/admission.py)
-    last_stage: Stage | None = None  # a fused command's last stage (None: one call)
+    __slots__ = (
+        "admission",
+        "call",
+        "created",
+        "end_stage",
+        "forwards",
+        "future",
+        "last_stage",
+        "op",
+        "queue",
+        "stage",
+        "tokens",
+    )  # fmt: skip
 
-    @property
-    def end_stage(self) -> Stage:
-        """The stage of the command's last call."""
-        return self.stage if self.last_stage is None else self.last_stage
+    def __init__(
+        self,
+        stage: Stage,
+        op: Op,
+        tokens: int = 0,  # forward tokens, for the batch limit
+        future: asyncio.Future | None = None,  # None: a new one on the running loop
+        created: float | None = None,  # None: now (time.perf_counter)
+        call: Call | tuple[Call, ...] | None = None,
+        queue: Queue | None = None,  # set by submit
+        admission: Any = None,  # what a waiting prefill asks for (policies/admission.py)
+        last_stage: Stage | None = None,  # a fused command's last stage (None: one call)
+    ) -> None:
+        self.stage, self.op, self.tokens, self.call, self.queue = stage, op, tokens, call, queue
+        self.future = asyncio.get_running_loop().create_future() if future is None else future
+        self.created = time.perf_counter() if created is None else created
+        self.admission, self.last_stage = admission, last_stage
+        end = stage if last_stage is None else last_stage
+        self.end_stage: Stage = end
+        self.forwards: bool = stage <= _FORWARD <= end
 
-    @property
-    def forwards(self) -> bool:
-        """Whether the command runs a forward (counts against the forward caps)."""
-        return self.stage <= Stage.FORWARD <= self.end_stage
+    def __repr__(self) -> str:
+        stages = (
+            self.stage.name
+            if self.last_stage is None
+            else f"{self.stage.name}..{self.end_stage.name}"
+        )
+        return f"Command({stages}, {type(self.op).__name__}, tokens={self.tokens})"
 
     def parts(self) -> tuple[Call, ...]:
         """The prepared engine calls (none before ``prepare``, or for control commands)."""
@@ -160,6 +184,9 @@ class Command:
         """The value its caller awaits, from the engine's result ``r``."""
         finish = self.op.finish
         return r if finish is None else finish(r)
+
+
+_FORWARD = Stage.FORWARD
 
 
 @dataclass(eq=False)

@@ -396,8 +396,9 @@ class BatchScheduler:
                 continue
             if c.last_stage is not None and call is not c.call[-1]:
                 continue  # a fused command resolves with its last call
+            finish = c.op.finish  # Command.result, inline: once per call of every batch
             try:
-                c.future.set_result(c.result(r))
+                c.future.set_result(r if finish is None else finish(r))
             except Exception as e:
                 c.future.set_exception(e)
         for c in batch:  # commands without an engine call (control ones) resolve once the

@@ -78,3 +78,9 @@ class Session(Caller, InferletApi):
             sub.close()
         self.subscriptions.clear()
         self.constraints.clear()
+
+
+# Each API method calls its request kind's handler itself (Session.call's answer, one
+# dispatch less per request): see pastry.api.answered_by.
+for _name, _method in api.answered_by(HANDLERS).items():
+    setattr(Session, _name, _method)

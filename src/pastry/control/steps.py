@@ -162,7 +162,7 @@ class Step(Op):
                     out_pages=arr[ctx:at], out_offset=s.offset, out_embeds=arr[e + n : kv],
                     out_indices=_LAST[n] if n < len(_LAST) else ids([n - 1]),
                 ),
-                sample_call(out, s.spec),
+                Sample(out) if s.spec is None else sample_call(out, s.spec),  # greedy: inline
             )  # fmt: skip
         return failed
 
