@@ -116,6 +116,9 @@ class Prepared(Op):
         return self.call
 
 
+NEW_FUTURE: Any = object()  # Command's default future: a new one on the running loop
+
+
 class Command:
     """One queued API call: its :class:`Op` (what it does, as data) and its place in the
     batch.
@@ -150,7 +153,7 @@ class Command:
         stage: Stage,
         op: Op,
         tokens: int = 0,  # forward tokens, for the batch limit
-        future: asyncio.Future | None = None,  # None: a new one on the running loop
+        future: asyncio.Future | None = NEW_FUTURE,  # default: one on the running loop
         created: float | None = None,  # None: now (time.perf_counter)
         call: Call | tuple[Call, ...] | None = None,
         queue: Queue | None = None,  # set by submit
@@ -158,7 +161,7 @@ class Command:
         last_stage: Stage | None = None,  # a fused command's last stage (None: one call)
     ) -> None:
         self.stage, self.op, self.tokens, self.call, self.queue = stage, op, tokens, call, queue
-        self.future = asyncio.get_running_loop().create_future() if future is None else future
+        self.future = asyncio.get_running_loop().create_future() if future is NEW_FUTURE else future
         self.created = time.perf_counter() if created is None else created
         self.admission, self.last_stage = admission, last_stage
         end = stage if last_stage is None else last_stage
