@@ -191,3 +191,61 @@ def test_runtime_loading_over_the_engine_wire(setup, tmp_path):
     asyncio.run(main())
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+LANG_PROGRAM = """
+from pastry.lang import function, gen, select
+
+
+@function
+def cont(s, prompt):
+    s += prompt + gen("out", max_tokens=8, temperature=0, ignore_eos=True)
+    s += select("pick", choices=[" yes", " no"])
+"""
+
+
+def test_pastry_lang_selects_the_adapter(setup, tmp_path):
+    """pastry.lang from a client (the program shipped to the server, sandboxed): ``run(...,
+    adapter=NAME)`` and ``Endpoint(adapter=NAME)`` generate what ``/v1/completions`` with
+    ``model=NAME`` does (PEFT's answer, test above); without one, the base model's."""
+    import importlib.util
+    import sys
+
+    from pastry.lang import Endpoint, ProgramError
+    from pastry.runtime import build_pyrt
+
+    try:
+        build_pyrt.build()
+    except build_pyrt.BuildError as e:
+        pytest.skip(f"cannot build the Python runtime component: {e}")
+    _, ad, url, server = setup
+    base = server.models[0]
+    path = tmp_path / "lang_lora_prog.py"
+    path.write_text(LANG_PROGRAM)
+    spec = importlib.util.spec_from_file_location("lang_lora_prog", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert post(url, "/v1/load_lora_adapter", {"lora_name": "lang-ad", "lora_path": str(ad)})[0] == 200  # fmt: skip
+    text = "Once upon a time there was"
+    want = {m: generated_text(url, m, text) for m in (base, "lang-ad")}
+    assert want[base] != want["lang-ad"]
+    ep, ep_ad = Endpoint(url, OP.token), Endpoint(url, OP.token, adapter="lang-ad")
+    try:
+        assert module.cont.run(prompt=text, backend=ep)["out"] == want[base]
+        assert module.cont.run(prompt=text, backend=ep, adapter="lang-ad")["out"] == want["lang-ad"]
+        assert module.cont.run(prompt=text, backend=ep_ad)["out"] == want["lang-ad"]
+        states = module.cont.run_batch([{"prompt": text}] * 2, backend=ep, adapter="lang-ad")
+        assert [s["out"] for s in states] == [want["lang-ad"]] * 2
+        with pytest.raises(ProgramError, match="no adapter named 'nope'"):
+            module.cont.run(prompt=text, backend=ep, adapter="nope")
+    finally:
+        ep.close()
+        ep_ad.close()
+        assert post(url, "/v1/unload_lora_adapter", {"lora_name": "lang-ad"})[0] == 200
+
+
+def generated_text(url: str, model: str, prompt: str) -> str:
+    status, body = post(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})  # fmt: skip
+    assert status == 200, body
+    return body["choices"][0]["text"]

@@ -31,11 +31,20 @@ class Endpoint:
     """A Pastry server, as a backend of ``run`` / ``run_batch``.
 
     ``base_url``: ``http://HOST:PORT``; ``api_key``: the server's auth token, if any
-    (SGLang's ``RuntimeEndpoint`` spells it the same)."""
+    (SGLang's ``RuntimeEndpoint`` spells it the same); ``adapter``: a LoRA adapter loaded on
+    the server (``/v1/models`` lists it) that every run applies unless it names its own."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, *, timeout: float = 30) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        adapter: str | None = None,
+        timeout: float = 30,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.adapter = adapter
         self.timeout = timeout
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -53,11 +62,16 @@ class Endpoint:
     # ------------------------------------------------------------------ the backend API
 
     def run(
-        self, fn: Function, arguments: dict[str, Any], sampling: dict[str, Any], stream: bool
+        self,
+        fn: Function,
+        arguments: dict[str, Any],
+        sampling: dict[str, Any],
+        stream: bool,
+        adapter: str | None = None,
     ) -> RemoteState:
         state = RemoteState(fn.__name__, stream)
         state._future = asyncio.run_coroutine_threadsafe(
-            self._launch(fn, arguments, sampling, state), self._loop
+            self._launch(fn, arguments, sampling, state, adapter), self._loop
         )
         if not stream:
             state._future.result()
@@ -72,6 +86,7 @@ class Endpoint:
         sampling: dict[str, Any],
         num_threads: int | str = "auto",
         progress_bar: bool = False,
+        adapter: str | None = None,
     ) -> list[RemoteState]:
         limit = max(96, (_cpus() or 1) * 16) if num_threads == "auto" else int(num_threads)
         states = [RemoteState(fn.__name__, False) for _ in batch]
@@ -81,7 +96,7 @@ class Endpoint:
 
             async def one(args: dict[str, Any], state: RemoteState) -> None:
                 async with gate:
-                    await self._launch(fn, args, sampling, state)
+                    await self._launch(fn, args, sampling, state, adapter)
 
             await asyncio.gather(*(one(a, s) for a, s in zip(batch, states, strict=True)))
 
@@ -130,7 +145,12 @@ class Endpoint:
         return self._uploaded[digest]
 
     async def _launch(
-        self, fn: Function, arguments: dict[str, Any], sampling: dict[str, Any], state: RemoteState
+        self,
+        fn: Function,
+        arguments: dict[str, Any],
+        sampling: dict[str, Any],
+        state: RemoteState,
+        adapter: str | None,
     ) -> None:
         from pastry.client import InferletError
 
@@ -141,6 +161,7 @@ class Endpoint:
                     "arguments": arguments,
                     "sampling": sampling,
                     "stream": state.streaming,
+                    "adapter": self.adapter if adapter is None else adapter,
                 }
             )
         except TypeError as e:

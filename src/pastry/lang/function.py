@@ -83,14 +83,28 @@ class Function:
             return self._nested(run, args, kwargs)
         return self.run(*args, **kwargs)
 
-    def run(self, *args: Any, stream: bool = False, backend: Any = None, **kwargs: Any):
+    def run(
+        self,
+        *args: Any,
+        stream: bool = False,
+        backend: Any = None,
+        adapter: str | None = None,
+        **kwargs: Any,
+    ):
         """Run the program to completion and return its state (``state["x"]``,
         ``state.text()``). Keyword arguments named like sampling parameters
         (``max_new_tokens``, ``temperature``, ``stop``...) are the defaults of every
         ``gen``; the others are the program's arguments. ``stream=True`` returns at once; the
-        state's ``text_iter()`` yields the text as it is generated."""
+        state's ``text_iter()`` yields the text as it is generated. ``adapter``: a LoRA
+        adapter loaded on the server's model (``/v1/models`` lists them), applied to every
+        generation and score of the run; None: the backend's (``Endpoint(adapter=...)``)."""
         run = active_run()
         if run is not None and backend is None:
+            if adapter is not None:
+                raise TypeError(
+                    f"{self.__name__}: a nested call runs with its run's adapter; "
+                    "adapter= is for a run of its own"
+                )
             return self._nested(run, args, kwargs)
         sampling, kw = _split(kwargs)
         backend = backend or get_default_backend()
@@ -100,7 +114,7 @@ class Function:
                 "pastry.lang.Endpoint('http://HOST:PORT')) in a client; inside an inferlet "
                 f"use `await {self.__name__}.arun(...)`"
             )
-        return backend.run(self, self._arguments(args, kw), sampling, stream)
+        return backend.run(self, self._arguments(args, kw), sampling, stream, adapter=adapter)
 
     def run_batch(
         self,
@@ -109,10 +123,11 @@ class Function:
         backend: Any = None,
         num_threads: int | str = "auto",
         progress_bar: bool = False,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> list[Any]:
         """Run the program once per argument set, ``num_threads`` at a time; the states in
-        order."""
+        order. ``adapter``: as for :meth:`run`."""
         bad = sorted(set(sampling) - SAMPLING)
         if bad:
             raise TypeError(f"unknown sampling parameters {bad}")
@@ -123,23 +138,27 @@ class Function:
                 f"use `await {self.__name__}.arun_batch(...)`"
             )
         batch = [self._batch_args(b) for b in batch_kwargs]
-        return backend.run_batch(self, batch, sampling, num_threads, progress_bar)
+        return backend.run_batch(self, batch, sampling, num_threads, progress_bar, adapter=adapter)
 
     async def arun(
         self,
         *args: Any,
         on_text: Callable[[str], None] | None = None,
         model: str | None = None,
+        adapter: str | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program in this inferlet (next to its KV) and return its state once
         everything it submitted has run. ``on_text`` receives the program's text as it
-        grows (what ``stream=True`` sends a client)."""
+        grows (what ``stream=True`` sends a client). ``adapter``: a LoRA adapter of the
+        model (``get_adapters``) that every context of the run applies (a name the model
+        does not have is an ``ApiError`` listing the loaded ones)."""
         sampling, kw = _split(kwargs)
         defaults = SamplingParams().override(sampling)
         a = api()
-        run = Run(model or a.available_models()[0], defaults, on_text=on_text)
-        state = ProgramState(run.stream(top=True))
+        run = Run(model or a.available_models()[0], defaults, on_text=on_text, adapter=adapter)
+        # with an adapter the first context opens now: a name the model lacks fails here
+        state = ProgramState(run.stream(top=True, ctx=None if adapter is None else run.context()))
         arguments = self._arguments(args, kw)
         try:
             await run.driver.run(lambda: run.execute(self.func, state, (), arguments))
@@ -151,6 +170,7 @@ class Function:
         self,
         batch_kwargs: Sequence[dict[str, Any] | Sequence[Any]],
         num_threads: int | str = "auto",
+        adapter: str | None = None,
         **sampling: Any,
     ) -> list[ProgramState]:
         """``arun`` for each argument set, at most ``num_threads`` at once."""
@@ -159,7 +179,7 @@ class Function:
 
         async def one(b):
             async with gate:
-                return await self.arun(**self._batch_args(b), **sampling)
+                return await self.arun(**self._batch_args(b), adapter=adapter, **sampling)
 
         return list(await asyncio.gather(*(one(b) for b in batch_kwargs)))
 

@@ -1,7 +1,8 @@
 """The inferlet side of a program shipped from a client (:mod:`pastry.lang.ship`).
 
 The launch argument is one JSON object: ``function`` (its name in the shipped module),
-``arguments``, ``sampling`` (the run's default sampling parameters) and ``stream``. With
+``arguments``, ``sampling`` (the run's default sampling parameters), ``stream`` and
+``adapter`` (a LoRA adapter's name, or null). With
 ``stream``, every piece of the program's text is sent as a message ``{"text": piece}`` as
 it is produced. The result is ``{"text", "variables", "meta_info", "messages"}`` as JSON.
 """
@@ -28,7 +29,12 @@ async def serve(namespace: dict[str, Any], args: list[str]) -> str:
         def on_text(piece: str) -> None:
             px.send(json.dumps({"text": piece}))
 
-    state = await fn.arun(on_text=on_text, **req.get("sampling", {}), **req.get("arguments", {}))
+    state = await fn.arun(
+        on_text=on_text,
+        adapter=req.get("adapter"),
+        **req.get("sampling", {}),
+        **req.get("arguments", {}),
+    )
     s = state.stream
     return json.dumps(
         {

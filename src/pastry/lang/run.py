@@ -32,13 +32,21 @@ class Run:
         defaults: SamplingParams,
         driver: Driver | None = None,
         on_text: Callable[[str], None] | None = None,
+        adapter: str | None = None,
     ) -> None:
         self.model = model
+        self.adapter = adapter  # a LoRA adapter every context of the run applies
         self.defaults = defaults
         self.driver = driver or driver_for(asyncio.get_running_loop())
         self.on_text = on_text
         self.streams: list[Stream] = []
         self.contexts: list[Context] = []
+
+    def context(self) -> Context:
+        """A new context of the run (on its model, with its adapter), released at its end."""
+        ctx = Context(self.model, adapter=self.adapter)
+        self.contexts.append(ctx)
+        return ctx
 
     def stream(self, **kw: Any) -> Stream:
         s = Stream(self, **kw)

@@ -118,9 +118,9 @@ async def choice_logprobs(
 
 
 async def unconditional_logprobs(ctx: Context, tokens: Sequence[int]) -> list[Scored]:
-    """``tokens`` scored on their own (a fresh context on ``ctx``'s model); the first has
-    no context and counts log-probability 0."""
-    fresh = Context(ctx.model)
+    """``tokens`` scored on their own (a fresh context on ``ctx``'s model and adapter); the
+    first has no context and counts log-probability 0."""
+    fresh = Context(ctx.model, adapter=ctx.adapter)
     try:
         fresh.fill_tokens(tokens[:1])
         rest = await score(fresh, tokens[1:])

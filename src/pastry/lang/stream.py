@@ -44,10 +44,13 @@ class Run(Protocol):
     """What a stream reads of its program's run (:class:`pastry.lang.run.Run`)."""
 
     model: str
+    adapter: str | None
     defaults: SamplingParams
     driver: Driver
     on_text: Callable[[str], None] | None
     contexts: list[Context]
+
+    def context(self) -> Context: ...
 
 
 class ProgramError(RuntimeError):
@@ -190,8 +193,7 @@ class Stream:
 
     async def _context(self) -> Context:
         if self.ctx is None:
-            self.ctx = Context(self.run.model)
-            self.run.contexts.append(self.ctx)
+            self.ctx = self.run.context()
         return self.ctx
 
     def _tokenize(self, ctx: Context, text: str) -> list[int]:
