@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pastry.client import Client, ClientError
@@ -31,8 +32,10 @@ SERVER = textwrap.dedent(
     from pastry.server.service import ServerConfig
 
     model, programs, port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    responses = Path(sys.argv[4]) if len(sys.argv) > 4 else None
     cfg = ServerConfig(model=Path(model), port=port, in_process=True, programs_dir=programs,
-                       trusted_uploads=True, num_pages=128, num_embeds=512, dtype="float32")
+                       trusted_uploads=True, num_pages=128, num_embeds=512, dtype="float32",
+                       responses_dir=responses)
     asyncio.run(serve(cfg, log_level="warning"))
     """
 )
@@ -47,11 +50,12 @@ class Server:
     """A server process on ``programs``: ``pastry serve`` as a library call (in-process
     engine, so that killing it kills everything)."""
 
-    def __init__(self, model: Path, programs: Path) -> None:
+    def __init__(self, model: Path, programs: Path, responses: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra = [] if responses is None else [str(responses)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER, str(model), str(programs), str(self.port)],
+            [sys.executable, "-c", SERVER, str(model), str(programs), str(self.port), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -207,3 +211,61 @@ def test_atomic_write_leaves_old_or_new_never_a_mix(tmp_path):
         assert path.exists()
         durable.leftovers(tmp_path)
         assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_stored_responses_survive_kills_and_restarts(make_tiny, tmp_path):
+    """Stored /v1/responses are on the disk before the client hears of them: after SIGKILL
+    every one is retrievable with its input items, a follow-up continues the conversation
+    as it would have before (its KV export is gone: computed again), deleted and unstored
+    ones stay gone; a damaged file is moved aside and reported, never loaded."""
+    model, programs, responses = make_tiny("llama"), tmp_path / "programs", tmp_path / "responses"
+
+    def call(server: Server, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        return httpx.request(method, server.url + path, json=body, timeout=60)
+
+    def create(server: Server, **body) -> dict:
+        r = call(server, "POST", "/v1/responses", {"model": name, "max_output_tokens": 4, "temperature": 0, **body})  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def text(r: dict) -> list[str]:
+        return [c["text"] for item in r["output"] for c in item["content"]]
+
+    server = Server(model, programs, responses)
+    try:
+        name = call(server, "GET", "/v1/models").json()["data"][0]["id"]
+        r1 = create(server, input="Hello there")
+        r2 = create(server, input="And again", previous_response_id=r1["id"])
+        items = call(server, "GET", f"/v1/responses/{r2['id']}/input_items").json()
+        follow = create(server, input="More", previous_response_id=r2["id"], store=False)
+        gone = create(server, input="Forget me")
+        assert call(server, "DELETE", f"/v1/responses/{gone['id']}").status_code == 200
+        unstored = create(server, input="Not kept", store=False)
+    finally:
+        server.stop(signal.SIGKILL)
+    again = Server(model, programs, responses)
+    try:
+        for r in (r1, r2):
+            assert call(again, "GET", f"/v1/responses/{r['id']}").json() == r
+        assert call(again, "GET", f"/v1/responses/{r2['id']}/input_items").json() == items
+        for r in (gone, unstored, follow):
+            assert call(again, "GET", f"/v1/responses/{r['id']}").status_code == 404
+        later = create(again, input="More", previous_response_id=r2["id"], store=False)
+        assert text(later) == text(follow)  # the same conversation, recomputed
+        assert later["usage"]["input_tokens"] == follow["usage"]["input_tokens"]
+        assert later["usage"]["input_tokens_details"]["cached_tokens"] == 0  # the KV was lost
+    finally:
+        log = again.stop(signal.SIGTERM)
+    assert "damaged" not in log, log
+    files = sorted(responses.rglob("*.json"))
+    assert [f.stem for f in files] == sorted([r1["id"], r2["id"]])
+    assert all(f.stat().st_mode & 0o077 == 0 for f in files)  # the server's user only
+    damaged = next(f for f in files if f.stem == r1["id"])
+    damaged.write_text(damaged.read_text().replace("Hello", "Jello"))  # not its digest
+    third = Server(model, programs, responses)
+    try:
+        assert call(third, "GET", f"/v1/responses/{r1['id']}").status_code == 404
+        assert call(third, "GET", f"/v1/responses/{r2['id']}").json() == r2
+    finally:
+        log = third.stop(signal.SIGTERM)
+    assert "damaged" in log and damaged.with_name(damaged.name + ".corrupt").exists(), log

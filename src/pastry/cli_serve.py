@@ -143,6 +143,14 @@ def _add_program_options(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where uploaded programs are stored (default: $PASTRY_HOME/programs)",
     )
+    p.add_argument(
+        "--responses-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where stored /v1/responses are kept, so that they survive a restart (default: "
+        "$PASTRY_HOME/responses; 'none': in memory only)",
+    )
 
 
 def _add_engines_options(p: argparse.ArgumentParser) -> None:
@@ -264,7 +272,6 @@ def _serve(args: argparse.Namespace) -> int:
             users=read_users_file(args.users) if args.users else (),
             grants=tuple(parse_grant(g) for g in args.grant),
             quotas=_quotas(args),
-            max_upload_bytes=args.max_upload_bytes,
             engine_kwargs={
                 "quantize": args.quantize,
                 "compile": args.compile,
@@ -274,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
             prefix_cache=args.prefix_cache,
             admission=args.admission,
             engine_hang_timeout=args.engine_hang_timeout,
-            programs_dir=args.programs_dir,
+            **_storage(args),
         )
     except (ConfigError, UsersError, ValueError) as e:
         print(f"pastry serve: error: {e}", file=sys.stderr)
@@ -288,3 +295,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pastry serve: the server did not start (exit {code})", file=sys.stderr)
         return code
     return 0
+
+
+def _storage(args: argparse.Namespace) -> dict:
+    """What the server keeps on disk: uploads (and their size limit), stored responses
+    (``--responses-dir``: a directory, ``none`` for memory only, or the default)."""
+    from pastry.paths import responses_dir
+
+    responses = args.responses_dir
+    if responses is None:
+        responses = responses_dir()
+    elif str(responses).lower() == "none":
+        responses = None
+    return {
+        "programs_dir": args.programs_dir,
+        "max_upload_bytes": args.max_upload_bytes,
+        "responses_dir": responses,
+    }

@@ -43,6 +43,11 @@ def programs_dir() -> Path:
     return pastry_home() / "programs"
 
 
+def responses_dir() -> Path:
+    """Where ``pastry serve`` keeps stored Responses (``server/responses_disk.py``)."""
+    return pastry_home() / "responses"
+
+
 def pyrt_dir() -> Path:
     """The compiled Python runtime component of the sandbox (``runtime/build_pyrt.py``)."""
     return pastry_home() / "pyrt"

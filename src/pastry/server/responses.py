@@ -57,6 +57,7 @@ from pastry.server.openai_answers import (
 )
 from pastry.server.openai_params import MAX_LOGPROBS, History, OpenAIError
 from pastry.server.relay import Events, send_json
+from pastry.server.responses_disk import ResponseFiles
 from pastry.server.responses_events import EventWriter, call_item, message_item
 from pastry.server.responses_params import FIELDS, Spec, parse_response
 from pastry.server.responses_store import ResponseStore, Stored, drop_export
@@ -121,8 +122,9 @@ class ResponsesRun(JobRun):
             "usage": usage,
         }
 
-    def keep(self, body: dict, result: dict, text: str) -> None:
-        """Store the finished response with its conversation (and the KV export)."""
+    async def keep(self, body: dict, result: dict, text: str) -> None:
+        """Store the finished response with its conversation (and the KV export); returns
+        once it is on the disk (the client hears of it after that)."""
         if not self.spec.store:
             return
         (choice,) = result["choices"]
@@ -134,8 +136,9 @@ class ResponsesRun(JobRun):
         # the answer as the model wrote it: what the follow-up's prompt shows it
         answer = {"role": "assistant", "content": text, "raw": True}
         conversation = [*self.spec.conversation, answer]
-        self.store.put(self.user, self.id, Stored(body, self.spec.input_items, conversation, history, self.job.model, self.job.served))  # fmt: skip
-        self.kept = True
+        stored = Stored(body, self.spec.input_items, conversation, history, self.job.model, self.job.served)  # fmt: skip
+        self.kept = True  # in the store from here on, whatever happens to the disk write
+        await self.store.put(self.user, self.id, stored)
 
     def output_items(self, c: dict) -> tuple[list[dict], str]:
         message, finish = chat_message(self.job, c["text"], c["finish_reason"])
@@ -164,7 +167,7 @@ class ResponsesRun(JobRun):
         status = "incomplete" if finish == "length" else "completed"
         usage = _usage(result["usage"], self.spec.store, "kv" in result)
         body = self.body(status, items, usage)
-        self.keep(body, result, c["text"])
+        await self.keep(body, result, c["text"])
         metrics.request_done(ENDPOINT, 200, result["usage"])
         await send_json(send, 200, body)
 
@@ -192,7 +195,7 @@ class ResponsesRun(JobRun):
                     status = "incomplete" if finish == "length" else "completed"
                     usage = _usage(result["usage"], self.spec.store, "kv" in result)
                     body = self.body(status, out.items, usage)
-                    self.keep(body, result, c["text"])
+                    await self.keep(body, result, c["text"])
                     metrics.request_done(ENDPOINT, 200, result["usage"])
                     await out.emit(f"response.{status}", response=body)
                     break
@@ -210,7 +213,9 @@ class ResponsesRun(JobRun):
 
 def routes(server: PastryServer) -> list[Route]:
     """The endpoints (a table: each handler takes the users' store and the request)."""
-    store = ResponseStore(server, server.config.quotas.responses_per_user)
+    root = server.config.responses_dir
+    files = None if root is None else ResponseFiles(root)
+    store = ResponseStore(server, server.config.quotas.responses_per_user, files)
     table = (
         (ENDPOINT, _create, ["POST"]),
         (ENDPOINT + "/{response_id}", _retrieve, ["GET"]),
@@ -262,7 +267,7 @@ async def _retrieve(store: ResponseStore, request: Request) -> JSONResponse:
 
 async def _delete(store: ResponseStore, request: Request) -> JSONResponse:
     rid = request.path_params["response_id"]
-    if not store.delete(user_of(request.scope).name, rid):
+    if not await store.delete(user_of(request.scope).name, rid):
         return _missing(rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
