@@ -2,7 +2,8 @@
 and skeleton-of-thought) as built-in inferlets, on the tiny random checkpoint.
 
 The model writes gibberish, so the structure comes from the programs (fixed branching and
-depth, scores from log-probabilities) and each test checks three properties:
+depth, scores from log-probabilities; skeleton-of-thought's points from the model's list,
+written under a grammar) and each test checks three properties:
 
 - pages are shared, not copied: every ``Context.fork`` the strategy makes (recorded by a
   wrapper program around the built-in) gives the child the parent's own page handles for
@@ -61,10 +62,12 @@ async def main(args):
 """
 
 # Greedy reference: the top-k next tokens after a context, or its greedy continuation of up
-# to n tokens (stopping at, and leaving out, an end-of-sequence token).
+# to n tokens (stopping at, and leaving out, an end-of-sequence token), under a regular
+# expression when one is given.
 REF = """
 import json
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler
+from pastry.sdk.grammar import Constraint, generate
 from pastry.sdk.steps import next_dist
 
 async def main(args):
@@ -74,6 +77,9 @@ async def main(args):
     if o.get("top"):
         ids, _ = await next_dist(ctx, o["top"])
         return json.dumps(ids)
+    if o.get("regex"):
+        with Constraint(ctx, {"regex": o["regex"]}) as c:
+            return json.dumps((await generate(ctx, c, o["n"])).tokens)
     eos = set(ctx.eos_ids)
     await ctx.generate(Sampler(), MaxTokens(o["n"]) | EosTokens(eos))
     return json.dumps([t for t in ctx.tokens[len(o["context"]):] if t not in eos])
@@ -215,14 +221,20 @@ def test_tree_of_thought(path, tok):
 
 
 def test_recursion_of_thought(path, tok):
+    """The sub-problems are the model's own: its greedy plan under the plan grammar,
+    parsed; each is solved in its own context and only its answer comes back."""
+    from pastry.inferlets.recursion_of_thought import parse_plan, plan_regex
+
     P = prompt(64, seed=2)
+    chars, at = 10, 5
     opts = {
         "prompt_tokens": P,
         "problem": "What is 12 + 30?",
         "branch": 2,
+        "min_branch": 2,  # the random model's plans: always two sub-problems
         "depth": 2,
-        "question_tokens": 5,
-        "answer_tokens": 5,
+        "question_chars": chars,
+        "answer_tokens": at,
         "trace": True,
     }
     out, stats, peak, forks = run_spied(path, "recursion_of_thought", opts)
@@ -232,30 +244,42 @@ def test_recursion_of_thought(path, tok):
         node, level = queue.pop()
         nodes.append(node)
         assert len(node["subproblems"]) == (2 if level < 2 else 0)
+        assert ("plan_tokens" in node) == (level < 2)
         queue += [(s, level + 1) for s in node["subproblems"]]
     root = out["tree"]
     assert root["question_tokens"] == tok.encode("What is 12 + 30?")
     assert out["answer"] == root["answer"]
-    go = tok.encode("\nProblem:")
+    go, plan = tok.encode("\nProblem:"), tok.encode("\nSub-problems:\n")
+    planned = [n for n in nodes if n["subproblems"]]
     for node in nodes:
-        # a problem's context is the instructions, the problem, then each sub-problem with
-        # the answer solved in its own context -- never the parent's context
+        # a problem's context is the instructions, the problem, then its plan and each
+        # sub-problem's answer, solved in its own context -- never the parent's context
         q = node["question_tokens"]
-        assert node["context"][: len(P) + len(go) + len(q)] == P + go + q
+        head = P + go + q
+        assert node["context"][: len(head)] == head
+        if not node["subproblems"]:
+            assert node["context"] == head + tok.encode("\nAnswer:")
+            continue
+        assert node["plan_context"] == head + plan
+        asked = parse_plan(tok.decode(node["plan_tokens"]))
+        assert [s["question"] for s in node["subproblems"]] == asked
+        tail = node["plan_context"] + node["plan_tokens"]
         for i, sub in enumerate(node["subproblems"], start=1):
-            part = tok.encode(f"\nSub-problem {i}:") + sub["question_tokens"] + tok.encode(" =")
-            assert _contains(node["context"], part + sub["answer_tokens"])
-            head = node["context"][: len(P) + len(go) + len(q)]
-            assert sub["question_context"] == head + tok.encode(f"\nSub-problem {i}:")
+            assert sub["question_tokens"] == tok.encode(asked[i - 1])
+            tail += tok.encode(f"\nSub-answer {i}:") + sub["answer_tokens"]
+        assert node["context"] == tail + tok.encode("\nAnswer:")
 
-    # (c) every question and answer is the greedy continuation of its context
-    subs = [s for n in nodes for s in n["subproblems"]]
+    # (c) every plan is the greedy output under the grammar, every answer greedy
+    regex = plan_regex(2, chars, 2)
     refs = references(
         path,
-        [{"context": n["context"], "n": 5} for n in nodes]
-        + [{"context": s["question_context"], "n": 5} for s in subs],
+        [{"context": n["context"], "n": at} for n in nodes]
+        + [
+            {"context": n["plan_context"], "n": 2 * (chars + 4) + 2, "regex": regex}
+            for n in planned
+        ],
     )
-    assert [n["answer_tokens"] for n in nodes] + [s["question_tokens"] for s in subs] == refs
+    assert [n["answer_tokens"] for n in nodes] + [n["plan_tokens"] for n in planned] == refs
 
     # (a) every context forks the instructions: their 16 full pages are shared; the seven
     # problems' contexts alive together would hold far more pages than were ever in use.
@@ -263,12 +287,11 @@ def test_recursion_of_thought(path, tok):
     assert shared >= 7 * len(P) // PS
     copies = sum(pages(len(n["context"])) for n in nodes)
     assert peak * 2 < copies, (peak, copies)
-    # (b) sibling sub-problems (up to four) decode together
-    assert stats.mean_batch > 2, stats
-
-
-def _contains(seq: list[int], part: list[int]) -> bool:
-    return any(seq[i : i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+    # (b) sibling sub-problems decode together: the two level-1 plans in lock step, the four
+    # leaves' answers, then the two level-1 answers, then the root's (a plan is one stream)
+    kids = root["subproblems"]
+    steps = len(root["plan_tokens"]) + max(len(k["plan_tokens"]) for k in kids) + 3 * at
+    assert stats.forward_batches <= steps + 4, (stats, steps)
 
 
 # ---------------------------------------------------------------------------------- graph of thought
@@ -340,43 +363,52 @@ def test_graph_of_thought(path, tok):
 
 
 def test_skeleton_of_thought(path, tok):
+    """The points are the model's own: its greedy skeleton under the list grammar, parsed;
+    every point it wrote is expanded."""
+    from pastry.inferlets.skeleton_of_thought import parse_skeleton, skeleton_regex
+
     P = prompt(40, seed=4)
-    points, sk, pt = 4, 4, 10
+    points, least, chars, pt = 5, 3, 12, 10
     opts = {
         "prompt_tokens": P,
         "points": points,
-        "skeleton_tokens": sk,
+        "min_points": least,
+        "point_chars": chars,
         "point_tokens": pt,
         "trace": True,
     }
     out, stats, peak, forks = run_spied(path, "skeleton_of_thought", opts)
     ctxs = out["contexts"]
-    assert len(out["skeleton"]) == len(out["points"]) == points
-    # the skeleton is one context; every expansion sees all of it
-    skeleton_ctx = ctxs["skeleton"][-1] + out["skeleton_tokens"][-1]
+    assert ctxs["skeleton"] == P + tok.encode("\nSkeleton:\n")
+    # (c) the skeleton is the model's greedy output under the grammar, and the points are
+    # its complete lines
+    regex = skeleton_regex(points, chars, least)
+    (ref,) = references(
+        path, [{"context": ctxs["skeleton"], "n": points * (chars + 4), "regex": regex}]
+    )
+    assert out["skeleton_tokens"] == ref
+    text = tok.decode(out["skeleton_tokens"])
+    heads = out["skeleton"]
+    assert heads == parse_skeleton(text) and least <= len(heads) <= points
+    assert len(out["points"]) == len(out["point_tokens"]) == len(heads)
+    # every expansion sees the whole skeleton, and is greedy
+    skeleton_ctx = ctxs["skeleton"] + out["skeleton_tokens"]
     for i, c in enumerate(ctxs["points"], start=1):
         assert c == skeleton_ctx + tok.encode(f"\nExpand point {i}:")
-    assert ctxs["skeleton"][0] == P + tok.encode("\nSkeleton:") + tok.encode("\n1.")
-
-    # (c) points and expansions are greedy continuations of their contexts
-    refs = references(
-        path,
-        [{"context": c, "n": sk} for c in ctxs["skeleton"]]
-        + [{"context": c, "n": pt} for c in ctxs["points"]],
-    )
-    assert out["skeleton_tokens"] + out["point_tokens"] == refs
-    assert all(len(t) == sk for t in out["skeleton_tokens"]), "an end-of-sequence token came"
+    refs = references(path, [{"context": c, "n": pt} for c in ctxs["points"]])
+    assert out["point_tokens"] == refs
     assert all(len(t) == pt for t in out["point_tokens"]), "an end-of-sequence token came"
 
-    # (a) three forks share the prompt and skeleton; the four expansions' contexts would
-    # hold more than twice the pages in use at the peak
-    assert len(forks) == points - 1
-    assert check_forks_share(forks) == (points - 1) * ((len(skeleton_ctx) - 1) // PS)
+    # (a) the forks share the prompt and skeleton; the expansions' contexts would hold more
+    # than twice the pages in use at the peak
+    n = len(heads)
+    assert len(forks) == n - 1
+    assert check_forks_share(forks) == (n - 1) * ((len(skeleton_ctx) - 1) // PS)
     copies = sum(pages(len(c) + pt) for c in ctxs["points"])
     assert peak * 2 < copies, (peak, copies)
-    # (b) one forward per skeleton token, then the four expansions in lock step
-    assert stats.forward_items == points * sk + points * pt
-    assert stats.forward_batches <= points * sk + pt + 2, stats
+    # (b) at most one forward per skeleton token, then the expansions in lock step
+    assert stats.forward_items <= len(out["skeleton_tokens"]) + 1 + n * pt
+    assert stats.forward_batches <= len(out["skeleton_tokens"]) + pt + 3, stats
 
 
 # ---------------------------------------------------------------------------------- arguments

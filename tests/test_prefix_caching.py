@@ -236,7 +236,7 @@ def builtin_launches(tool: dict | None, topic: str) -> dict[str, list[dict]]:
                 "problem": p[4:],
                 "branch": 2,
                 "depth": 2,
-                "question_tokens": 3,
+                "question_chars": 4,
                 "answer_tokens": 3,
             }
         ],
@@ -248,9 +248,7 @@ def builtin_launches(tool: dict | None, topic: str) -> dict[str, list[dict]]:
                 "top_logprobs_num": 2,
             }
         ],
-        "skeleton_of_thought": [
-            {"prompt": p, "points": 2, "skeleton_tokens": 3, "point_tokens": 4}
-        ],
+        "skeleton_of_thought": [{"prompt": p, "points": 2, "point_chars": 6, "point_tokens": 4}],
         "react": [
             {
                 "question": "Weather in Paris?",
