@@ -106,6 +106,8 @@ class Context:
         self.queue = queue
         if adapter is not None and adapter not in a.get_adapters(queue):
             loaded = ", ".join(a.get_adapters(queue)) or "none"
+            if own_queue:  # not kept open for a context that never was
+                a.close_queue(queue)
             raise ApiError(f"no adapter named '{adapter}' on {self.model} (loaded: {loaded})")
         # A context on a model with several engines is placed by the router before its
         # first forward, unless its queue or engine was given (see place).
