@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pastry import durable
 from pastry.client import Client, ClientError
-from pastry.server import durable
 from pastry.server.registry import ProgramRegistry
 from server_util import free_port
 
@@ -184,7 +184,7 @@ KILLED_WRITER = textwrap.dedent(
     """
     import hashlib, json, os, sys
     from pathlib import Path
-    from pastry.server.durable import atomic_write
+    from pastry.durable import atomic_write
 
     path = Path(sys.argv[1])
     i = 0

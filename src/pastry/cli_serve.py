@@ -151,6 +151,14 @@ def _add_program_options(p: argparse.ArgumentParser) -> None:
         help="where stored /v1/responses are kept, so that they survive a restart (default: "
         "$PASTRY_HOME/responses; 'none': in memory only)",
     )
+    p.add_argument(
+        "--store-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the inferlets' key-value store (store_set / store_get) is kept, so that it "
+        "survives a restart (default: $PASTRY_HOME/store; 'none': in memory only)",
+    )
 
 
 def _add_engines_options(p: argparse.ArgumentParser) -> None:
@@ -298,17 +306,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _storage(args: argparse.Namespace) -> dict:
-    """What the server keeps on disk: uploads (and their size limit), stored responses
-    (``--responses-dir``: a directory, ``none`` for memory only, or the default)."""
-    from pastry.paths import responses_dir
+    """What the server keeps on disk: uploads (and their size limit), stored responses and
+    the key-value store (``--responses-dir``, ``--store-dir``: a directory, ``none`` for
+    memory only, or the default)."""
+    from pastry.paths import responses_dir, store_dir
 
-    responses = args.responses_dir
-    if responses is None:
-        responses = responses_dir()
-    elif str(responses).lower() == "none":
-        responses = None
+    def where(value: Path | None, default: Path) -> Path | None:
+        if value is None:
+            return default
+        return None if str(value).lower() == "none" else value
+
     return {
         "programs_dir": args.programs_dir,
         "max_upload_bytes": args.max_upload_bytes,
-        "responses_dir": responses,
+        "responses_dir": where(args.responses_dir, responses_dir()),
+        "store_dir": where(args.store_dir, store_dir()),
     }

@@ -48,6 +48,11 @@ def responses_dir() -> Path:
     return pastry_home() / "responses"
 
 
+def store_dir() -> Path:
+    """Where ``pastry serve`` keeps the inferlets' key-value store (``control/kvstore_journal.py``)."""
+    return pastry_home() / "store"
+
+
 def pyrt_dir() -> Path:
     """The compiled Python runtime component of the sandbox (``runtime/build_pyrt.py``)."""
     return pastry_home() / "pyrt"

@@ -13,10 +13,13 @@ take (``docs/security.md``). A controller made without ``quotas`` has none.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pastry.control.kvstore import KvStore, KvStoreConfig
+from pastry.control.kvstore_journal import StoreJournal
 from pastry.control.mcp import McpHub, McpServer
 from pastry.control.messaging import MessageBus
 from pastry.control.model import Model
@@ -62,7 +65,8 @@ class Controller:
     programs with their KV kept in host memory before anyone is terminated.
     ``prefix_cache`` keeps an automatic prefix cache (RadixAttention,
     :mod:`pastry.control.prefix_cache`) per engine. ``mcp_servers`` are the MCP servers
-    inferlets may use (:mod:`pastry.control.mcp`).
+    inferlets may use (:mod:`pastry.control.mcp`). ``store_dir``: where the key-value store
+    is kept (:mod:`pastry.control.kvstore_journal`; None: in memory only).
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class Controller:
         prefix_cache: bool = True,
         admission: Callable[[], AdmissionPolicy] = LongestPrefixMatch,
         mcp_servers: Sequence[McpServer] = (),
+        store_dir: Path | None = None,
     ) -> None:
         self.models: dict[str, Model] = {}  # each model's first engine
         self.engines: dict[str, list[Model]] = {}  # every engine of each model, by rank
@@ -92,7 +97,8 @@ class Controller:
             KvStoreConfig(
                 max_user_bytes=self.quotas.store_bytes_per_user,
                 user_limit_source="--max-store-bytes-per-user",
-            )
+            ),
+            None if store_dir is None else StoreJournal(store_dir),
         )
         self.http_allow = list(http_allow)
         self._http = None
@@ -248,6 +254,7 @@ class Controller:
         for m in self.all_engines():
             await m.scheduler.stop()
         await self.mcp.close()
+        await asyncio.to_thread(self.store.close)  # the store's last changes to the disk
 
 
 def check_replica(first: EngineInfo, other: EngineInfo) -> None:

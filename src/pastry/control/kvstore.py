@@ -11,12 +11,18 @@ strings; the last writer instance of each key is kept for debugging
 Limits (:class:`KvStoreConfig`, all in UTF-8 bytes): key length, value size, the size of one
 user's keys plus values, and the total of everyone's. A ``set`` that breaks one is rejected
 with :class:`KvStoreError` naming the limit and leaves the store unchanged.
+
+With a :class:`~pastry.control.kvstore_journal.StoreJournal` the store survives the server:
+it starts as the journal's files hold it, and every change is recorded there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
+
+from pastry.control.kvstore_journal import StoreJournal
 
 
 class KvStoreError(ValueError):
@@ -52,12 +58,40 @@ def _nbytes(s: str) -> int:
 class KvStore:
     """A string-to-string store per user, with size limits and ``wait_for``."""
 
-    def __init__(self, config: KvStoreConfig | None = None) -> None:
+    def __init__(
+        self, config: KvStoreConfig | None = None, journal: StoreJournal | None = None
+    ) -> None:
         self.config = config or KvStoreConfig()
         self._data: dict[object, dict[str, _Entry]] = {}  # user -> key -> entry
         self._user_bytes: dict[object, int] = {}
         self._total = 0
         self._waiters: dict[tuple[object, str], list[asyncio.Future[str]]] = {}
+        self.journal = journal
+        # a change and its journal line together (the journal's writer reads a snapshot)
+        self._changing = contextlib.nullcontext() if journal is None else journal.lock
+        if journal is not None:
+            for user, key, value in journal.load():  # as stored, whatever the limits now
+                self._put(user, key, value, None)
+            journal.live_bytes = lambda: self._total
+            journal.snapshot = self._entries
+
+    def _put(self, user: object, key: str, value: str, writer: str | None) -> None:
+        """Set without checks (every check passed, or the journal holds it)."""
+        data = self._data.setdefault(user, {})
+        old = data.get(key)
+        size = _nbytes(key) + _nbytes(value)
+        growth = size - (old.size if old else 0)
+        data[key] = _Entry(value, size, writer)
+        self._user_bytes[user] = self._user_bytes.get(user, 0) + growth
+        self._total += growth
+
+    def _entries(self) -> list[tuple[object, str, str]]:
+        return [(u, k, e.value) for u, data in self._data.items() for k, e in data.items()]
+
+    def close(self) -> None:
+        """Flush the journal (nothing to do without one)."""
+        if self.journal is not None:
+            self.journal.close()
 
     def get(self, key: str, user: object = None) -> str | None:
         """The value of ``key`` of ``user``, or ``None`` if it is not set."""
@@ -97,9 +131,12 @@ class KvStore:
                 f"{total} bytes, over the limit of {cfg.max_total_bytes} bytes "
                 f"(KvStoreConfig.max_total_bytes); delete unused keys first"
             )
-        self._data.setdefault(user, data)[key] = _Entry(value, size, instance_id)
-        self._user_bytes[user] = mine
-        self._total = total
+        with self._changing:
+            self._data.setdefault(user, data)[key] = _Entry(value, size, instance_id)
+            self._user_bytes[user] = mine
+            self._total = total
+            if self.journal is not None:
+                self.journal.record_set(user, key, value)
         for waiter in self._waiters.pop((user, key), ()):
             if not waiter.done():
                 waiter.set_result(value)
@@ -107,13 +144,16 @@ class KvStore:
     def delete(self, key: str, user: object = None) -> bool:
         """Remove ``user``'s ``key``; returns whether it was set."""
         data = self._data.get(user, {})
-        entry = data.pop(self._check_key(key), None)
-        if entry is None:
+        if self._check_key(key) not in data:
             return False
-        self._total -= entry.size
-        self._user_bytes[user] -= entry.size
-        if not data:
-            del self._data[user], self._user_bytes[user]
+        with self._changing:
+            entry = data.pop(key)
+            self._total -= entry.size
+            self._user_bytes[user] -= entry.size
+            if not data:
+                del self._data[user], self._user_bytes[user]
+            if self.journal is not None:
+                self.journal.record_delete(user, key)
         return True
 
     def exists(self, key: str, user: object = None) -> bool:

@@ -44,6 +44,7 @@ class ServerConfig:
     max_upload_bytes: int = 1 << 20
     programs_dir: Path | None = None  # default: $PASTRY_HOME/programs
     responses_dir: Path | None = None  # stored /v1/responses on disk (None: memory only)
+    store_dir: Path | None = None  # the inferlets' key-value store on disk (None: memory)
     in_process: bool = False  # run the engine in this process (tests, smallest setups)
     trusted_uploads: bool = False  # run uploaded programs in the server, not the sandbox
     adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT LoRA directory) to load

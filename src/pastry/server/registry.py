@@ -17,7 +17,7 @@ uploads (``--trusted-uploads``) *and* the uploader is an operator; a program rec
 sandboxed stays sandboxed whatever later servers allow, and one recorded as trusted runs
 sandboxed on a server that does not allow trusted uploads.
 
-Nothing is lost or half-written when the server is killed (``server/durable.py``): files
+Nothing is lost or half-written when the server is killed (``pastry/durable.py``): files
 are written to a temporary name, flushed to the disk and renamed, program file before the
 index entry naming it, and the index keeps its previous version (``index.json.prev``). At
 start the store is checked: unfinished writes are removed, every program file must hash to
@@ -40,9 +40,9 @@ from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+from pastry import durable
 from pastry.control.users import LOCAL, LOCAL_USER, User
 from pastry.runtime.trusted import Program, ProgramError
-from pastry.server import durable
 
 log = logging.getLogger(__name__)
 

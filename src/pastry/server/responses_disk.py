@@ -1,7 +1,7 @@
 """Stored Responses on disk: they survive the server being stopped or killed.
 
 One file per stored response, ``<root>/<user>/<id>.json`` (the user's directory named by a
-hash of the user's name), written whole or not at all (:func:`pastry.server.durable.
+hash of the user's name), written whole or not at all (:func:`pastry.durable.
 atomic_write`: temporary file, ``fsync``, rename, directory ``fsync``), readable by the
 server's user only. Each file holds its contents' SHA-256: at start a file that does not
 parse, does not match its digest or is not where its contents say it belongs is moved
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pastry.server import durable
+from pastry import durable
 
 log = logging.getLogger(__name__)
 

@@ -88,6 +88,7 @@ class PastryServer:
             prefix_cache=cfg.prefix_cache,
             admission=lambda: admission_policy(cfg.admission),
             mcp_servers=[McpServer.parse(spec) for spec in cfg.mcp_servers],
+            store_dir=cfg.store_dir,
         )
         self.runtime = TrustedRuntime(self.controller)
         self.engines.supervise(self)  # engines that exit, are killed or hang come back
