@@ -14,9 +14,10 @@ process is SIGKILLed; the server restarts it (``server/supervisor.py``).
 
 Checked and reported: 5xx answers (the deliberate kill's 503s, naming the engine, are
 counted apart; any other is a failure), requests per 5-minute window with their p50 and
-p99 latency, the server's and the engine's RSS every 10 s (the curve), open file
-descriptors at the start and the end, the engine's restarts, and the KV pages left in use
-once the load is gone and the prefix cache is flushed (a leak if not 0). Prints the
+p99 latency, the server's and the engine's RSS and the live instances every 10 s (the
+curve), open file descriptors at the start and the end, the engine's restarts, and once the
+load is gone the instances still running (listed by program) and the KV pages left in use
+after the prefix cache is flushed (a leak if either is not 0). Prints the
 tables, then one JSON line. Exit status 1 when a check fails.
 """
 
@@ -68,6 +69,7 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     memory: list[tuple[float, int, int]] = field(default_factory=list)  # t, server, engine
+    live: list[tuple[float, int]] = field(default_factory=list)  # t, instances running
     health: list[tuple[float, str]] = field(default_factory=list)
     killed_at: float | None = None
     back_at: float | None = None
@@ -118,9 +120,14 @@ def engine_pid(server_pid: int) -> int | None:
     return None
 
 
-def start_server(model: Path, port: int, num_pages: int, home: Path) -> subprocess.Popen:
+def start_server(
+    model: Path, port: int, num_pages: int, home: Path, clients: int
+) -> subprocess.Popen:
+    # Every client is the one local user: its instance quota has room for one instance per
+    # client and the ones still ending after their client had its answer.
     cmd = [sys.executable, "-m", "pastry", "serve", "--model", str(model), "--port", str(port),
            "--num-pages", str(num_pages), "--log-level", "warning",
+           "--max-instances-per-user", str(2 * clients),
            "--programs-dir", str(home / "programs")]  # fmt: skip
     log = open(home / "server.log", "w")  # noqa: SIM115 (the process's, until it ends)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -162,10 +169,23 @@ async def openai_stream(c: httpx.AsyncClient, run: Run, model: str, rng: random.
             text += chunk
             if drop:
                 break  # the client goes away mid-stream
-    status = r.status_code
-    if status == 200 and '"error"' in text:  # a failure after the stream started
-        status = 503 if "the request was ended" in text else 500
-    run.add("openai-stream-dropped" if drop else "openai-stream", status, time.monotonic() - t0, text[-400:])  # fmt: skip
+    status, said = r.status_code, text[-400:]
+    if status == 200 and (error := _stream_error(text)) is not None:  # failed after the start
+        said = error
+        status = 503 if "the request was ended" in said else 500
+    run.add("openai-stream-dropped" if drop else "openai-stream", status, time.monotonic() - t0, said)  # fmt: skip
+
+
+def _stream_error(text: str) -> str | None:
+    """The message of a stream's error event, if it has one (the model's text may say
+    "error" too: only an event with an ``error`` member is one)."""
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            with contextlib.suppress(ValueError):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return json.dumps(event["error"])
+    return None
 
 
 async def sglang(c: httpx.AsyncClient, run: Run, model: str, rng: random.Random) -> None:
@@ -212,12 +232,15 @@ async def client(
                 else:
                     if ws is None:
                         ws = await Client.connect(url, timeout=60)
-                        if sandbox and i % 4 == 0:
+                        if sandbox and i % 4 == 0 and program is None:
                             program = await ws.upload(UPLOAD, name=f"soak-{i}")
                     await websocket(ws, run, rng, program if rng.random() < 0.5 else None)
             except (httpx.HTTPError, ClientError, OSError) as e:
                 run.failures.append(f"client {i}: {type(e).__name__}: {e}")
-                ws = None
+                if ws is not None:  # a new connection next time (its program stays stored)
+                    with contextlib.suppress(ClientError, OSError):
+                        await ws.close()
+                    ws = None
                 await asyncio.sleep(1)
         if ws is not None:
             await ws.close()
@@ -231,6 +254,7 @@ async def monitor(url: str, proc: subprocess.Popen, run: Run, stop: asyncio.Even
             try:
                 h = (await c.get("/health")).json()
                 run.health.append((run.now(), h["status"]))
+                run.live.append((run.now(), _running((await c.get("/metrics")).text)))
                 if run.killed_at is not None and run.back_at is None and h["status"] == "ok":
                     run.back_at = run.now()
             except (httpx.HTTPError, ValueError) as e:
@@ -248,7 +272,7 @@ async def soak(model: Path, minutes: float, clients: int, num_pages: int, kill_a
                window_s: float, home: Path) -> dict:  # fmt: skip
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(model, port, num_pages, home)
+    proc = start_server(model, port, num_pages, home, clients)
     try:
         await wait_healthy(url, proc)
         async with httpx.AsyncClient(base_url=url, timeout=30) as c:
@@ -288,6 +312,7 @@ async def _sandbox_ok(url: str) -> bool:
     try:
         async with await Client.connect(url, timeout=60) as ws:
             await ws.upload(UPLOAD, name="soak-probe")
+            await ws.delete_program("soak-probe")  # the clients' uploads fill the quota
         return True
     except (ClientError, InferletError) as e:
         print(
@@ -296,17 +321,41 @@ async def _sandbox_ok(url: str) -> bool:
         return False
 
 
+def _running(metrics: str) -> int:
+    """Live instances, from ``/metrics``."""
+    found = re.findall(r"^pastry_inferlets_running\{[^}]*\} (\S+)$", metrics, re.M)
+    return int(sum(float(v) for v in found))
+
+
 async def _after(url: str, proc: subprocess.Popen, run: Run) -> dict:
-    """Once the load is gone: the engine's restarts, and the pages still in use after the
-    prefix cache is flushed (a leak if any)."""
+    """Once the load is gone: the engine's restarts, the instances still running (a leak if
+    any: every client has had its answer; they are listed by program), and the pages still
+    in use after the prefix cache is flushed (a leak if any)."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         await asyncio.sleep(3)  # instances of dropped connections end
         health = (await c.get("/health")).json()
         await c.post("/flush_cache")
         text = (await c.get("/metrics")).text
+    left: dict[str, int] = {}
+    if _running(text):
+        async with await Client.connect(url, timeout=60) as ws:
+            for info in await ws.list_instances():
+                key = f"{info.name} ({info.state}{', detached' if info.detached else ''})"
+                left[key] = left.get(key, 0) + 1
     used = sum(float(v) for v in re.findall(r"^pastry_kv_pages_used\{[^}]*\} (\S+)$", text, re.M))
     restarts = sum(e["restarts"] for e in health.get("engines", []))
-    return {"health": health["status"], "restarts": restarts, "kv_pages_used_idle": int(used)}
+    return {"health": health["status"], "restarts": restarts, "kv_pages_used_idle": int(used),
+            "instances_idle": _running(text), "instances_left": left}  # fmt: skip
+
+
+def _first(failures: list[str], n: int) -> list[str]:
+    """Up to ``n`` failures, each kind once (client numbers and ids do not make a kind),
+    with how often it happened."""
+    counts: dict[str, list] = {}
+    for f in failures:
+        key = re.sub(r"\d+", "N", f)[:160]
+        counts.setdefault(key, [f, 0])[1] += 1
+    return [f"{c}x {f}" for f, c in list(counts.values())[:n]]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -325,6 +374,7 @@ def report(
         ss = [s for s in run.samples if lo <= s.t < hi]
         ok = [s.latency for s in ss if s.status == 200]
         mem = [m for m in run.memory if lo <= m[0] < hi]
+        live = [n for t, n in run.live if lo <= t < hi]
         windows.append({
             "window": f"{lo / 60:g}-{hi / 60:g} min", "requests": len(ss),
             "ok": len(ok), "deliberate_503": sum(s.deliberate for s in ss),
@@ -333,6 +383,7 @@ def report(
             "p50_s": round(_pct(ok, 0.5), 3), "p99_s": round(_pct(ok, 0.99), 3),
             "server_rss_mib": round(max((m[1] for m in mem), default=0) / 2**20),
             "engine_rss_mib": round(max((m[2] for m in mem), default=0) / 2**20),
+            "instances_max": max(live, default=0),
         })  # fmt: skip
     kinds: dict[str, list[int]] = {}
     for s in run.samples:
@@ -347,12 +398,13 @@ def report(
         "server_rss_mib_first_last_max": [round(x / 2**20) for x in (rss_server[0], rss_server[-1], max(rss_server))] if rss_server else [],
         **idle, "windows": windows,
         "by_kind": {k: {str(c): v.count(c) for c in sorted(set(v))} for k, v in sorted(kinds.items())},
-        "failures": run.failures[:20],
+        "failures": _first(run.failures, 20),
     }  # fmt: skip
     checks = {
         "no 5xx but the kill's": out["other_5xx"] == 0,
         "the engine came back": idle["restarts"] == 1 and idle["health"] == "ok",
         "no page left in use": idle["kv_pages_used_idle"] == 0,
+        "no instance left running": idle["instances_idle"] == 0,
         "file descriptors back": idle["fds_end"] <= idle["fds_start"] + 8,
         "no client error": out["client_errors"] == 0,
     }
@@ -365,7 +417,7 @@ def print_report(out: dict) -> None:
           f"engine killed at {out['killed_at_s']:.0f} s, healthy again at "
           f"{out['healthy_again_s'] or float('nan'):.0f} s")  # fmt: skip
     cols = ["window", "requests", "ok", "deliberate_503", "other_5xx", "4xx", "p50_s", "p99_s",
-            "server_rss_mib", "engine_rss_mib"]  # fmt: skip
+            "server_rss_mib", "engine_rss_mib", "instances_max"]  # fmt: skip
     print(" | ".join(cols))
     print(" | ".join("---" for _ in cols))
     for w in out["windows"]:
@@ -375,6 +427,7 @@ def print_report(out: dict) -> None:
           f"KV pages in use when idle (cache flushed): {out['kv_pages_used_idle']}; "
           f"restarts: {out['restarts']}; server RSS MiB first/last/max: "
           f"{out['server_rss_mib_first_last_max']}")  # fmt: skip
+    print(f"instances running when idle: {out['instances_idle']} {out['instances_left'] or ''}")
     for name, ok in out["checks"].items():
         print(f"  {'ok  ' if ok else 'FAIL'} {name}")
     for f in out["failures"]:

@@ -267,6 +267,19 @@ async def _drain(inst) -> None:
         pass
 
 
+def _soak_module():
+    """benchmarks/soak.py as a module (registered, as its dataclasses need)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("soak_benchmark", path)
+    soak = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = soak
+    spec.loader.exec_module(soak)
+    return soak
+
+
 @pytest.mark.slow
 def test_soak_at_scale_with_an_engine_killed_midway(make_tiny, tmp_path):
     """Issue 31, point 6, shortened (``benchmarks/soak.py`` runs the hour): 64 clients
@@ -274,13 +287,20 @@ def test_soak_at_scale_with_an_engine_killed_midway(make_tiny, tmp_path):
     and built-ins over the WebSocket, for ``PASTRY_SOAK_SECONDS``, the engine process
     SIGKILLed halfway: no 5xx but the kill's 503s, the engine back, no page in use once
     idle, file descriptors back to where they were."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("soak_benchmark", path)
-    soak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(soak)
+    soak = _soak_module()
     out = asyncio.run(soak.soak(make_tiny("llama"), SECONDS / 60, 64, 4096, 0.5, 60.0, tmp_path))
     soak.print_report(out)
     assert all(out["checks"].values()), (out["checks"], out["failures"])
     assert out["deliberate_503"] >= 1 and out["requests"] > 100
+
+
+def test_the_soak_counts_error_events_not_the_word_error():
+    """benchmarks/soak.py counted a stream whose text said "error" as a 500 (the tiny model
+    writes it now and then): only an event with an ``error`` member is a failure."""
+    soak = _soak_module()
+    chunk = {"choices": [{"index": 0, "delta": {"content": "error"}, "finish_reason": None}]}
+    said = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n"
+    assert soak._stream_error(said) is None
+    failed = {"error": {"message": "the request was ended: engine tiny failed", "code": None}}
+    said = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(failed)}\n\ndata: [DONE]\n\n"
+    assert "the request was ended" in soak._stream_error(said)

@@ -98,11 +98,9 @@ class Context:
         self.api = a = api()
         self.model = model or a.available_models()[0]
         self.adapter = adapter
-        own_queue = queue is None
+        self._own_queue = own_queue = queue is None
         if own_queue:
-            queue = (
-                a.create_queue(self.model) if engine is None else a.create_queue(self.model, engine)
-            )
+            queue = a.create_queue(self.model, *(() if engine is None else (engine,)))
         self.queue = queue
         if adapter is not None and adapter not in a.get_adapters(queue):
             loaded = ", ".join(a.get_adapters(queue)) or "none"
@@ -112,7 +110,6 @@ class Context:
         # A context on a model with several engines is placed by the router before its
         # first forward, unless its queue or engine was given (see place).
         self._placed = not own_queue or engine is not None
-        self._own_queue = own_queue
         self.page_size = a.get_kv_page_size(self.queue)
         self.pages: list[int] = []
         self.kv_len = 0  # tokens whose K/V are in the pages
