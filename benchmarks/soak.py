@@ -222,6 +222,8 @@ async def client(
         program = None
         while not stop.is_set():
             pick = rng.random()
+            what = ("openai" if pick < 0.35 else "openai-stream" if pick < 0.6
+                    else "sglang" if pick < 0.8 else "websocket")  # fmt: skip
             try:
                 if pick < 0.35:
                     await openai_plain(c, run, model, rng)
@@ -236,7 +238,9 @@ async def client(
                             program = await ws.upload(UPLOAD, name=f"soak-{i}")
                     await websocket(ws, run, rng, program if rng.random() < 0.5 else None)
             except (httpx.HTTPError, ClientError, OSError) as e:
-                run.failures.append(f"client {i}: {type(e).__name__}: {e}")
+                run.failures.append(
+                    f"client {i} ({what}, at {run.now():.0f} s): {type(e).__name__}: {e}"
+                )
                 if ws is not None:  # a new connection next time (its program stays stored)
                     with contextlib.suppress(ClientError, OSError):
                         await ws.close()

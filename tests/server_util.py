@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import uvicorn
 
-from pastry.server.app import create_app
+from pastry.server.app import uvicorn_config
 from pastry.server.service import PastryServer, ServerConfig
 
 SMALL = dict(num_pages=1024, num_embeds=4096, dtype="float32", page_size=16)
@@ -46,8 +46,7 @@ def running_server(model, tmp_path, **overrides):
     )
     cfg = replace(cfg, **overrides)
     server = PastryServer(cfg)
-    app = create_app(server)
-    uv = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info"))
+    uv = uvicorn.Server(uvicorn_config(server))
     failure: list[BaseException] = []
 
     def run() -> None:

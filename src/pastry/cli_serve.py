@@ -81,6 +81,11 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
         help="token every request must carry (default: $PASTRY_AUTH_TOKEN); required to "
         "bind a non-loopback address",
     )  # fmt: skip
+    p.add_argument(
+        "--keep-alive", type=float, default=65.0, metavar="S",
+        help="seconds an idle HTTP connection is kept open (default 65: longer than clients "
+        "keep theirs, so none reuses one the server is closing)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -289,6 +294,7 @@ def _serve(args: argparse.Namespace) -> int:
             prefix_cache=args.prefix_cache,
             admission=args.admission,
             engine_hang_timeout=args.engine_hang_timeout,
+            keep_alive=args.keep_alive,
             **_storage(args),
         )
     except (ConfigError, UsersError, ValueError) as e:

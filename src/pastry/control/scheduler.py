@@ -376,6 +376,9 @@ class BatchScheduler:
             for c in batch:
                 if not c.future.done():
                     c.future.set_exception(CommandError(f"engine failure: {e}"))
+                    # Callers that ended with the engine (their instances are terminated
+                    # with its failure) no longer listen: not an unretrieved error.
+                    c.future.add_done_callback(_heard)
             self._account(batch, time.perf_counter() - started)
             return
         finally:
@@ -439,6 +442,10 @@ def _per_thread(batch: Sequence[Command]) -> dict[Thread, int]:
 def _internal(call: Call) -> Command:
     """A command of the control layer itself (no queue, nobody awaits it)."""
     return Command(STAGE_OF[type(call)], Prepared(call), call=call)
+
+
+def _heard(future: asyncio.Future) -> None:
+    future.exception()  # marks it retrieved; a caller that awaits it still gets it
 
 
 def _log_failure(task: asyncio.Task) -> None:

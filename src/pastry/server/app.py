@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -37,6 +38,9 @@ from pastry.server.auth import BearerAuth
 from pastry.server.errors import RequestIds
 from pastry.server.limits import RequestLimits
 from pastry.server.service import PastryServer, ServerConfig
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -77,22 +81,28 @@ def create_app(server: PastryServer) -> Starlette:
     return Starlette(routes=routes, lifespan=lifespan, middleware=middleware)
 
 
+def uvicorn_config(server: PastryServer, log_level: str = "info") -> uvicorn.Config:
+    """How uvicorn runs the server's application: its address, connection limit, idle
+    keep-alive and largest WebSocket message (``serve`` and the test harness alike)."""
+    import uvicorn
+
+    config = server.config
+    q = config.quotas
+    return uvicorn.Config(
+        create_app(server),
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        limit_concurrency=q.max_connections,
+        timeout_keep_alive=config.keep_alive,  # type: ignore[arg-type] (a float works)
+        ws_max_size=q.request_bytes or 16 * 2**20,
+    )
+
+
 async def serve(config: ServerConfig, log_level: str = "info") -> None:
     """Run the server until interrupted."""
     import uvicorn
 
-    server = PastryServer(config)
-    app = create_app(server)
-    q = config.quotas
-    uv = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=log_level,
-            limit_concurrency=q.max_connections,
-            ws_max_size=q.request_bytes or 16 * 2**20,
-        )
-    )
+    uv = uvicorn.Server(uvicorn_config(PastryServer(config), log_level))
     log.info("serving on http://%s:%d (WebSocket /ws, OpenAI API /v1)", config.host, config.port)
     await uv.serve()

@@ -66,6 +66,11 @@ class ServerConfig:
     # and restarted (server/supervisor.py)
     engine_hang_timeout: float = 120.0
     admission: str = "lpm"  # order of waiting prefills: lpm, fcfs or random
+    # Seconds an idle HTTP/1.1 connection stays open. Longer than the clients' own idle
+    # expiry (httpx and the OpenAI/Anthropic SDKs 5 s, aiohttp 15 s, undici 4 s): a server
+    # that closes first races a client reusing the connection, whose request then meets a
+    # reset (a ReadError the client cannot tell from a failure).
+    keep_alive: float = 65.0
 
     def __post_init__(self) -> None:
         if self.auth_token:  # "" is no token, like an empty PASTRY_AUTH_TOKEN
@@ -96,6 +101,8 @@ class ServerConfig:
                 "`pastry engine --listen` prints it, and refuses clients without it"
             )
         admission_policy(self.admission)  # validates the name
+        if not self.keep_alive > 0:
+            raise ConfigError(f"--keep-alive must be > 0 seconds, got {self.keep_alive}")
 
     def directory(self) -> Directory:
         """Who may connect, as which user (from ``auth_token`` and ``users``)."""
