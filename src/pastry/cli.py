@@ -5,7 +5,7 @@ Commands are grouped (``pastry model create-tiny ...``). To add a command or gro
 where ``func(args) -> int`` is the exit status, and append it to :data:`COMMANDS`. Handlers
 import what they need inside, so ``pastry --help`` stays fast. Each command lives in its own
 module: ``cli_model`` (``pastry model ...``), ``cli_generate``, ``cli_serve``, ``cli_engine``,
-``cli_client`` (``run``, ``attach``, ``ls``); what they share is in ``cli_common``.
+``cli_client`` (``run``, ``attach``, ``ls``), ``cli_top``; what they share is in ``cli_common``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pastry.cli_engine import add_engine
 from pastry.cli_generate import add_generate
 from pastry.cli_model import add_model
 from pastry.cli_serve import add_serve
+from pastry.cli_top import add_top
 
 COMMANDS: list[Callable[[Subparsers], None]] = [
     add_model,
@@ -29,6 +30,7 @@ COMMANDS: list[Callable[[Subparsers], None]] = [
     add_run,
     add_attach,
     add_ls,
+    add_top,
 ]
 
 

@@ -30,6 +30,9 @@ class PageLedger:
             if self.exports.by_instance.get(i) or any(tables[k][i] for k in tables)
         ]  # fmt: skip
 
+    def registered(self, instance: int) -> bool:
+        return instance in self.users
+
     def user_of(self, instance: int) -> object:
         self.require(instance)
         return self.users[instance]
@@ -61,6 +64,17 @@ class PageLedger:
         pool = self.pool(kind)
         idle = pool.held - (self.cache.referenced_pages if kind == "kv" and self.cache else 0)
         return pool.used - idle
+
+    def kv_owners(self) -> dict[str, int]:
+        """The KV pool by owner: pages programs reference (their handles and exports),
+        pages only the prefix cache keeps, free pages, and the pool's size."""
+        free, used, total = self.usage("kv")
+        programs = self.referenced("kv")
+        return {"programs": programs, "cache": used - programs, "free": free, "total": total}
+
+    def cached_pages(self) -> int:
+        """Pages in the prefix cache's tree (in use by programs or not)."""
+        return self.cache.cached_pages if self.cache is not None else 0
 
     def refcount(self, kind: Kind, pid: int) -> int:
         """References to physical id ``pid`` (handles plus exports)."""

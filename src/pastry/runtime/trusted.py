@@ -62,6 +62,11 @@ class Program:
     # sandbox: its linear memory); None for trusted programs, which share the process's
     memory: Callable[[int], int | None] | None = None
 
+    @property
+    def sandboxed(self) -> bool:
+        """Whether it runs in the WebAssembly sandbox (only the sandbox can tell memory)."""
+        return self.memory is not None
+
     @classmethod
     def from_source(cls, name: str, source: str) -> Program:
         digest = hashlib.sha256(source.encode()).hexdigest()

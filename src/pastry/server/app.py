@@ -2,7 +2,8 @@
 
 Routes: ``GET /health``; the client protocol at ``/ws`` (``server/ws.py``,
 ``docs/protocol.md``); the OpenAI-compatible API under ``/v1`` (``server/openai.py``);
-Prometheus metrics at ``/metrics`` (``server/metrics.py``).
+Prometheus metrics at ``/metrics`` (``server/metrics.py``); the live dashboard at
+``/dashboard`` (``server/dashboard.py``).
 With tokens configured (``--auth-token``, ``--users``), every HTTP request must carry
 ``Authorization: Bearer <token>`` and every WebSocket connection must authenticate first;
 the token names the user the request is for (``server/auth.py``). Every HTTP request then
@@ -26,6 +27,7 @@ from starlette.routing import Route
 
 from pastry.server import (
     anthropic,
+    dashboard,
     metrics,
     microserving,
     openai,
@@ -35,6 +37,7 @@ from pastry.server import (
     ws,
 )
 from pastry.server.auth import BearerAuth
+from pastry.server.dashboard_state import Recorder
 from pastry.server.errors import RequestIds
 from pastry.server.limits import RequestLimits
 from pastry.server.service import PastryServer, ServerConfig
@@ -54,6 +57,8 @@ def create_app(server: PastryServer) -> Starlette:
         code = 200 if serving >= {e["model"] for e in engines} else 503
         return JSONResponse({"status": status, "models": server.models, "engines": engines}, code)
 
+    recorder = Recorder(server)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         try:
@@ -62,9 +67,11 @@ def create_app(server: PastryServer) -> Starlette:
             await server.stop()  # engines already started must not outlive a failed start
             raise
         metrics.install(server)
+        recorder.start()
         try:
             yield
         finally:
+            await recorder.stop()
             await server.stop()
 
     routes = [Route("/health", health), *ws.routes(server), *openai.routes(server)]
@@ -72,6 +79,7 @@ def create_app(server: PastryServer) -> Starlette:
     routes += anthropic.routes(server)  # Anthropic's Messages API (/v1/messages)
     routes += sglang_api.routes(server)  # SGLang's native API (/generate, ...)
     routes += metrics.routes()
+    routes += dashboard.routes(server, recorder)  # the live page, its state and events
     routes += microserving.routes(server)  # microserving's engine calls, the router
     middleware = [  # outermost first: nobody's body is read before they authenticate
         Middleware(RequestIds),  # every answer has an id; every 5xx is logged under it

@@ -16,6 +16,12 @@ from pastry.server.service import PastryServer
 USER_KEY = "pastry.user"  # the scope key BearerAuth sets
 
 
+def is_public(path: str) -> bool:
+    """The dashboard's page and its files (``server/dashboard.py``): they hold no data,
+    so a browser loads them without a token; the routes with data need one."""
+    return path == "/dashboard" or path.startswith("/dashboard/static/")
+
+
 def user_of(scope: Scope) -> User:
     """The user an HTTP request is for (set by :class:`BearerAuth`)."""
     return scope.get(USER_KEY, LOCAL_USER)
@@ -30,7 +36,7 @@ class BearerAuth:
         self.server = server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and not is_public(scope["path"]):
             # HTTP header bytes are Latin-1; tokens are printable ASCII (checked at start)
             headers = dict(scope["headers"])
             header = headers.get(b"authorization", b"").decode("latin-1")

@@ -11,7 +11,12 @@
   ``pastry_inter_token_latency_seconds{endpoint}``: from a request's arrival to its first
   sampled token, and between consecutive sampled tokens of one sequence (one queue);
 - ``pastry_engine_restarts_total{engine}`` (engine processes lost and restarted,
-  ``server/supervisor.py``) and ``pastry_engine_up{engine}`` (1 while it serves).
+  ``server/supervisor.py``) and ``pastry_engine_up{engine}`` (1 while it serves);
+- what the dashboard shows (``docs/dashboard.md``): ``pastry_programs{state, level}``,
+  ``pastry_kv_pages{engine, owner}``, ``pastry_prefix_cache_pages{engine}``,
+  ``pastry_prefix_cache_prompt_tokens_total{engine}``,
+  ``pastry_prefix_cache_hit_tokens_total{engine}`` and
+  ``pastry_prefix_cache_evictions_total{engine}``.
 
 Batch and token timings come from the batch scheduler's observers
 (:attr:`~pastry.control.scheduler.BatchScheduler.observers`), installed by :func:`install`
@@ -20,18 +25,20 @@ when the server starts; the gauges are read when scraped.
 
 from __future__ import annotations
 
+import collections
 import time
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from pastry.control.commands import Stage
+from pastry.server.dashboard_state import engine_name, program_facts
 
 if TYPE_CHECKING:
     from pastry.server.running import RunningServer
@@ -163,8 +170,46 @@ class _Gauges:
             labels=["engine"],
         )  # fmt: skip
         for m in server.controller.all_engines():
-            up.add_metric([getattr(m.engine, "name", f"{m.name}/{m.rank}")], int(m.engine.alive))
+            up.add_metric([engine_name(m)], int(m.engine.alive))
         yield from (running, waiting, used, free, up)
+        yield from _program_series(server)
+
+
+def _program_series(server: RunningServer) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """What the dashboard shows, as series: programs by state and level, KV pages by
+    owner, the prefix cache's tokens, pages and evictions (``docs/dashboard.md``)."""
+    controller = server.controller
+    programs = GaugeMetricFamily(
+        "pastry_programs", "Running inferlet instances by state (running, waiting, swapped) "
+        "and scheduling level ('none': no call placed)", labels=["state", "level"],
+    )  # fmt: skip
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    for iid in list(server.runtime.instances) if server.runtime is not None else []:
+        facts = program_facts(controller, iid)
+        level = facts["level"]
+        counts[facts["state"], "none" if level is None else str(level)] += 1
+    for (state, level), n in sorted(counts.items()):
+        programs.add_metric([state, level], n)
+    pages = GaugeMetricFamily(
+        "pastry_kv_pages", "KV pages by owner: programs (handles and exports), cache (only "
+        "the prefix cache keeps them), free; swapped: host pages in use", labels=["engine", "owner"],
+    )  # fmt: skip
+    cached = GaugeMetricFamily("pastry_prefix_cache_pages", "Pages in the prefix cache's tree", labels=["engine"])  # fmt: skip
+    prompt = CounterMetricFamily("pastry_prefix_cache_prompt_tokens", "Prompt tokens prefilled through the prefix cache", labels=["engine"])  # fmt: skip
+    hits = CounterMetricFamily("pastry_prefix_cache_hit_tokens", "Of them, taken from the cache", labels=["engine"])  # fmt: skip
+    evicted = CounterMetricFamily("pastry_prefix_cache_evictions", "Pages evicted from the prefix cache", labels=["engine"])  # fmt: skip
+    for m in controller.all_engines():
+        name, res = engine_name(m), m.resources
+        for owner, n in res.kv_owners().items():
+            if owner != "total":
+                pages.add_metric([name, owner], n)
+        pages.add_metric([name, "swapped"], res.host_usage()[1])
+        cached.add_metric([name], res.cached_pages())
+        stats = m.prefiller.stats if m.prefiller is not None else None
+        prompt.add_metric([name], stats.tokens if stats else 0)
+        hits.add_metric([name], stats.cached_tokens if stats else 0)
+        evicted.add_metric([name], res.cache_events["evicted"])
+    yield from (programs, pages, cached, prompt, hits, evicted)
 
 
 _GAUGES = _Gauges()
