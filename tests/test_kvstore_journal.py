@@ -90,6 +90,7 @@ def test_damage_is_reported_moved_aside_and_never_loaded(tmp_path, caplog):
     third.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_compaction_keeps_the_store_and_a_kill_inside_it_loses_nothing(tmp_path, monkeypatch):
     s = opened(tmp_path, compact_bytes=2000)
     for i in range(400):
