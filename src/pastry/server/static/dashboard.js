@@ -227,8 +227,11 @@ function charts(snap) {
     kvNow.dataset.programs = p.kv.programs;
     kvNow.dataset.cache = p.kv.cache;
     kvNow.dataset.free = p.kv.free;
-    box.querySelector(".cache-now").textContent = p.cached_pages + " pages cached, " +
-      pts.slice(-60).reduce((s, q) => s + q.evictions, 0) + " evicted in the last minute";
+    const minute = pts.slice(-60);
+    box.querySelector(".cache-now").textContent = p.cached_pages + " pages cached; in the " +
+      "last minute " + minute.reduce((s, q) => s + q.cached_tokens, 0) + " of " +
+      minute.reduce((s, q) => s + q.prompt_tokens, 0) + " prompt tokens from the cache, " +
+      minute.reduce((s, q) => s + q.evictions, 0) + " pages evicted";
     stacked(box.querySelector("canvas.kv"), pts, [
       ["programs", (q) => q.kv.programs, "--programs"],
       ["prefix cache", (q) => q.kv.cache, "--cache"],
