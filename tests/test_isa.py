@@ -42,6 +42,9 @@ out["native"] = native.ready
 out["kinds"] = sorted({lin.kind for lin in bf.model.linears()})
 out["blocked"] = any(lin.blocked_kp is not None for lin in bf.model.linears())
 out["bf16_err"] = float(np.abs(all_probs(bf, tokens) - ref).max())
+q4 = Engine.load(path, EngineConfig(dtype="float32", quantize="int4", **SMALL_POOLS))
+out["q4"] = native.q4_ready
+out["int4_vnni"] = sorted({lin.quantized.vnni for lin in q4.model.linears() if lin.kind == "int4"})
 print(json.dumps(out))
 """
 
@@ -72,7 +75,9 @@ def expected(cap: str, flags: set[str]) -> dict:
     native_bf16 = level >= 3 and avx512 and "avx512_bf16" in flags
     # the float32 panels: AVX-512F and a cap at AVX512_CORE or above
     panels = level >= 1 and "avx512f" in flags
-    return {"bf16": bf16, "native": native_bf16, "panels": panels}
+    # the int4 x int8 kernel: AVX512_VNNI and a cap at AVX512_CORE_VNNI or above
+    q4 = level >= 2 and avx512 and "avx512_vnni" in flags
+    return {"bf16": bf16, "native": native_bf16, "panels": panels, "q4": q4}
 
 
 @pytest.mark.parametrize("cap", ORDER)
@@ -92,6 +97,8 @@ def test_each_isa_takes_its_path_and_computes_the_same_function(make_tiny, cap):
     assert got["bf16"] == want["bf16"], got
     assert got["native"] == want["native"], got
     assert got["panels"] == want["panels"], got
+    assert got["q4"] == want["q4"], got
+    assert got["int4_vnni"] == [want["q4"]], got  # --quantize int4 takes the kernel it runs
     # float32: Pastry's panels where the CPU has AVX-512, MKL's product over the plain
     # weight elsewhere (and when they are off); the same function either way
     assert got["f32_kinds"] == (["panels"] if want["panels"] else ["dense"]), got

@@ -142,8 +142,9 @@ def test_blocked_layout_rejects_a_different_weight():
 def linears_of_every_kind() -> list[Linear]:
     """A float32 dense Linear, a bf16 packed one with a bias, an int4 one with a dense copy
     for large batches (int4-hybrid), an int8 one, an int4 one without a copy (expanded
-    for large batches) and, where the CPU has AVX-512, a float32 one in panels with a bias;
-    each 64 x 96."""
+    for large batches), where the CPU has AVX-512 a float32 one in panels with a bias and,
+    where it has VNNI, int4 ones on the int4 x int8 kernel (float32 with a bias and bf16
+    with a dense copy); each 64 x 96."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(64, 96, generator=g) / 10
     dense = Linear(96, 64, bias=True)
@@ -151,14 +152,22 @@ def linears_of_every_kind() -> list[Linear]:
     dense.bias.data.copy_(torch.randn(64, generator=g))
     packed, _ = packed_linear(64, 96, bias=True, seed=5, require=False)
     int4 = Linear(96, 64).to(torch.bfloat16)
-    int4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16))
+    int4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16, kernel="torch"))
     int4.quantized.keep_dense()
     int8 = Linear(96, 64).to(torch.bfloat16)
     int8.set_quantized(pack(Int8Codes.from_dense(w), torch.bfloat16))
     plain4 = Linear(96, 64, bias=True).to(torch.bfloat16)
     plain4.bias.data.copy_(torch.randn(64, generator=g).to(torch.bfloat16))
-    plain4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16))
+    plain4.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16, kernel="torch"))
     lins = [dense, packed, int4, int8, plain4]
+    if native.q4_ready:
+        vnni = Linear(96, 64, bias=True)
+        vnni.bias.data.copy_(torch.randn(64, generator=g))
+        vnni.set_quantized(Int4Weight(quantize_int4(w), torch.float32, kernel="vnni"))
+        hybrid = Linear(96, 64).to(torch.bfloat16)
+        hybrid.set_quantized(Int4Weight(quantize_int4(w), torch.bfloat16, kernel="vnni"))
+        hybrid.quantized.keep_dense()
+        lins += [vnni, hybrid]
     if native.panels_ready:
         panels = Linear(96, 64, bias=True)
         panels.weight.data.copy_(w)
@@ -224,7 +233,7 @@ def test_int4_expanded_from_many_rows_equals_the_dense_copy(lib, n, k):
         pytest.skip("no AVX512_BF16")
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, k, generator=g) / 10
-    q = Int4Weight(quantize_int4(w), torch.bfloat16)
+    q = Int4Weight(quantize_int4(w), torch.bfloat16, kernel="torch")
     if not q.expandable:
         # On AMX CPUs PyTorch's int4 pack (and oneDNN's bf16 layout) is not the one the
         # expansion reads: the logged fallback is PyTorch's kernel at every row count.

@@ -19,6 +19,21 @@ gguf = pytest.importorskip("gguf")
 POOLS = dict(num_pages=128, num_embeds=1024, num_host_pages=8, page_size=4)
 
 
+def require_vnni() -> None:
+    if not (native.load() and native.q4_ready):
+        pytest.skip("the int4 x int8 kernel needs AVX512_VNNI and the native library")
+
+
+@pytest.fixture
+def vnni() -> None:
+    require_vnni()
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """The product's error relative to its size (int8 activations: ~0.5% on random data)."""
+    return float((y.float() - ref).norm() / ref.norm())
+
+
 def _f16_bytes(values) -> np.ndarray:
     values = np.asarray(values, dtype=np.float16)
     return values.view(np.uint8).reshape(*values.shape, 2)
@@ -71,7 +86,7 @@ def test_kernels_compute_the_dequantized_product(dtype, m):
     x = torch.randn(m, 128).to(dtype)
     tol = 1e-4 if dtype == torch.float32 else 0.08
     for codes, packed in (
-        (c4 := quant.quantize_int4(w), Int4Weight(c4, dtype)),
+        (c4 := quant.quantize_int4(w), Int4Weight(c4, dtype, kernel="torch")),
         (c8 := Int8Codes.from_dense(w), Int8Weight(c8, dtype)),
     ):
         ref = x.float() @ codes.dequantize().to(dtype).float().t()
@@ -79,6 +94,59 @@ def test_kernels_compute_the_dequantized_product(dtype, m):
         torch.testing.assert_close(
             packed.dequantize().float(), codes.dequantize().to(dtype).float(), atol=tol, rtol=0
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 40, 200])
+def test_vnni_kernel_computes_the_dequantized_product(vnni, dtype, m):
+    """The int4 x int8 kernel: the activations quantized per group of 32 (llama.cpp's
+    Q8 rounding), the weight exactly the codes' dequantization; with a bias."""
+    torch.manual_seed(m)
+    w = torch.randn(4 * 16 * 3, 32 * 5)  # 192 x 160: several blocks of 16 rows, 5 groups
+    codes = quant.quantize_int4(w)
+    q = Int4Weight(codes, dtype, kernel="vnni")
+    assert q.vnni and not hasattr(q, "packed")
+    assert q.nbytes == 192 * 160 // 2 + 192 * 5 * 2 * 4  # nibbles, float32 scale and min
+    exact = codes.dequantize()
+    torch.testing.assert_close(q.dequantize().float(), exact.to(dtype).float(), rtol=0,
+                               atol=1e-5 if dtype == torch.float32 else 0.02)  # fmt: skip
+    x = torch.randn(m, 160).to(dtype)
+    y = q.matmul(x)
+    assert y.dtype == dtype and y.shape == (m, 192)
+    ref = x.float() @ exact.t()
+    assert relative_error(y, ref) < 0.015
+    # the error is the activations' rounding, not the weight's: integers up to 127 in
+    # every group (the int8 scale 1) multiply exactly
+    xs = torch.randint(-127, 128, (m, 160)).float()
+    xs[:, ::32] = 127
+    ys = native.q4_linear(xs, q.q4, q.q4_scales)
+    torch.testing.assert_close(ys, xs @ exact.t(), rtol=1e-4, atol=1e-2)
+    bias = torch.randn(192).to(dtype)
+    torch.testing.assert_close(native.q4_linear(x, q.q4, q.q4_scales, bias), y + bias,
+                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)  # fmt: skip
+
+
+def test_q4_layout_round_trips(vnni):
+    codes = quant.quantize_int4(torch.randn(48, 96))
+    packed, sm = native.q4_pack(codes.q, codes.scale, codes.zero)
+    assert packed.shape == (3, 12, 16, 4) and packed.dtype == torch.uint8
+    assert sm.shape == (3, 3, 2, 16) and sm.dtype == torch.float32
+    torch.testing.assert_close(native.q4_unpack(packed, sm), codes.dequantize(), rtol=0, atol=1e-6)
+
+
+def test_the_int4_kernel_is_chosen_or_refused(monkeypatch):
+    codes = quant.quantize_int4(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="auto, vnni or torch, got 'fast'"):
+        Int4Weight(codes, torch.float32, kernel="fast")
+    assert not Int4Weight(codes, torch.float32, kernel="torch").vnni
+    monkeypatch.setenv("PASTRY_INT4_KERNEL", "torch")
+    assert not Int4Weight(codes, torch.float32).vnni
+    monkeypatch.setenv("PASTRY_INT4_KERNEL", "auto")
+    assert Int4Weight(codes, torch.float32).vnni == (native.load() and native.q4_ready)
+    monkeypatch.setattr(native, "q4_ready", False)  # a CPU without AVX512_VNNI
+    assert not Int4Weight(codes, torch.bfloat16).vnni
+    with pytest.raises(ValueError, match="vnni int4 kernel does not run here"):
+        Int4Weight(codes, torch.bfloat16, kernel="vnni")
 
 
 def test_int4_quantization_error_is_half_a_step():
@@ -150,8 +218,10 @@ def test_gguf_codes_map_names_and_undo_the_qk_permutation(make_tiny, tmp_path, q
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_quantized_engine_is_the_dequantized_model(make_tiny, mode):
-    """--quantize computes exactly the model whose weights are the dequantized codes."""
+def test_quantized_engine_is_the_dequantized_model(make_tiny, mode, monkeypatch):
+    """--quantize computes exactly the model whose weights are the dequantized codes (with
+    PyTorch's int4 kernel: the VNNI one rounds the activations too, tested below)."""
+    monkeypatch.setenv("PASTRY_INT4_KERNEL", "torch")
     path = make_tiny("llama")
     q = Engine.load(path, EngineConfig(dtype="float32", quantize=mode, **POOLS))
     kinds = {lin.kind for lin in q.model.linears()}
@@ -234,13 +304,16 @@ def test_the_engine_keeps_a_gguf_file_s_blocks_when_asked(make_tiny, tmp_path):
     )
 
 
+@pytest.mark.parametrize("kernel", ["torch", "vnni"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_with_a_dense_copy_switches_kernels_by_rows(dtype):
+def test_int4_with_a_dense_copy_switches_kernels_by_rows(dtype, kernel):
     """keep_dense: below INT4_DENSE_FROM_M rows the int4 kernel (bit for bit), from it on
     the dense copy of exactly the weight the kernel multiplies by."""
+    if kernel == "vnni":
+        require_vnni()
     torch.manual_seed(0)
     w = torch.randn(96, 128)
-    lean, hybrid = (Int4Weight(quant.quantize_int4(w), dtype) for _ in range(2))
+    lean, hybrid = (Int4Weight(quant.quantize_int4(w), dtype, kernel) for _ in range(2))
     hybrid.keep_dense()
     assert lean.dense is None and lean.dense_nbytes == 0
     assert hybrid.dense_nbytes == 96 * 128 * torch.finfo(dtype).bits // 8
@@ -252,8 +325,11 @@ def test_int4_with_a_dense_copy_switches_kernels_by_rows(dtype):
         y = hybrid.matmul(x)
         if m < at:
             assert torch.equal(y, lean.matmul(x))
-        tol = 1e-4 if dtype == torch.float32 else 0.08
-        torch.testing.assert_close(y.float(), x.float() @ exact.t(), atol=tol, rtol=tol)
+        if m >= at or kernel == "torch":  # the dense copy, or bf16/float32 activations
+            tol = 1e-4 if dtype == torch.float32 else 0.08
+            torch.testing.assert_close(y.float(), x.float() @ exact.t(), atol=tol, rtol=tol)
+        else:  # int8 activations
+            assert relative_error(y, x.float() @ exact.t()) < 0.015
 
 
 def test_int4_hybrid_engine(make_tiny, tmp_path):
@@ -276,7 +352,7 @@ def test_int4_hybrid_engine(make_tiny, tmp_path):
         lin.quantized._dense_mm = lambda x, w, mm=mm: dense_rows.append(len(x)) or mm(x, w)
     toks = np.random.default_rng(0).integers(0, cfg.vocab_size, 20).tolist()
     seqs = {mode: Seq(Pages(e)) for mode, e in engines.items()}
-    # a 20-token prefill (dense copies) agrees within float rounding; one-token steps exactly
+    # a 20-token prefill (dense copies) agrees within rounding; one-token steps exactly
     np.testing.assert_allclose(seqs["int4-hybrid"].step(toks), seqs["int4"].step(toks), atol=1e-4)
     assert dense_rows == [20] * len(int4)
     for t in (3, 1, 4):

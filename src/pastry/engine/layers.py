@@ -162,6 +162,8 @@ def native_projections(linears: list[Linear]) -> torch.ScriptObject:
         elif q is None:
             w = lin.packed if lin.packed is not None else lin.weight
             p.add(native.DENSE, w, None, None, bias, 0, 0, 0, 0)
+        elif isinstance(q, Int4Weight) and q.vnni:
+            p.add(native.Q4, q.q4, q.q4_scales, q.dense, bias, INT4_DENSE_FROM_M, 0, 0, 0)
         elif isinstance(q, Int4Weight):
             expand = INT4_EXPAND_FROM_M if q.expandable and native.ready else 0
             p.add(

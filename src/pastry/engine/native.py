@@ -56,12 +56,13 @@ BLOCK = 64  # output rows per block of oneDNN's packed bf16 layout (native.cpp)
 # is faster (its cost grows more slowly with the rows; benchmarks/RESULTS.md).
 SMALL_M = 5
 # kinds of Projections.add (native.cpp)
-DENSE, BLOCKED, INT4, INT8, PANELS = 0, 1, 2, 3, 4
+DENSE, BLOCKED, INT4, INT8, PANELS, Q4 = 0, 1, 2, 3, 4, 5
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "error": str
 ready = False  # the library is loaded and this CPU runs its bf16 kernel
 panels_ready = False  # the library is loaded and this CPU runs its float32 panel kernel
+q4_ready = False  # the library is loaded and this CPU runs its int4 x int8 (VNNI) kernel
 
 
 def build_dir() -> Path:
@@ -75,7 +76,7 @@ def load() -> bool:
     """Build (the first time) and load the library into the process, once; False, with the
     reason in :func:`error`, logged once, if it cannot be built or loaded or
     ``PASTRY_NATIVE=0``. Sets :data:`ready` and :data:`panels_ready`."""
-    global ready, panels_ready
+    global ready, panels_ready, q4_ready
     with _lock:
         if "loaded" in _state:
             return bool(_state["loaded"])
@@ -98,6 +99,8 @@ def load() -> bool:
             ready = bool(torch.ops.pastry_native.supported()) and capped is None
             panels_capped = isa_capped("avx512")
             panels_ready = bool(torch.ops.pastry_native.panel_supported()) and not panels_capped
+            vnni_capped = isa_capped("vnni")
+            q4_ready = bool(torch.ops.pastry_native.q4_supported()) and not vnni_capped
             if not panels_ready:
                 log.info("float32 products stay with MKL (%s)",
                          panels_capped or "this CPU lacks AVX-512")  # fmt: skip
@@ -132,17 +135,18 @@ _BF16_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
               "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")  # fmt: skip
 
 
-# and the AVX-512 ones below it (what the float32 panel kernel needs)
-_AVX512_ISAS = ("AVX512_CORE", "AVX512_CORE_VNNI", *_BF16_ISAS)
+# and the AVX-512 ones below it (what the float32 panel kernel needs; VNNI: the int4 one)
+_VNNI_ISAS = ("AVX512_CORE_VNNI", *_BF16_ISAS)
+_AVX512_ISAS = ("AVX512_CORE", *_VNNI_ISAS)
 
 
 def isa_capped(need: str = "bf16") -> str | None:
     """Why a native kernel must not run although the CPU could: the ISA is capped below
-    what it needs (``need``: "bf16", AVX512_BF16 for the bf16 kernels; "avx512", AVX-512
-    for the float32 panels) by ``ONEDNN_MAX_CPU_ISA`` or ``ATEN_CPU_CAPABILITY`` (how the
+    what it needs (``need``: "bf16", AVX512_BF16 for the bf16 kernels; "vnni",
+    AVX512_VNNI for the int4 one; "avx512", AVX-512 for the float32 panels) by ``ONEDNN_MAX_CPU_ISA`` or ``ATEN_CPU_CAPABILITY`` (how the
     tests and a user emulate an older CPU: every path then is the one that CPU would
     take)."""
-    allowed = _BF16_ISAS if need == "bf16" else _AVX512_ISAS
+    allowed = {"bf16": _BF16_ISAS, "vnni": _VNNI_ISAS, "avx512": _AVX512_ISAS}[need]
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if onednn and onednn not in allowed:
         return f"ONEDNN_MAX_CPU_ISA={onednn}"
@@ -219,6 +223,33 @@ def unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int):
     """``x [M, K]`` times the packed weight (``[M, n]``, float32, + ``bias``)."""
     return torch.ops.pastry_native.panel_linear(x, panels, bias, n)
+
+
+def q4_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
+    """int4 codes ``q [N, K]`` (0..15; ``w = (q - 8) * scale + zero`` per group of 32) in
+    the int4 x int8 kernel's layout (native.cpp): ``(packed [N/16, K/8, 16, 4] uint8, sm
+    [N/16, K/32, 2, 16] float32)``, the scales and ``zero - 8 * scale`` per 16 rows."""
+    n, k = q.shape
+    v = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)
+    packed = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    scale, zero = scale.float(), zero.float()
+    sm = torch.stack((scale, zero - 8 * scale)).view(2, n // 16, 16, k // 32)
+    return packed, sm.permute(1, 3, 0, 2).contiguous()
+
+
+def q4_unpack(packed: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[N, K]`` that :func:`q4_linear` multiplies by."""
+    blocks, k8 = packed.shape[:2]
+    codes = torch.stack((packed & 15, packed >> 4), dim=2)  # [N/16, K/8, 2, 16, 4]
+    q = codes.permute(0, 3, 1, 2, 4).reshape(blocks * 16, k8 * 8).float()
+    s, m = sm.permute(2, 0, 3, 1).reshape(2, blocks * 16, -1).repeat_interleave(32, dim=-1)
+    return q * s + m
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, sm: torch.Tensor, bias=None):
+    """``x [M, K]`` (float32 or bfloat16) times the packed int4 weight, the activations
+    quantized to int8 per group of 32 (requires :data:`q4_ready`); in x's dtype."""
+    return torch.ops.pastry_native.q4_linear(x, packed, sm, bias)
 
 
 def error() -> str | None:

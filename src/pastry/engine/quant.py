@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,26 @@ class QuantizedWeight:
         raise NotImplementedError
 
 
+def _vnni(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether an int4 weight multiplies with the int4 x int8 kernel (see Int4Weight)."""
+    if kernel not in ("auto", "vnni", "torch"):
+        raise ValueError(f"the int4 kernel is auto, vnni or torch, got {kernel!r}")
+    runs = kernel != "torch" and dtype in (torch.float32, torch.bfloat16) and native.load()
+    runs = runs and native.q4_ready
+    if kernel == "vnni" and not runs:
+        raise ValueError("the vnni int4 kernel does not run here (AVX512_VNNI, native kernels)")
+    _log_int4_kernel(kernel != "torch" and runs)
+    return kernel != "torch" and runs
+
+
+@functools.cache
+def _log_int4_kernel(vnni: bool) -> None:
+    log.info(
+        "int4 weights: %s", "int8 activations on AVX512_VNNI (native)" if vnni
+        else "PyTorch's int4 kernel (bf16/float32 activations)",
+    )  # fmt: skip
+
+
 @functools.cache
 def _log_no_expansion() -> None:
     log.info(
@@ -207,21 +228,31 @@ def _log_no_expansion() -> None:
 
 
 class Int4Weight(QuantizedWeight):
-    """int4 codes packed for ``_weight_int4pack_mm_for_cpu`` (scale and zero per group)."""
+    """int4 codes (scale and zero per group) for one of two kernels (``kernel``): where the
+    CPU has AVX512_VNNI, Pastry's int4 x int8 product (``"vnni"``: the activations
+    quantized to int8 per group, as llama.cpp does; 1.7-3.5x PyTorch's int4 kernel at 1-32
+    rows and ahead of a dense bf16 product up to 512 on the Zen 5, benchmarks/RESULTS.md),
+    else PyTorch's ``_weight_int4pack_mm_for_cpu`` (``"torch"``). ``"auto"`` (the default,
+    or ``$PASTRY_INT4_KERNEL``) takes the first this CPU runs."""
 
     kind = "int4"
 
-    def __init__(self, codes: Int4Codes, dtype: torch.dtype) -> None:
+    def __init__(self, codes: Int4Codes, dtype: torch.dtype, kernel: str | None = None) -> None:
         n, k = codes.shape
         if not int4_fits(n, k):
             raise ValueError(f"int4 weight of shape {(n, k)} does not fit the kernel")
         self.out_features, self.in_features = n, k
         self.dtype = dtype  # of the activations it multiplies
+        self.dense: torch.Tensor | None = None  # see keep_dense
+        self.vnni = _vnni(kernel or os.environ.get("PASTRY_INT4_KERNEL", "auto"), dtype)
+        self.expandable = False
+        if self.vnni:
+            self.q4, self.q4_scales = native.q4_pack(codes.q, codes.scale, codes.zero)
+            return
         self.packed = torch_raw.int4_pack(codes.q.to(torch.int32))
         # [K / GROUP, N, 2]: the kernel's layout of scales and zeros
         self.scale_zeros = torch.stack((codes.scale.t(), codes.zero.t()), dim=-1).to(dtype)
         self.scale_zeros = self.scale_zeros.contiguous()
-        self.dense: torch.Tensor | None = None  # see keep_dense
         # the native kernels can expand it (bf16, a layout they read; engine/native.py)
         self.expandable = (
             dtype == torch.bfloat16
@@ -237,7 +268,7 @@ class Int4Weight(QuantizedWeight):
         :data:`INT4_DENSE_FROM_M` rows on, where the int4 kernel is slower than a dense
         product: the expansion of exactly the weight the kernel multiplies by (its scales
         rounded to the activation dtype), at the memory cost of a dense copy."""
-        w = self._kernel(torch.eye(self.in_features, dtype=self.scale_zeros.dtype)).t()
+        w = self.dequantize()
         if w.dtype == torch.bfloat16 and native.cpu_bf16():  # no bf16 reorder on AVX2
             self.dense = torch_raw.onednn_pack(w.contiguous())
             self._dense_mm = self._packed_mm
@@ -255,17 +286,23 @@ class Int4Weight(QuantizedWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= INT4_DENSE_FROM_M:
             return self._dense_mm(x, self.dense)
+        if self.vnni:
+            return native.q4_linear(x, self.q4, self.q4_scales)
         if self.expandable and x.shape[0] >= INT4_EXPAND_FROM_M:
             return torch.ops.pastry_native.int4_expanded(x, self.packed, self.scale_zeros, None)
         return self._kernel(x)
 
     def dequantize(self) -> torch.Tensor:
+        if self.vnni:
+            return native.q4_unpack(self.q4, self.q4_scales).to(self.dtype)
         eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
         return self._kernel(eye).t().contiguous()
 
     @property
     def nbytes(self) -> int:
         """Bytes a product below :data:`INT4_DENSE_FROM_M` rows reads (the int4 weight)."""
+        if self.vnni:
+            return self.q4.nbytes + self.q4_scales.nbytes
         return self.packed.nbytes + self.scale_zeros.nbytes
 
     @property
@@ -273,7 +310,7 @@ class Int4Weight(QuantizedWeight):
         """Bytes of the dense copy (0 without one)."""
         if self.dense is None:
             return 0
-        return self.out_features * self.in_features * self.scale_zeros.element_size()
+        return self.out_features * self.in_features * self.dtype.itemsize
 
 
 class Int8Weight(QuantizedWeight):

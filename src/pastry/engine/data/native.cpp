@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -674,14 +675,169 @@ at::Tensor panel_linear(
 
 bool panel_supported() { return cpu_has_avx512(); }
 
+// ------------------------------------------------------------------ int4 x int8 (VNNI)
+//
+// The llama.cpp approach for few rows: the activations are quantized to int8 per group of
+// 32 inputs (x ~ d * xq, d = max|x| / 127) and the int4 weight multiplies them in integers:
+// one vpdpbusd sums, for each of 16 output rows, the products of 4 unsigned codes and 4
+// signed activations. With w = q * s + m per group (q in 0..15; m = zero - 8 * scale),
+// y += s * d * sum(q * xq) + m * d * sum(xq): the product of w and the quantized x, whose
+// error is sum(w * (x - d * xq)) (with x's own sum in the second term, the error would be
+// s * sum(q * (x - d * xq)) over codes that are all positive: ~2x larger; llama.cpp's Q8_1
+// sums alike).
+// The weight is Pastry's own layout, packed once at load (pastry/engine/quant.py,
+// q4_pack): [N/16][K/8][16][4] bytes, byte b of row j's four for inputs k0..k0+7 holding
+// the code of input k0 + b (low nibble) and of k0 + 4 + b (high), so that one 64-byte load
+// holds 16 rows x 8 inputs; scales and mins as [N/16][K/32][2][16] float32. Per 16 rows, 32
+// inputs and row of x: 4 loads, 8 vpdpbusd, 2 FMAs; the weight streams from memory once per
+// kQ4Rows rows of x (a block's bytes stay in L1 for the next rows).
+
+constexpr int kQ4Rows = 8;  // rows of x per pass over a block of the weight
+
+bool cpu_has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+// Rows of x [M, K] as int8 per group of 32 (xq [M, K]), their scales d and d * sum(xq)
+// (sx) [M, G].
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void q8_rows(
+    const T* x, int64_t m, int64_t k, int8_t* xq, float* d, float* sx) {
+  int64_t groups = k / 32;
+  for (int64_t r = 0; r < m; r++) {
+    for (int64_t g = 0; g < groups; g++) {
+      const T* xg = x + r * k + g * 32;
+      __m512 a = load16(xg), b = load16(xg + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      __m512 vi = _mm512_set1_ps(inv);
+      // rounded to nearest (even), as the MXCSR default; |x| * inv <= 127
+      __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vi));
+      __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vi));
+      int8_t* out = xq + r * k + g * 32;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(qb));
+      int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      d[r * groups + g] = scale;
+      sx[r * groups + g] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// y[MR rows, 16 columns] = x[MR rows] * one 16-row block of the weight (see above).
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void q4_block(
+    const uint8_t* w, const float* sm, int64_t groups, const int8_t* xq, int64_t k,
+    const float* d, const float* sx, float* y, int64_t ys) {
+  __m512 acc[MR];
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; r++) {
+    acc[r] = _mm512_setzero_ps();
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t* wg = w + g * 256;
+    __m512i c[8];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+      __m512i v = _mm512_loadu_si512(wg + i * 64);
+      c[2 * i] = _mm512_and_si512(v, low);                         // inputs 8i .. 8i+3
+      c[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // 8i+4 .. 8i+7
+    }
+    __m512 s = _mm512_loadu_ps(sm + g * 32), mn = _mm512_loadu_ps(sm + g * 32 + 16);
+    #pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) {
+      const int8_t* xg = xq + r * k + g * 32;
+      __m512i t = _mm512_setzero_si512();
+      #pragma GCC unroll 8
+      for (int i = 0; i < 8; i++) {
+        int32_t four;
+        std::memcpy(&four, xg + 4 * i, 4);
+        t = _mm512_dpbusd_epi32(t, c[i], _mm512_set1_epi32(four));
+      }
+      __m512 dr = _mm512_set1_ps(d[r * groups + g]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s, dr), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < MR; r++) {
+    _mm512_storeu_ps(y + r * ys, acc[r]);
+  }
+}
+
+using Q4Block = void (*)(const uint8_t*, const float*, int64_t, const int8_t*, int64_t,
+                         const float*, const float*, float*, int64_t);
+constexpr Q4Block kQ4BlockOf[kQ4Rows + 1] = {
+    nullptr, q4_block<1>, q4_block<2>, q4_block<3>, q4_block<4>,
+    q4_block<5>, q4_block<6>, q4_block<7>, q4_block<8>};
+
+// y [M, N] = x [M, K] W^T (+ bias) for an int4 weight in the layout above (packed
+// [N/16, K/8, 16, 4] uint8, sm [N/16, K/32, 2, 16] float32); y in x's dtype.
+at::Tensor q4_linear(
+    const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sm,
+    const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(cpu_has_vnni(), "this CPU lacks AVX512_VNNI");
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D");
+  TORCH_CHECK(
+      x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+      "x must be float32 or bfloat16");
+  int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(
+      packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.size(1) * 8 == k &&
+          packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous(),
+      "packed must be a contiguous uint8 [N/16, K/8, 16, 4] for K = ", k);
+  int64_t blocks = packed.size(0), groups = k / 32, n = blocks * 16;
+  TORCH_CHECK(k % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(
+      sm.dim() == 4 && sm.scalar_type() == at::kFloat && sm.size(0) == blocks &&
+          sm.size(1) == groups && sm.size(2) == 2 && sm.size(3) == 16 && sm.is_contiguous(),
+      "sm must be a contiguous float32 [N/16, K/32, 2, 16]");
+  at::Tensor xc = x.contiguous();
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor ds = at::empty({2, m, groups}, x.options().dtype(at::kFloat));
+  float* d = ds.data_ptr<float>();
+  float* sx = d + m * groups;
+  if (x.scalar_type() == at::kFloat) {
+    q8_rows(xc.data_ptr<float>(), m, k, xq.data_ptr<int8_t>(), d, sx);
+  } else {
+    q8_rows(xc.data_ptr<at::BFloat16>(), m, k, xq.data_ptr<int8_t>(), d, sx);
+  }
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = sm.data_ptr<float>();
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      for (int64_t r = 0; r < m; r += kQ4Rows) {
+        int rows = static_cast<int>(std::min<int64_t>(kQ4Rows, m - r));
+        kQ4BlockOf[rows](
+            wp + b * (k / 8) * 64, sp + b * groups * 32, groups, qp + r * k, k,
+            d + r * groups, sx + r * groups, yp + r * n + b * 16, n);
+      }
+    }
+  });
+  if (bias.has_value()) {
+    y.add_(*bias);
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+bool q4_supported() { return cpu_has_vnni(); }
+
 // ------------------------------------------------------------------ pastry::linear
 
-// How a projection multiplies (pastry.engine.native.DENSE / BLOCKED / INT4 / INT8).
+// How a projection multiplies (pastry.engine.native.DENSE / BLOCKED / INT4 / INT8 / PANELS / Q4).
 constexpr int64_t kDense = 0;    // oneDNN-packed (mkldnn layout) or a plain [N, K] weight
 constexpr int64_t kBlocked = 1;  // oneDNN-packed, read in place below `small_m` rows
 constexpr int64_t kInt4 = 2;     // _weight_int4pack_mm_for_cpu, groups of 32
 constexpr int64_t kInt8 = 3;     // _weight_int8pack_mm, per-channel scales
 constexpr int64_t kPanels = 4;   // float32 panels (panel_pack), at every row count
+constexpr int64_t kQ4 = 5;       // int4 in q4_linear's layout (scales: its sm)
 
 // Linear.forward of a dense weight: oneDNN's packed product, or F.linear.
 at::Tensor dense_linear(
@@ -699,11 +855,11 @@ at::Tensor add_bias(at::Tensor y, const std::optional<at::Tensor>& bias) {
 struct Projection {
   int64_t kind;
   at::Tensor weight;                 // packed / plain / int4 codes / int8 codes
-  std::optional<at::Tensor> scales;  // int4: scale_zeros; int8: scales
-  std::optional<at::Tensor> dense;   // int4: the expanded copy (packed or plain)
+  std::optional<at::Tensor> scales;  // int4: scale_zeros; int8: scales; q4: sm
+  std::optional<at::Tensor> dense;   // int4, q4: the expanded copy (packed or plain)
   std::optional<at::Tensor> bias;
-  int64_t threshold;  // blocked: rows below which it runs; int4: rows from which `dense`
-                      // runs; int8: rows from which the weight is expanded
+  int64_t threshold;  // blocked: rows below which it runs; int4, q4: rows from which
+                      // `dense` runs; int8: rows from which the weight is expanded
   int64_t expand_from;  // int4 without `dense`: rows from which it is expanded (0: never)
   int64_t n, kp;      // blocked: output rows, padded inputs; panels: output rows
   const uint16_t* data;  // blocked: the packed bytes
@@ -717,10 +873,11 @@ struct Projections : torch::CustomClassHolder {
       int64_t kind, at::Tensor weight, std::optional<at::Tensor> scales,
       std::optional<at::Tensor> dense, std::optional<at::Tensor> bias, int64_t threshold,
       int64_t expand_from, int64_t n, int64_t kp) {
-    TORCH_CHECK(kind >= kDense && kind <= kPanels, "unknown projection kind ", kind);
+    TORCH_CHECK(kind >= kDense && kind <= kQ4, "unknown projection kind ", kind);
     TORCH_CHECK(kind != kPanels || cpu_has_avx512(), "this CPU lacks AVX-512");
+    TORCH_CHECK(kind != kQ4 || cpu_has_vnni(), "this CPU lacks AVX512_VNNI");
     TORCH_CHECK(
-        (kind != kInt4 && kind != kInt8) || scales.has_value(),
+        (kind != kInt4 && kind != kInt8 && kind != kQ4) || scales.has_value(),
         "a quantized projection needs its scales");
     const uint16_t* data = nullptr;
     if (kind == kBlocked) {
@@ -749,6 +906,11 @@ struct Projections : torch::CustomClassHolder {
           return blocked_product(x, p.data, p.n, p.kp, p.bias);
         }
         return packed_linear(x, p.weight, p.bias);
+      case kQ4:
+        if (p.dense.has_value() && x.size(0) >= p.threshold) {
+          return add_bias(dense_linear(x, *p.dense, std::nullopt), p.bias);
+        }
+        return add_bias(q4_linear(x, p.weight, *p.scales, std::nullopt), p.bias);
       case kInt4:
         if (p.dense.has_value() && x.size(0) >= p.threshold) {
           return add_bias(dense_linear(x, *p.dense, std::nullopt), p.bias);
@@ -807,6 +969,8 @@ TORCH_LIBRARY(pastry_native, m) {
   m.def("panel_pack", &panel_pack);
   m.def("panel_linear", &panel_linear);
   m.def("panel_supported", &panel_supported);
+  m.def("q4_linear", &q4_linear);
+  m.def("q4_supported", &q4_supported);
   m.def("int4_expanded", &int4_expanded);
   m.def("int4_expand", &int4_expand);
   m.def("int4_expandable", &int4_expandable);
