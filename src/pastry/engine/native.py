@@ -75,7 +75,7 @@ def build_dir() -> Path:
 def load() -> bool:
     """Build (the first time) and load the library into the process, once; False, with the
     reason in :func:`error`, logged once, if it cannot be built or loaded or
-    ``PASTRY_NATIVE=0``. Sets :data:`ready` and :data:`panels_ready`."""
+    ``PASTRY_NATIVE=0``. Sets :data:`ready`, :data:`panels_ready` and :data:`q4_ready`."""
     global ready, panels_ready, q4_ready
     with _lock:
         if "loaded" in _state:

@@ -203,12 +203,12 @@ def _vnni(kernel: str, dtype: torch.dtype) -> bool:
     """Whether an int4 weight multiplies with the int4 x int8 kernel (see Int4Weight)."""
     if kernel not in ("auto", "vnni", "torch"):
         raise ValueError(f"the int4 kernel is auto, vnni or torch, got {kernel!r}")
-    runs = kernel != "torch" and dtype in (torch.float32, torch.bfloat16) and native.load()
-    runs = runs and native.q4_ready
-    if kernel == "vnni" and not runs:
+    vnni = kernel != "torch" and dtype in (torch.float32, torch.bfloat16)
+    vnni = vnni and native.load() and native.q4_ready
+    if kernel == "vnni" and not vnni:
         raise ValueError("the vnni int4 kernel does not run here (AVX512_VNNI, native kernels)")
-    _log_int4_kernel(kernel != "torch" and runs)
-    return kernel != "torch" and runs
+    _log_int4_kernel(vnni)
+    return vnni
 
 
 @functools.cache

@@ -685,7 +685,7 @@ bool panel_supported() { return cpu_has_avx512(); }
 // error is sum(w * (x - d * xq)) (with x's own sum in the second term, the error would be
 // s * sum(q * (x - d * xq)) over codes that are all positive: ~2x larger; llama.cpp's Q8_1
 // sums alike).
-// The weight is Pastry's own layout, packed once at load (pastry/engine/quant.py,
+// The weight is Pastry's own layout, packed once at load (pastry/engine/native.py,
 // q4_pack): [N/16][K/8][16][4] bytes, byte b of row j's four for inputs k0..k0+7 holding
 // the code of input k0 + b (low nibble) and of k0 + 4 + b (high), so that one 64-byte load
 // holds 16 rows x 8 inputs; scales and mins as [N/16][K/32][2][16] float32. Per 16 rows, 32
