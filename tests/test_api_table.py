@@ -81,7 +81,7 @@ def _example(tree):
                 "s32": -1, "s64": -2}.get(tree, 1)  # fmt: skip
     kind, *parts = tree
     if kind == "list":
-        return [_example(parts[0])]
+        return b"\x01" if parts[0] == "u8" else [_example(parts[0])]  # bytes: list<u8>
     if kind == "option":
         return _example(parts[0])
     if kind == "tuple":

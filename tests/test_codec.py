@@ -12,6 +12,7 @@ from pastry.wire.calls import (
     CallError,
     CopyKv,
     Dist,
+    EmbedImg,
     EmbedTxt,
     EngineInfo,
     Forward,
@@ -87,6 +88,11 @@ ONE_OF_EACH = [
     MaskKv(page=4, masked=np.array([True, False] * 8)),
     SwapOut(pages=ids([1, 2]), host_pages=ids([0, 1])),
     SwapIn(host_pages=ids([0, 1]), pages=ids([6, 7])),
+    EmbedImg(
+        image=np.frombuffer(b"\x89PNG\r\n\x1a\n-bytes", np.uint8),
+        positions=ids([3, 4]),
+        out_embeds=ids([13, 14]),
+    ),
 ]
 
 
@@ -244,6 +250,8 @@ def test_info_roundtrip():
     assert decode_info(wire(encode_info(INFO))) == INFO
     plain = dataclasses.replace(INFO, special_tokens={}, chat_template=None, bos_token_id=1)
     assert decode_info(encode_info(plain)) == plain
+    vision = dataclasses.replace(INFO, image_tokens=576, image_token_id=32000)
+    assert decode_info(wire(encode_info(vision))) == vision
 
 
 # --- encoding errors --------------------------------------------------------------------

@@ -153,6 +153,44 @@ class ApplyChatTemplate:
     add_generation_prompt: bool = True
 
 
+# ---------------------------------------------------------------------------- input image
+
+
+@request("input image", trait="input_image", now=Count)
+class NumEmbsNeeded:
+    """How many embeddings ``embed_img`` writes for ``image`` (its encoded bytes: PNG,
+    JPEG, WebP or GIF) on the queue's model: the number of placeholder tokens its chat
+    template writes for one image. Raises ``ApiError`` for bytes that are not such an
+    image, or one over the image quotas (``--max-image-bytes``, ``--max-image-pixels``)."""
+
+    q: Handle
+    image: bytes
+
+
+@request("input image", trait="input_image", now=Token)
+class GetImageToken:
+    """The placeholder token id the model's chat template writes for an image (LLaVA's
+    ``<image>``, ``image_token_index`` in its config): an image's embeddings take the
+    place of ``num_embs_needed`` of them, and ``Context.fill_image`` keeps that many in
+    ``tokens``, so a context's token list stays position for position."""
+
+    q: Handle
+
+
+@request("input image", trait="input_image", queued=("none",))
+class EmbedImg:
+    """Queued: the embeddings of ``image`` (encoded bytes, checked as ``num_embs_needed``
+    checks them, at once) into ``embeds`` (``num_embs_needed(image)`` of them), at
+    positions ``position``, ``position + 1``, ...; ``forward`` reads them as it reads
+    ``embed_txt``'s. The model's image processor and vision tower run in the engine,
+    batched with the other images of the step."""
+
+    q: Handle
+    image: bytes
+    position: Count
+    embeds: Sequence[Handle]
+
+
 # ---------------------------------------------------------------------------- output
 
 

@@ -24,6 +24,7 @@ from pastry.control.programs import Thread
 from pastry.wire.calls import (
     Call,
     CopyKv,
+    EmbedImg,
     EmbedTxt,
     Forward,
     MaskKv,
@@ -52,6 +53,7 @@ STAGE_OF = {
     CopyKv: Stage.KV,
     MaskKv: Stage.KV,
     EmbedTxt: Stage.EMBED,
+    EmbedImg: Stage.EMBED,
     Forward: Stage.FORWARD,
     NextDist: Stage.OUTPUT,
     Sample: Stage.OUTPUT,
@@ -229,9 +231,10 @@ def _call_conflicts(earlier: list[Command], call: Call, ps: int) -> bool:
             if ins & set(e.out_embeds.tolist()):
                 return True
         return False
-    if isinstance(call, EmbedTxt):
+    if isinstance(call, EmbedTxt | EmbedImg):
         outs = set(call.out_embeds.tolist())
-        return any(outs & set(e.out_embeds.tolist()) for e in _calls_of(earlier, EmbedTxt))
+        earlier_embeds = _calls_of(earlier, EmbedTxt, EmbedImg)
+        return any(outs & set(e.out_embeds.tolist()) for e in earlier_embeds)
     if isinstance(call, (CopyKv, MaskKv, SwapIn, SwapOut)):
         # The engine runs all copies of a batch, then all masks, then swaps: calls of one
         # queue that touch different pages may share a batch, in any order.

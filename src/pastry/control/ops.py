@@ -17,7 +17,17 @@ from pastry.control.commands import Op
 from pastry.control.resources import Kind, ResourceError, ResourceManager
 from pastry.control.sampling import SampleSpec
 from pastry.control.steps import claim, sample_call
-from pastry.wire.calls import CopyKv, Dist, Forward, Logprobs, MaskKv, NextDist, Sample, ids
+from pastry.wire.calls import (
+    CopyKv,
+    Dist,
+    EmbedImg,
+    Forward,
+    Logprobs,
+    MaskKv,
+    NextDist,
+    Sample,
+    ids,
+)
 
 
 def translate(res: ResourceManager, instance: int, kind: Kind, handles) -> list[int]:
@@ -102,6 +112,23 @@ class MaskPage(Op):
         if self.claims:
             claim_pages(self.res, self.instance, [phys])
         return MaskKv(phys, self.masked)
+
+
+class ImageOp(Op):
+    """``embed_img``: an image's encoded bytes into the embedding slots ``embeds``
+    (snapshotted at submission) at positions ``position, position + 1, ...``."""
+
+    __slots__ = ("embeds", "image", "instance", "position", "res")
+
+    def __init__(self, res, instance: int, image: bytes, position: int, embeds: list[int]):
+        self.res, self.instance, self.image = res, instance, image
+        self.position, self.embeds = position, embeds
+
+    def prepare(self) -> EmbedImg:
+        phys = translate(self.res, self.instance, "embed", self.embeds)
+        n = len(self.embeds)
+        data = np.frombuffer(self.image, dtype=np.uint8)
+        return EmbedImg(data, ids(range(self.position, self.position + n)), ids(phys))
 
 
 class ForwardOp(Op):

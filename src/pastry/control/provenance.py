@@ -7,7 +7,7 @@ follows every call that writes it, in the order the engine runs them (the batch 
 calls :meth:`KvProvenance.observe` when it dispatches a batch), and keeps:
 
 - per embedding slot, the ``(token, position)`` that ``embed_txt`` last wrote to it, or
-  nothing once anything else wrote it (a forward's output, say);
+  nothing once anything else wrote it (a forward's output, an image's ``embed_img``);
 - per KV page, a :class:`PageRecord`: the page's index ``i`` in its sequence (slot ``s``
   holds position ``i * page_size + s``), the tokens of its certified slots ``0..len-1``,
   a key naming every token before the page, and the record of page ``i - 1`` the K/V were
@@ -45,7 +45,7 @@ import numpy as np
 from pastry.control import races
 from pastry.control.page_records import ROOT_KEY, KnownChains, PageRecord
 from pastry.control.races import MANY
-from pastry.wire.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn
+from pastry.wire.calls import CopyKv, EmbedImg, EmbedTxt, Forward, MaskKv, SwapIn
 
 # Contexts of up to this many pages are walked in full (cheaper than looking them up).
 _WALKED = 4
@@ -126,6 +126,8 @@ class KvProvenance:
             elif t is SwapIn:
                 for p in call.pages.tolist():
                     self._set(p, None)
+            elif t is EmbedImg:  # an image's embeddings are no token's: K/V of them is not text
+                self.embed_token[call.out_embeds] = -1
 
     def _apply(self, calls: Sequence[tuple[Any, Any]]) -> None:
         """:meth:`observe` for a batch where no call races another queue's; each run of
@@ -148,6 +150,8 @@ class KvProvenance:
             elif t is SwapIn:
                 for p in call.pages.tolist():
                     self._set(p, None)
+            elif t is EmbedImg:
+                self.embed_token[call.out_embeds] = -1
         if embeds:
             self._embed_txts(embeds)
 

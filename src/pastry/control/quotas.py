@@ -37,6 +37,8 @@ class Quotas:
     tokenize_bytes: int | None = 1 * MiB  # text one tokenize call takes (runs on the loop)
     max_connections: int | None = 1024  # HTTP and WebSocket connections at once
     responses_per_user: int | None = 1024  # stored /v1/responses (the oldest go first)
+    image_bytes: int | None = 20 * MiB  # one encoded image (embed_img, image parts)
+    image_pixels: int | None = 64 * MiB  # its width x height, read from its header
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -78,6 +80,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "json_depth": ("--max-json-depth", "nesting of request JSON"),
     "request_choices": ("--max-request-choices", "prompts x n of one completion request"),
     "tokenize_bytes": ("--max-tokenize-bytes", "text one tokenize call takes"),
+    "image_bytes": ("--max-image-bytes", "one encoded image (embed_img, chat image parts)"),
+    "image_pixels": ("--max-image-pixels", "one image's width x height"),
     "max_connections": ("--max-connections", "HTTP and WebSocket connections at once"),
     "responses_per_user": ("--max-responses-per-user", "stored /v1/responses of one user "
                            "(the oldest go first, with their KV)"),

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pastry.wire.calls import CopyKv, EmbedTxt, Forward, MaskKv, SwapIn
+from pastry.wire.calls import CopyKv, EmbedImg, EmbedTxt, Forward, MaskKv, SwapIn
 
 MANY = object()  # written by more than one queue in the batch
 
@@ -157,6 +157,6 @@ def written_pages(call) -> Iterable[int]:
 
 def written_embeds(call) -> Iterable[int]:
     t = type(call)
-    if t is EmbedTxt or t is Forward:
+    if t is EmbedTxt or t is Forward or t is EmbedImg:
         return call.out_embeds.tolist()
     return ()

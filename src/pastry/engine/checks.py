@@ -21,6 +21,7 @@ from pastry.wire.calls import (
     Call,
     CallError,
     CopyKv,
+    EmbedImg,
     EmbedTxt,
     Forward,
     MaskKv,
@@ -92,10 +93,13 @@ class CallChecker:
         num_embeds: int,
         max_batch_tokens: int,
         adapters: list,
+        image_tokens: int = 0,
+        max_image_bytes: int = 0,
     ) -> None:
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
         self.num_host_pages, self.num_embeds = num_host_pages, num_embeds
         self.max_batch_tokens, self.adapters = max_batch_tokens, adapters
+        self.image_tokens, self.max_image_bytes = image_tokens, max_image_bytes
 
     # ------------------------------------------------------------------ values
 
@@ -145,6 +149,22 @@ class CallChecker:
         if len(out) != len(tokens):
             raise Invalid(f"{len(tokens)} tokens but {len(out)} out embeds")
         self.positions(c.positions, len(tokens))
+
+    def embed_img(self, c: EmbedImg) -> None:
+        """Shapes only: the engine decodes the image (a bad one fails that call alone)."""
+        if not self.image_tokens:
+            raise Invalid("this model takes no images (it has no image encoder)")
+        image = np.asarray(c.image)
+        if image.ndim != 1 or image.dtype != np.uint8 or not image.size:
+            raise Invalid("image must be a non-empty 1-D uint8 array (the encoded bytes)")
+        if image.size > self.max_image_bytes:
+            raise Invalid(f"the image is {image.size} bytes, over {self.max_image_bytes}")
+        out = self.embed_slots(c.out_embeds, "out embed")
+        if len(out) != self.image_tokens:
+            raise Invalid(
+                f"an image takes {self.image_tokens} embeds on this model, got {len(out)}"
+            )
+        self.positions(c.positions, len(out))
 
     def forward(self, c: Forward) -> ForwardPlan:
         """A forward as the slots and arrays it runs on."""

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from pastry.wire.calls import (
     Call,
     CallError,
     CopyKv,
+    EmbedImg,
     EmbedTxt,
     EngineInfo,
     Forward,
@@ -50,6 +52,10 @@ from pastry.wire.calls import (
     SwapOut,
 )
 from pastry.wire.config import EngineConfig, ModelConfig
+from pastry.wire.images import ImageError, decode_image
+
+if TYPE_CHECKING:
+    from pastry.engine.vision.llava import ImageEncoder
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,9 @@ TRAITS = (
     "output_text",
     "kv_swap",
 )
+
+# The largest encoded image an EmbedImg may carry (the control layer's quota is lower).
+MAX_IMAGE_BYTES = 64 << 20
 
 # Call types that run in one handler invocation when adjacent in a batch: NextDist and
 # Sample rows share one lm_head.
@@ -124,8 +133,10 @@ class Engine:
         tokenizer_json: str = "",
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
+        encoder: ImageEncoder | None = None,
     ) -> None:
         self.model = model
+        self.encoder = encoder
         self.cfg = model.cfg
         self.config = config
         p = next(model.parameters())
@@ -153,10 +164,13 @@ class Engine:
             num_embeds=sizes.num_embeds,
             max_batch_tokens=config.max_batch_tokens,
             adapters=self._adapters,
+            image_tokens=encoder.spec.image_tokens if encoder else 0,
+            max_image_bytes=MAX_IMAGE_BYTES,
         )
         self.info = self._describe(sizes, name, tokenizer_json, chat_template, special_tokens)
         self._handlers: dict[type, Callable[[list[tuple[int, Call]], list[Result]], None]] = {
             EmbedTxt: self._embed_txt,
+            EmbedImg: self._embed_img,
             Forward: self._forward,
             Sample: self._output,  # and NextDist (_HANDLER_GROUP)
             CopyKv: self._copy_kv,
@@ -189,7 +203,7 @@ class Engine:
             num_embeds=sizes.num_embeds,
             num_host_pages=sizes.num_host_pages,
             max_batch_tokens=self.config.max_batch_tokens,
-            traits=TRAITS,
+            traits=TRAITS + (("input_image",) if self.encoder else ()),
             bos_token_id=self.cfg.bos_token_id,
             eos_token_ids=tuple(self.cfg.eos_token_ids),
             tokenizer_json=tokenizer_json,
@@ -197,6 +211,8 @@ class Engine:
             special_tokens=dict(special_tokens or {}),
             kv_peers=(f"shm:{self.config.kv_shm}",) if self.config.kv_shm else (),
             host=host_id(),
+            image_tokens=self.encoder.spec.image_tokens if self.encoder else 0,
+            image_token_id=self.encoder.spec.image_token_id if self.encoder else None,
         )
 
     def _compiled_decode(self, config: EngineConfig) -> CompiledDecode | None:
@@ -230,6 +246,11 @@ class Engine:
         weights.update(kept_codes(ckpt.path, ckpt.config, config.quantize, device))
         model = build_model(ckpt.config, dtype, device, weights, config.quantize)
         del weights
+        encoder = None
+        if ckpt.vision is not None:
+            from pastry.engine.vision.llava import ImageEncoder
+
+            encoder = ImageEncoder.load(ckpt.path, ckpt.vision, dtype, device)
         tok = ckpt.tokenizer
         engine = cls(
             model,
@@ -238,6 +259,7 @@ class Engine:
             tokenizer_json=tok.to_json(),
             chat_template=tok.chat_template,
             special_tokens=tok.special_tokens,
+            encoder=encoder,
         )
         log.info(
             "loaded %s (%s, %.1fM params, %s on %s) in %.1fs: %d KV pages x %d tokens, %d embeds",
@@ -323,6 +345,27 @@ class Engine:
         slots = self._tensor([c.out_embeds for _, c, _ in ok])
         self.embeds.hidden.index_copy_(0, slots, self.model.embed(tokens))
         self.embeds.positions.index_copy_(0, slots, self._tensor([c.positions for _, c, _ in ok]))
+
+    # ------------------------------------------------------------------ embed_img
+
+    def _embed_img(self, run, results) -> None:
+        """Every image of the run through the encoder at once; an image that does not
+        decode fails its call alone."""
+        ok = accept(run, results, self.check.embed_img)
+        decoded, calls = [], []
+        for i, c, _ in ok:
+            try:
+                decoded.append(decode_image(np.asarray(c.image).tobytes()))
+                calls.append(c)
+            except ImageError as e:
+                results[i] = CallError(f"EmbedImg: {e}")
+        if not calls:
+            return
+        enc = self.encoder
+        features = enc(enc.pixels(decoded)).reshape(-1, self.cfg.hidden_size)
+        slots = self._tensor([c.out_embeds for c in calls])
+        self.embeds.hidden.index_copy_(0, slots, features.to(self.dtype))
+        self.embeds.positions.index_copy_(0, slots, self._tensor([c.positions for c in calls]))
 
     # ------------------------------------------------------------------ forward
 

@@ -16,12 +16,15 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from safetensors import SafetensorError, safe_open
 
+from pastry.engine.vision import language_config, vision_spec, weight_name
+from pastry.engine.vision.spec import VisionSpec, weight_layout
 from pastry.wire.config import CheckpointError, ModelConfig
 from pastry.wire.tokenizer import Tokenizer
 
@@ -110,13 +113,24 @@ def load_state_dict(
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    vision: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Read the weights of ``model_dir`` by HF name, cast to ``dtype``, on ``device``.
 
     Every tensor of :func:`expected_shapes` must be present with that shape; other tensors
     are ignored (with a warning, except rotary ``inv_freq`` buffers and a tied ``lm_head``).
-    The result holds exactly the expected tensors, in model order."""
+    The result holds exactly the expected tensors, in model order. A vision-language
+    checkpoint's language model is read from where its layout stores it
+    (:func:`~pastry.engine.vision.weight_name`); its other tensors are the image encoder's."""
     source, files = weight_files(Path(model_dir))
+    if vision:
+        layout = weight_layout(files)
+        lm = {
+            n: files[weight_name(n, layout)]
+            for n in _expected(cfg)
+            if weight_name(n, layout) in files
+        }
+        return read_weights(source, lm, cfg, dtype, device, lambda n: weight_name(n, layout))
     return read_weights(source, files, cfg, dtype, device)
 
 
@@ -126,13 +140,16 @@ def read_weights(
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    stored: Callable[[str], str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`load_state_dict` over ``files`` (tensor name -> safetensors file), which
-    ``source`` (the file listing them, named in errors) describes."""
+    ``source`` (the file listing them, named in errors) describes; ``stored`` maps a name
+    to the one its file has (default: the same)."""
+    at = stored or (lambda n: n)
     expected = _expected(cfg)
     for name in expected:
         if name not in files:
-            raise CheckpointError(_missing(source, name))
+            raise CheckpointError(_missing(source, at(name)))
     unexpected = sorted(
         n
         for n in files
@@ -154,22 +171,22 @@ def read_weights(
         with _open(path) as f:
             present = set(f.keys())
             for name in names:
-                if name not in present:
+                if at(name) not in present:
                     raise CheckpointError(
-                        f"{path}: tensor '{name}' is missing ({source.name} lists it here)"
+                        f"{path}: tensor '{at(name)}' is missing ({source.name} lists it here)"
                     )
                 shape, why = expected[name]
-                got = tuple(f.get_slice(name).get_shape())
+                got = tuple(f.get_slice(at(name)).get_shape())
                 if got != shape:
                     raise CheckpointError(
-                        f"{path}: tensor '{name}' has shape {got}, expected {shape} "
+                        f"{path}: tensor '{at(name)}' has shape {got}, expected {shape} "
                         f"from config.json ({why})"
                     )
     loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
         with _open(path, device) as f:
             for name in names:
-                loaded[name] = f.get_tensor(name).to(dtype)
+                loaded[name] = f.get_tensor(at(name)).to(dtype)
     return {name: loaded[name] for name in expected}
 
 
@@ -199,12 +216,14 @@ class Checkpoint:
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
+    # a vision-language checkpoint's image half
+    vision: VisionSpec | None = dataclasses.field(default=None, kw_only=True)
 
     def load_state_dict(
         self, dtype: torch.dtype, device: str | torch.device = "cpu"
     ) -> dict[str, torch.Tensor]:
-        """:func:`load_state_dict` of this checkpoint."""
-        return load_state_dict(self.path, self.config, dtype, device)
+        """:func:`load_state_dict` of this checkpoint (its language model)."""
+        return load_state_dict(self.path, self.config, dtype, device, self.vision is not None)
 
 
 def load_hf_checkpoint(model_dir: str | Path) -> Checkpoint:
@@ -213,7 +232,12 @@ def load_hf_checkpoint(model_dir: str | Path) -> Checkpoint:
     BOS/EOS ids: ``generation_config.json`` wins, then ``config.json``, then the tokenizer's
     ``bos_token`` / ``eos_token``. The name is ``_name_or_path`` or the directory name."""
     model_dir = Path(os.path.abspath(model_dir))  # keeps a symlinked directory's own name
-    cfg = ModelConfig.from_file(model_dir / "config.json")
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        ModelConfig.from_file(config_file)  # (raises: says what a checkpoint needs)
+    raw = _read_json(config_file)
+    vision = vision_spec(raw, str(config_file))
+    cfg = ModelConfig.from_dict(language_config(raw, str(config_file)), source=str(config_file))
     tokenizer = Tokenizer.from_dir(model_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(
@@ -231,7 +255,7 @@ def load_hf_checkpoint(model_dir: str | Path) -> Checkpoint:
         eos_token_ids=tuple(int(i) for i in eos),
         name=name,
     )
-    return Checkpoint(path=model_dir, config=cfg, tokenizer=tokenizer, name=name)
+    return Checkpoint(path=model_dir, config=cfg, tokenizer=tokenizer, name=name, vision=vision)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

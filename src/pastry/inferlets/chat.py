@@ -22,6 +22,7 @@ short, ``docs/security.md``) is computed again.
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pastry.sdk as px
@@ -30,6 +31,7 @@ from pastry.sdk import Context
 
 CHAT_OPTIONS = {**OPTIONS, "prompt": None, "kv_import": None, "kv_export": None}
 CHAT_OPTIONS.update(messages=[], max_tokens=256)  # messages: [{"role", "content"}]
+CHAT_OPTIONS["images"] = []  # base64 encoded images, one per placeholder in prompt
 
 
 async def main(args: list[str]) -> str | None:
@@ -38,6 +40,8 @@ async def main(args: list[str]) -> str | None:
     if plain:
         user = {"role": "user", "content": " ".join(args)}
         opts = {**CHAT_OPTIONS, "messages": [user], "temperature": 0.0}
+    if opts["images"] and (opts["prompt"] is None or opts["kv_import"] is not None):
+        raise ValueError("'images' go with a 'prompt' (token ids or text), without 'kv_import'")
     ctx = Context(opts["model"], adapter=opts["adapter"])
     # a rendered template writes its own BOS (if the model has one): no special tokens
     if opts["kv_import"] is not None:
@@ -47,9 +51,8 @@ async def main(args: list[str]) -> str | None:
     elif opts["prompt"] is not None:
         prompt = opts["prompt"]
         if isinstance(prompt, str):
-            ctx.fill(prompt, add_special_tokens=False)
-        else:
-            ctx.fill_tokens(prompt)
+            prompt = px.tokenize(ctx.queue, prompt, False)
+        ctx.fill_prompt(prompt, [base64.b64decode(i, validate=True) for i in opts["images"]])
     else:
         messages = [(m["role"], m["content"]) for m in opts["messages"]]
         ctx.fill(px.apply_chat_template(ctx.queue, messages), add_special_tokens=False)

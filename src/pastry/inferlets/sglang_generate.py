@@ -7,13 +7,15 @@ log-probabilities when asked for (:mod:`pastry.lang.scoring`, the code ``select`
 
 The argument is one JSON object: ``text`` or ``input_ids``, ``sampling_params`` (SGLang's
 names), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
-``return_text_in_logprobs``, ``stream``, ``model``. The result is a JSON list, one
+``return_text_in_logprobs``, ``stream``, ``model``, and ``images`` (base64, one per image
+token of the prompt, on a model with the ``input_image`` trait). The result is a JSON list, one
 ``{"text", "output_ids", "meta_info"}`` per generation; with ``stream``, each piece of text
 is first sent as a message ``{"index": i, "delta": text}``.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -65,7 +67,8 @@ async def main(args: list[str]) -> str:
                 [(lp, t, text_of(t)) for t, lp in s.top] for s in scored
             ]
     else:
-        ctx.fill_tokens(tokens)
+        ctx.fill_prompt(tokens, [base64.b64decode(i, validate=True) for i in req.get("images", ())])
+        meta["prompt_tokens"] = len(ctx.tokens)  # an image's embeddings count as tokens
     if p.max_new_tokens == 0:
         await ctx.flush(keep_last=False)  # the prompt's K/V is computed (a prefill request)
     streams = None

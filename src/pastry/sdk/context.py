@@ -120,6 +120,11 @@ class Context:
         self._last: asyncio.Future | None = None  # the latest flush still in flight
         self.released = False
         self.cached_tokens = 0  # filled tokens that came from the prefix cache
+        # Images filled but not yet forwarded: position -> (encoded bytes, embeddings).
+        self._images: dict[int, tuple[bytes, int]] = {}
+        # Once an image is in the context, its K/V is no text's: what follows is computed,
+        # never matched in the prefix cache by its (placeholder) tokens.
+        self.has_image = False
         # Pages [0, frozen) may be shared through the prefix cache: never written in place.
         self.frozen = 0
 
@@ -138,6 +143,45 @@ class Context:
         self.tokens.extend(tokens)
         self.pending.extend(tokens)
 
+    def fill_image(self, image: bytes) -> None:
+        """Append an image (its encoded bytes: PNG, JPEG, WebP or GIF) on a model with the
+        ``input_image`` trait: ``num_embs_needed`` positions whose embeddings
+        ``embed_img`` writes when the context is next forwarded; ``tokens`` holds the
+        model's image placeholder token (``get_image_token``) at each of them. Raises
+        ``ApiError`` at once for bytes that are no such image, one over the image quotas,
+        or a model without images. Fill text after it before ``flush`` or ``generate``
+        (generation starts from a text token)."""
+        self.check_live()
+        a, q = self.api, self.queue
+        n = a.num_embs_needed(q, image)
+        self._images[len(self.tokens)] = (bytes(image), n)
+        self.has_image = True
+        placeholder = [a.get_image_token(q)] * n
+        self.tokens.extend(placeholder)
+        self.pending.extend(placeholder)
+
+    def fill_prompt(self, tokens: Sequence[int], images: Sequence[bytes] = ()) -> None:
+        """Append ``tokens``, each image placeholder token among them (``get_image_token``:
+        one per image, where a chat template or the client wrote it) replaced by the next
+        of ``images`` (:meth:`fill_image`). ``ValueError`` unless there is one placeholder
+        per image."""
+        if not images:
+            self.fill_tokens(tokens)
+            return
+        mark = self.api.get_image_token(self.queue)
+        at = [i for i, t in enumerate(tokens) if t == mark]
+        if len(at) != len(images):
+            raise ValueError(
+                f"the prompt has {len(at)} image placeholders (token {mark}) for "
+                f"{len(images)} images"
+            )
+        start = 0
+        for i, image in zip(at, images, strict=True):
+            self.fill_tokens(tokens[start:i])
+            self.fill_image(image)
+            start = i + 1
+        self.fill_tokens(tokens[start:])
+
     async def flush(self, keep_last: bool = True) -> None:
         """Forward the pending tokens into the KV cache.
 
@@ -146,6 +190,8 @@ class Context:
         (e.g. before exporting the pages of a finished prompt).
         """
         self.check_live()
+        if keep_last:
+            self._check_tail("flush")
         await self.place()
         todo = self.pending[:-1] if keep_last else self.pending
         if todo:
@@ -167,6 +213,7 @@ class Context:
         stop = stop or (MaxTokens(256) | EosTokens(self.eos_ids))
         if not self.pending:
             raise ApiError("nothing to generate from: fill the context first")
+        self._check_tail("generate")
         await self.place()
         a, q = self.api, self.queue
         out: list[int] = []
@@ -325,6 +372,7 @@ class Context:
         child.kv_len = self.kv_len
         child.tokens = list(self.tokens)
         child.pending = list(self.pending)
+        child.has_image = self.has_image
         return child
 
     async def release(self) -> None:
@@ -407,6 +455,9 @@ class Context:
         self._placed = True
         if self.kv_len or self.pages or self.api.available_engines(self.model) == 1:
             return
+        # The K/V of a context with an image is computed here: its placeholder tokens
+        # name no K/V another engine could hold.
+        whole = whole or self.has_image
         begin, pages = await self.api.route(self.queue, list(self.pending), whole)
         if begin:
             self.pages = list(pages)
@@ -437,7 +488,7 @@ class Context:
         n = len(tokens)
         start = self.kv_len
         self.kv_len += n
-        if n > n_out and self.adapter is None:  # some of them may be in the prefix cache
+        if n > n_out and self.adapter is None and not self.has_image:  # maybe in the cache
             outs = self.embed_slots(n_out)  # the prefill brings its own input slots
             if start == len(self.pages) * ps:  # reusable: pages up to the end may be shared
                 self.frozen = (start + n) // ps
@@ -449,11 +500,37 @@ class Context:
         embeds = self.embed_slots(n + n_out)
         ins, outs = embeds[:n], embeds[n : n + n_out]
         ctx_pages, last, out_pages = self._grow(start, n)
-        futs = [
-            a.embed_txt(q, list(tokens), list(range(start, start + n)), ins),
-            self._forward_call(ctx_pages, last, ins, out_pages, start % ps, outs),
-        ]
+        futs = self._embed(tokens, start, ins)
+        futs.append(self._forward_call(ctx_pages, last, ins, out_pages, start % ps, outs))
         return futs, outs
+
+    def _embed(self, tokens: list[int], start: int, ins: list[int]) -> list:
+        """The embed calls of ``tokens`` at positions ``start..`` into ``ins``: embed_txt
+        for each run of text, embed_img for each image filled there."""
+        a, q, n = self.api, self.queue, len(tokens)
+        if not self._images:
+            return [a.embed_txt(q, list(tokens), list(range(start, start + n)), ins)]
+        futs, i = [], 0
+        for at in sorted(p for p in self._images if start <= p < start + n):
+            image, size = self._images.pop(at)
+            j = at - start
+            if j > i:
+                futs.append(a.embed_txt(q, list(tokens[i:j]), list(range(start + i, at)), ins[i:j]))  # fmt: skip
+            futs.append(a.embed_img(q, image, at, ins[j : j + size]))
+            i = j + size
+        if i < n:
+            futs.append(a.embed_txt(q, list(tokens[i:]), list(range(start + i, start + n)), ins[i:]))  # fmt: skip
+        return futs
+
+    def _check_tail(self, what: str) -> None:
+        """Refuse to leave part of an image pending: the pending token a flush keeps (and
+        generation starts from) must be text."""
+        last = len(self.tokens) - 1
+        if any(at <= last < at + n for at, (_, n) in self._images.items()):
+            raise ApiError(
+                f"{what}: the context ends with an image; fill text after it (generation "
+                "starts from a text token)"
+            )
 
     def _forward_call(self, ctx_pages, last, ins, out_pages, offset, outs):
         if self.adapter is None:

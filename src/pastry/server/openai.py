@@ -47,11 +47,12 @@ __all__ = [
 def routes(server: PastryServer) -> list[Route]:
     """The endpoints (a table: each handler takes the :class:`Api` and the request)."""
     api = Api(server, lora_paths={name: str(path) for name, path in server.config.adapters})
+    chat = partial(parse_chat, quotas=server.config.quotas)  # image_url parts taken
     table = (
         ("/v1/models", _models, ["GET"]),
         ("/v1/models/{model:path}", _model, ["GET"]),
         ("/v1/completions", partial(_generate, parse_completion, "/v1/completions"), ["POST"]),
-        ("/v1/chat/completions", partial(_generate, parse_chat, "/v1/chat/completions"), ["POST"]),
+        ("/v1/chat/completions", partial(_generate, chat, "/v1/chat/completions"), ["POST"]),
         ("/v1/load_lora_adapter", _load_lora, ["POST"]),
         ("/v1/unload_lora_adapter", _unload_lora, ["POST"]),
         ("/tokenize", _tokenize_endpoint, ["POST"]),

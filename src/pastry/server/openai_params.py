@@ -17,6 +17,8 @@ from typing import Any
 
 import jinja2
 
+from pastry.control.quotas import Quotas
+from pastry.server.chat_images import content_parts
 from pastry.server.limits import MAX_MESSAGES, MAX_TOOLS, too_many
 from pastry.server.openai_options import (
     MAX_LOGPROBS,
@@ -147,22 +149,30 @@ def parse_chat(
     history: History | None = None,
     options: dict | None = None,
     adapter: str | None = None,
+    quotas: Quotas | None = None,
 ) -> Job:
     """``fields``: what the body may hold (default :data:`CHAT_FIELDS`). ``history``: when
     the rendered prompt starts with its text, the prompt is its tokens plus the rest
     tokenized, and its KV export is imported instead of computed again. ``options``: more
-    options of the ``chat`` inferlet (e.g. ``kv_export``)."""
+    options of the ``chat`` inferlet (e.g. ``kv_export``). ``quotas``: the image quotas,
+    given where ``image_url`` parts are taken (None: they are refused)."""
     check_fields(body, CHAT_FIELDS if fields is None else fields)
-    messages = check_messages(body.get("messages"))
+    images: list[str] = []
+    messages = check_messages(body.get("messages"), model, quotas, images)
     tools, choice, tool_list = _tools(body)
     text = _render(model, messages, tool_list, choice)
     prompt, kv_import = _chat_prompt(model, text, history)
+    length = len(prompt)
+    if images:
+        length += _image_placeholders(model, prompt, len(images))
+        if kv_import is not None:  # a stored conversation's KV has no image in it
+            raise OpenAIError("images cannot continue a stored conversation", "messages")
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
-    room = model.info.max_position - len(prompt)
+    room = model.info.max_position - length
     max_tokens = param(body, name, int, room, lambda v: v >= 1, "an integer >= 1")
-    _check_length(len(prompt), max_tokens, model.info.max_position, "messages", name)
+    _check_length(length, max_tokens, model.info.max_position, "messages", name)
     want = param(body, "logprobs", bool, False, lambda v: True, "true or false")
     top = param(body, "top_logprobs", int, None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer from 0 to {MAX_LOGPROBS}")  # fmt: skip
     if top is not None and not want:
@@ -172,11 +182,29 @@ def parse_chat(
     if tools is not None and tools.mode != "auto":
         _force_tool_calls(opts, tools, tool_list, model)
     opts.update(kv_import=kv_import, adapter=adapter, **(options or {}))
+    if images:
+        opts["images"] = images
     args = (json.dumps({"prompt": prompt, **opts}),)
     return Job(
         True, model.name, args, opts["n"], opts["stream"], include_usage(body), logprobs,
         tools=tools, prompt_text=text, adapter=adapter,
     )  # fmt: skip
+
+
+def _image_placeholders(model, prompt: list[int], images: int) -> int:
+    """The tokens ``images`` images add to ``prompt`` (each of the chat template's image
+    placeholders becomes ``image_tokens`` embeddings); a 400 unless the template wrote
+    one placeholder per image."""
+    info = model.info
+    found = prompt.count(info.image_token_id)
+    if found != images:
+        raise OpenAIError(
+            f"'messages' has {images} image parts, but the rendered chat template holds "
+            f"{found} image placeholders (token {info.image_token_id}); the model's chat "
+            "template must write one per image part",
+            "messages",
+        )
+    return images * (info.image_tokens - 1)
 
 
 def _render(model, messages: list[dict], tool_list: list[dict], choice: str | None) -> str:
@@ -330,9 +358,13 @@ def _prompts(prompt: Any, model) -> list[list[int]]:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def check_messages(messages: Any) -> list[dict]:
+def check_messages(
+    messages: Any, model=None, quotas: Quotas | None = None, images: list[str] | None = None
+) -> list[dict]:
     """Messages with string contents (text parts joined); assistant ``tool_calls`` and
-    ``tool_call_id`` kept for the template; ``developer`` is ``system``."""
+    ``tool_call_id`` kept for the template; ``developer`` is ``system``. With ``quotas``,
+    ``image_url`` parts are taken for ``model`` (:mod:`pastry.server.chat_images`): such
+    a message's content stays a list of parts, each image's base64 goes to ``images``."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(
             '\'messages\' must be a non-empty list of {"role", "content"} objects', "messages"
@@ -345,17 +377,15 @@ def check_messages(messages: Any) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise OpenAIError(f"'{where}' must be an object with a 'role' in {_ROLES}", where)
         content = m.get("content")
-        if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            content = "".join(p["text"] for p in content)
+        if isinstance(content, list):
+            at = [] if images is None else images
+            content = content_parts(content, f"{where}.content", model, quotas, at)
         calls = m.get("tool_calls")
         if content is None and m["role"] == "assistant" and calls:
             content = ""
-        if not isinstance(content, str):
+        if not isinstance(content, str | list):
             raise OpenAIError(
-                f"'{where}.content' must be a string or a list of text parts, got {content!r:.100}",
+                f"'{where}.content' must be a string or a list of parts, got {content!r:.100}",
                 f"{where}.content",
             )
         msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}

@@ -36,7 +36,9 @@ from pastry.lang.generation import MAX_LOGPROBS, check
 from pastry.runtime.trusted import Instance
 from pastry.server import errors
 from pastry.server.auth import tenant_session, user_of
+from pastry.server.chat_images import image_text
 from pastry.server.limits import token_counts
+from pastry.server.openai_options import OpenAIError
 from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 
@@ -45,10 +47,11 @@ PROGRAM = "sglang-generate"
 FIELDS = {
     "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "return_text_in_logprobs", "stream", "rid", "model", "lora_path",
+    "image_data",
 }  # fmt: skip
 # SGLang fields this server does not implement, with the values that leave them off.
 OFF = {
-    "image_data": (None, [], ""), "video_data": (None, [], ""), "audio_data": (None, [], ""),
+    "video_data": (None, [], ""), "audio_data": (None, [], ""),
     "custom_logit_processor": (None, ""),
     "return_hidden_states": (None, False), "input_embeds": (None,), "session_params": (None,),
     "token_ids_logprob": (None,), "bootstrap_host": (None,), "data_parallel_rank": (None,),
@@ -212,10 +215,16 @@ def parse(server: PastryServer, body: Any) -> Job:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(f"'stream' must be true or false, got {stream!r}")
+    images = _images(server, body, model, batch, k)
     args, ns = [], []
     for i, prompt in enumerate(prompts):
         sp = _sampling(sampling[i], vocab, server.controller.models[model])
         req = {**prompt, "sampling_params": sp, "model": model, "stream": stream}
+        if images[i]:
+            if per["return_logprob"][i]:
+                raise ApiError("'return_logprob' with 'image_data' is not supported yet")
+            _check_image_prompt(server.controller.models[model], prompt, len(images[i]))
+            req["images"] = images[i]
         if loras[i] is not None:
             req["lora_path"] = loras[i]
         for name, values in per.items():
@@ -226,6 +235,51 @@ def parse(server: PastryServer, body: Any) -> Job:
         args.append(json.dumps(req))
     rids_out = tuple(r if r is not None else uuid.uuid4().hex for r in rids)
     return Job(tuple(args), tuple(ns), batch, stream, rids_out)
+
+
+def _images(server: PastryServer, body: dict, model: str, batch: bool, k: int) -> list[list[str]]:
+    """Each prompt's images (checked base64) from ``image_data``: SGLang's one image or
+    list of images for one prompt, or per prompt of a batch an image, a list or null. The
+    prompt writes the model's image token (``<image>`` for LLaVA) where each one goes."""
+    given = body.get("image_data")
+    if given in (None, [], ""):
+        return [[] for _ in range(k)]
+    if batch:
+        if not isinstance(given, list) or len(given) != k:
+            raise ApiError(f"'image_data' of a batch needs one entry per prompt ({k})")
+        rows = [[] if g is None else g if isinstance(g, list) else [g] for g in given]
+    else:
+        rows = [given if isinstance(given, list) else [given]]
+    m, q = server.controller.models[model], server.config.quotas
+    try:
+        return [
+            [image_text(v, _where(batch, i, j), m, q) for j, v in enumerate(row)]
+            for i, row in enumerate(rows)
+        ]
+    except OpenAIError as e:
+        raise ApiError(str(e)) from None
+
+
+def _check_image_prompt(m, prompt: dict, images: int) -> None:
+    """One image token in ``prompt`` per image, and room for the images' embeddings."""
+    info = m.info
+    ids = prompt.get("input_ids") or m.tokens.encode_batch([prompt["text"]], True)[0]
+    found = ids.count(info.image_token_id)
+    if found != images:
+        raise ApiError(
+            f"the prompt has {found} image tokens (id {info.image_token_id}) for {images} "
+            "images of 'image_data': write the model's image token where each image goes"
+        )
+    n = len(ids) + images * (info.image_tokens - 1)
+    if n > info.max_position:
+        raise ApiError(
+            f"the prompt with its images is {n} tokens, over this model's context of "
+            f"{info.max_position} tokens"
+        )
+
+
+def _where(batch: bool, i: int, j: int) -> str:
+    return f"image_data[{i}][{j}]" if batch else f"image_data[{j}]"
 
 
 def _prompts(body: dict, vocab: int) -> tuple[bool, list[dict]]:

@@ -68,6 +68,17 @@ class EmbedTxt:
 
 
 @dataclass(slots=True, eq=False)
+class EmbedImg:
+    """Encode an image into embedding slots: ``image`` is its encoded bytes (``uint8``;
+    PNG, JPEG, WebP or GIF, :mod:`pastry.wire.images`), ``out_embeds`` exactly
+    ``EngineInfo.image_tokens`` slots, which receive its embeddings at ``positions``."""
+
+    image: np.ndarray
+    positions: np.ndarray
+    out_embeds: np.ndarray
+
+
+@dataclass(slots=True, eq=False)
 class Forward:
     """Run the model over ``n`` input embeddings on top of a paged KV context.
 
@@ -247,9 +258,12 @@ class SendKv:
     dst_offset: int = 0
 
 
-Call = EmbedTxt | Forward | NextDist | Sample | CopyKv | MaskKv | SwapOut | SwapIn | SendKv
+Call = (
+    EmbedTxt | EmbedImg | Forward | NextDist | Sample | CopyKv | MaskKv | SwapOut | SwapIn | SendKv
+)
 CALL_TYPES: tuple[type, ...] = (
     EmbedTxt,
+    EmbedImg,
     Forward,
     NextDist,
     Sample,
@@ -327,3 +341,5 @@ class EngineInfo:
     adapters: tuple[str, ...] = ()  # LoRA adapter names, by id (Forward.adapter)
     kv_peers: tuple[str, ...] = ()  # where peers write this engine's KV (SendKv.peer)
     host: str = ""  # identifies the machine: engines of one host transfer KV through shm
+    image_tokens: int = 0  # embeddings per image (EmbedImg); 0: the model takes no images
+    image_token_id: int | None = None  # the placeholder a chat template writes for each

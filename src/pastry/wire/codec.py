@@ -43,6 +43,7 @@ from pastry.wire.calls import (
     CallError,
     CopyKv,
     Dist,
+    EmbedImg,
     EmbedTxt,
     EngineInfo,
     Forward,
@@ -155,6 +156,7 @@ _CALL_TAGS = {
     SwapOut: 7,
     SwapIn: 8,
     SendKv: 9,
+    EmbedImg: 10,
 }
 assert set(_CALL_TAGS) == set(CALL_TYPES), "every call type needs a wire tag"
 _CALL_SPECS = {t: _Spec.of(tag, t) for t, tag in _CALL_TAGS.items()}

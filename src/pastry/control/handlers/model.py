@@ -21,10 +21,19 @@ from pastry.control.handlers.caller import Caller, resource_call
 from pastry.control.handlers.memory import alloc_kvpages
 from pastry.control.handlers.registry import handles
 from pastry.control.loops import GenerateLoop
-from pastry.control.ops import ForwardOp, MaskPage, NextDistOp, SampledOp, SampleOp, ScoringForward
+from pastry.control.ops import (
+    ForwardOp,
+    ImageOp,
+    MaskPage,
+    NextDistOp,
+    SampledOp,
+    SampleOp,
+    ScoringForward,
+)
 from pastry.control.sampling import Release, sample_spec
 from pastry.control.steps import Embed, SampledStep, Step
 from pastry.wire.calls import ids
+from pastry.wire.images import ImageError, open_image
 from pastry.wire.kv_layout import KvNames, kv_write_error
 
 _I64 = 1 << 63
@@ -198,6 +207,61 @@ def prefill(s: Caller, r: api.Prefill) -> tuple[list[int], asyncio.Future]:
         raise
     except ValueError as e:
         raise ApiError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------- input image
+
+
+def _image_tokens(s: Caller, ref, image: object, what: str) -> int:
+    """How many embeddings ``image`` takes on ``ref``'s model, once the image passed the
+    checks (a model that takes images; a format Pillow reads; the image quotas)."""
+    info = ref.model.info
+    if not info.image_tokens:
+        raise ApiError(
+            f"{what}: the model '{info.model_name}' takes no images (it has no 'input_image' "
+            "trait: serve a vision-language checkpoint)"
+        )
+    q = s.controller.quotas
+    try:
+        open_image(image, q.image_bytes, q.image_pixels)
+    except ImageError as e:
+        raise ApiError(f"{what}: {e}") from None
+    return info.image_tokens
+
+
+@handles(api.NumEmbsNeeded)
+def num_embs_needed(s: Caller, r: api.NumEmbsNeeded) -> int:
+    return _image_tokens(s, s.queue(r.q), r.image, "num_embs_needed")
+
+
+@handles(api.GetImageToken)
+def get_image_token(s: Caller, r: api.GetImageToken) -> int:
+    info = s.queue(r.q).model.info
+    if info.image_token_id is None:
+        raise ApiError(
+            f"get_image_token: the model '{info.model_name}' takes no images (it has no "
+            "'input_image' trait: serve a vision-language checkpoint)"
+        )
+    return info.image_token_id
+
+
+@handles(api.EmbedImg)
+def embed_img(s: Caller, r: api.EmbedImg) -> asyncio.Future:
+    ref = s.queue(r.q)
+    n = _image_tokens(s, ref, r.image, "embed_img")
+    embeds = ints(r.embeds, "embeds")
+    if len(embeds) != n:
+        raise ApiError(
+            f"embed_img: the image takes {n} embeds (num_embs_needed), got {len(embeds)}"
+        )
+    position = _count(r.position, "position")
+    if position + n > ref.model.info.max_position:
+        raise ApiError(
+            f"embed_img: positions {position}..{position + n - 1} pass the model's "
+            f"max_position ({ref.model.info.max_position})"
+        )
+    op = ImageOp(ref.model.resources, s.instance, bytes(r.image), position, embeds)
+    return s.submit(ref, Stage.EMBED, op)
 
 
 # ---------------------------------------------------------------------------- output

@@ -1,0 +1,164 @@
+"""Image input: encode time, time to first token with 1 and 4 images, against transformers.
+
+    python benchmarks/images.py [--quick] [--dtype bfloat16]
+
+A LLaVA checkpoint of LLaVA-1.5's shapes at small scale, random weights, made with
+transformers' own classes (``tests/vision_util.py``, size "base": a ViT-B/16 CLIP tower at
+224 pixels, 196 embeddings per image, on a 768-wide 12-layer llama). Measured on the
+engine in this process (no server): ``embed_img`` of 1 and of 4 images in one batch (the
+image processor and the tower), and the time to a first sampled token for a prompt of 32
+text tokens, the images, and 16 more tokens (every embed, one forward, one sample). The
+reference, measured in the same run on the same weights and dtype, is transformers'
+``LlavaForConditionalGeneration`` on the same inputs (its processor, and a forward keeping
+the last position's logits). The same prompt with text in the images' places gives the
+cost of the images themselves. The prefix cache does not hold image K/V yet, so the
+second-ask gain the issue names is reported as null.
+
+Prints a table per measure and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from machine import cpu_name
+from pastry.engine.engine import Engine
+from pastry.wire.calls import EmbedImg, EmbedTxt, Forward, Sample, ids
+from pastry.wire.config import EngineConfig
+from pastry.wire.images import decode_image
+
+BEFORE, AFTER = 32, 16
+
+
+def timed(fn, reps: int) -> float:
+    """Median wall ms of ``fn()`` over ``reps`` runs, after one warm-up."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+class Prompt:
+    """Calls laying out BEFORE tokens, ``k`` images (or as many text tokens), AFTER tokens,
+    then one forward and a sample, in fresh slots and pages each time."""
+
+    def __init__(self, eng: Engine, images: list[bytes], as_text: bool = False) -> None:
+        self.eng, self.images, self.as_text = eng, images, as_text
+        self.t = eng.info.image_tokens
+
+    def calls(self) -> list:
+        eng, t = self.eng, self.t
+        n = BEFORE + len(self.images) * t + AFTER
+        rng = np.random.default_rng(0)
+        emb, pos = ids(range(n)), ids(range(n))
+        calls = [EmbedTxt(ids(rng.integers(3, 1000, BEFORE)), pos[:BEFORE], emb[:BEFORE])]
+        at = BEFORE
+        for image in self.images:
+            sl = slice(at, at + t)
+            if self.as_text:
+                calls.append(EmbedTxt(ids(rng.integers(3, 1000, t)), pos[sl], emb[sl]))
+            else:
+                calls.append(EmbedImg(np.frombuffer(image, np.uint8), pos[sl], emb[sl]))
+            at += t
+        calls.append(EmbedTxt(ids(rng.integers(3, 1000, AFTER)), pos[at:], emb[at:]))
+        pages = ids(range(-(-n // eng.page_size)))
+        out = ids([n])
+        calls += [Forward(in_embeds=emb, out_pages=pages, out_embeds=out,
+                          out_indices=ids([n - 1])), Sample(int(out[0]))]  # fmt: skip
+        return calls
+
+    def run(self) -> None:
+        res = self.eng.execute(self.calls())
+        assert all(r is None for r in res[:-1]) and isinstance(res[-1], int), res
+
+
+def hf_ttft(model, processor, image_id: int, t: int, images: list[bytes], dtype) -> callable:
+    rng = np.random.default_rng(0)
+    tokens = [*rng.integers(3, 1000, BEFORE)]
+    for _ in images:
+        tokens += [image_id] * t
+    tokens += [*rng.integers(3, 1000, AFTER)]
+    input_ids = torch.tensor([tokens])
+
+    def run():
+        px = processor(images=[decode_image(i) for i in images], return_tensors="pt")
+        with torch.inference_mode():
+            logits = model(input_ids=input_ids, pixel_values=px["pixel_values"].to(dtype),
+                           logits_to_keep=1).logits  # fmt: skip
+        return int(logits[0, -1].argmax())
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (same shapes)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    args = ap.parse_args()
+    reps = 3 if args.quick else 10
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    from vision_util import create_tiny_llava, png
+
+    dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = create_tiny_llava(Path(tmp), "clip", size="base")
+        eng = Engine.load(
+            path, EngineConfig(dtype=args.dtype, num_pages=1024, num_embeds=4096, page_size=16)
+        )
+        hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+        processor = AutoImageProcessor.from_pretrained(path)
+    t = eng.info.image_tokens
+    images = [png(i, (640, 480)) for i in range(4)]
+    rows, out = [], {}
+    for k in (1, 4):
+        batch = [EmbedImg(np.frombuffer(images[i], np.uint8), ids(range(i * t, (i + 1) * t)),
+                          ids(range(i * t, (i + 1) * t))) for i in range(k)]  # fmt: skip
+        enc = timed(lambda b=batch: eng.execute(b), reps)
+        ttft = timed(Prompt(eng, images[:k]).run, reps)
+        text = timed(Prompt(eng, images[:k], as_text=True).run, reps)
+        ref = timed(hf_ttft(hf, processor, eng.info.image_token_id, t, images[:k], dtype), reps)
+        key = f"{k}_image" + ("s" if k > 1 else "")
+        out |= {
+            f"image_encode_ms_{key}": round(enc, 2),
+            f"ttft_ms_{key}": round(ttft, 2),
+            f"ttft_text_only_ms_{key}": round(text, 2),
+            f"hf_ttft_ms_{key}": round(ref, 2),
+            f"hf_ttft_over_pastry_{key}": round(ref / ttft, 3),
+        }
+        rows.append((k, BEFORE + k * t + AFTER, enc, ttft, text, ref, ref / ttft))
+    print(f"# images.py on {cpu_name()}, {args.dtype}, {torch.get_num_threads()} threads; "
+          f"LLaVA shapes: ViT-B/16 @224 ({t} embeddings/image) + 768x12 llama; 640x480 PNGs")  # fmt: skip
+    print("| images | prompt tokens | embed_img ms | TTFT ms | TTFT, text in their place | "
+          "transformers TTFT ms | transformers / Pastry |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for k, n, enc, ttft, text, ref, ratio in rows:
+        print(f"| {k} | {n} | {enc:.1f} | {ttft:.1f} | {text:.1f} | {ref:.1f} | {ratio:.2f}x |")
+    out |= {
+        "prefix_cache_gain_same_image": None,  # image K/V is not cached yet (issue 32)
+        "image_tokens": t,
+        "dtype": args.dtype,
+        "cpu": cpu_name(),
+        "quick": args.quick,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Images in chat requests: OpenAI's ``image_url`` content parts, checked into the images
+the ``chat`` inferlet embeds.
+
+A part is ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,...",
+"detail": "auto"}}`` (SGLang's ``image_data``: the same data URL, or the base64
+alone). Only inline images are taken: fetching ``http(s)`` URLs from the
+server is off (it would let a request make the server reach any address; there is no
+allowlist to turn it on yet), and the refusal says so. The bytes are decoded here, in the
+request's worker thread, by :func:`pastry.wire.images.decode_image` under the image
+quotas, so that an image that is not one, is truncated or is too large is a 400 naming its
+part before anything runs; the engine decodes the same bytes again for its processor.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from pastry.control.quotas import Quotas
+from pastry.server.openai_options import OpenAIError
+from pastry.wire.images import ImageError, decode_image
+
+_DETAILS = ("auto", None)
+
+
+def image_part(part: dict, where: str, model, quotas: Quotas) -> str:
+    """The base64 text of the image in the ``image_url`` part ``part`` (at ``where``, for
+    errors) for ``model`` (a served model: ``.info``), decoded and checked."""
+    info = model.info
+    if not info.image_tokens:
+        raise OpenAIError(
+            f"'{where}': the model '{info.model_name}' takes no images (serve a "
+            "vision-language checkpoint)",
+            where,
+        )
+    spec = part.get("image_url")
+    extra = sorted(set(part) - {"type", "image_url"})
+    if extra:
+        raise OpenAIError(f"'{where}' has unknown field '{extra[0]}'", f"{where}.{extra[0]}")
+    extra = sorted(set(spec) - {"url", "detail"}) if isinstance(spec, dict) else []
+    if extra:
+        raise OpenAIError(
+            f"'{where}.image_url' has unknown field '{extra[0]}'", f"{where}.image_url.{extra[0]}"
+        )
+    if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
+        raise OpenAIError(
+            f'\'{where}.image_url\' must be {{"url": "data:image/...;base64,..."}}',
+            f"{where}.image_url",
+        )
+    if spec.get("detail") not in _DETAILS:
+        raise OpenAIError(
+            f"'{where}.image_url.detail': this model sees every image at its one resolution; "
+            f"only 'auto' is taken, got {spec['detail']!r:.40}",
+            f"{where}.image_url.detail",
+        )
+    return _data_url(spec["url"], f"{where}.image_url.url", quotas)
+
+
+def _data_url(url: str, where: str, quotas: Quotas, bare: bool = False) -> str:
+    """The checked base64 of the image in ``url``: a data URL (or, ``bare``, base64 text
+    alone, as SGLang's ``image_data`` also takes it)."""
+    head, comma, data = url.partition(",")
+    if url.startswith(("http://", "https://")):
+        raise OpenAIError(
+            f"'{where}': this server does not fetch image URLs (remote fetching is off); "
+            "send the image inline as a data: URL",
+            where,
+        )
+    if bare and not url.startswith("data:"):
+        data = url
+    elif not (head.startswith("data:") and head.endswith(";base64") and comma):
+        raise OpenAIError(
+            f"'{where}' must be a data URL, 'data:image/<format>;base64,<data>', got {url[:40]!r}",
+            where,
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise OpenAIError(f"'{where}': the image's base64 is not valid", where) from None
+    try:
+        decode_image(raw, quotas.image_bytes, quotas.image_pixels)
+    except ImageError as e:
+        raise OpenAIError(f"'{where}': {e}", where) from None
+    return data
+
+
+def image_text(value: object, where: str, model, quotas: Quotas) -> str:
+    """SGLang's ``image_data`` entry ``value`` (a data URL or bare base64; file paths and
+    remote URLs are refused) for ``model``: the image's checked base64."""
+    info = model.info
+    if not info.image_tokens:
+        raise OpenAIError(
+            f"'{where}': the model '{info.model_name}' takes no images (serve a "
+            "vision-language checkpoint)",
+            where,
+        )
+    if not isinstance(value, str) or not value:
+        raise OpenAIError(f"'{where}' must be an image as a data URL or base64 text", where)
+    return _data_url(value, where, quotas, bare=True)
+
+
+def content_parts(
+    content: list, where: str, model, quotas: Quotas | None, images: list[str]
+) -> Any:
+    """A message's list ``content``: its text joined when it is all text; otherwise the
+    parts as chat templates take them (``{"type": "text", "text"}``, ``{"type":
+    "image"}``), each image's base64 appended to ``images``. ``quotas`` None: images are
+    refused here (an endpoint without image input)."""
+    out, texts_only = [], True
+    for j, p in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            out.append({"type": "text", "text": p["text"]})
+        elif kind == "image_url" and quotas is not None:
+            images.append(image_part(p, at, model, quotas))
+            out.append({"type": "image"})
+            texts_only = False
+        else:
+            took = "text or image_url" if quotas is not None else "text"
+            raise OpenAIError(f"'{at}' must be a {took} part, got {p!r:.100}", at)
+    return "".join(p["text"] for p in out) if texts_only else out

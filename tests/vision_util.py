@@ -1,0 +1,121 @@
+"""Tiny random-weight vision-language checkpoints, made with transformers' own classes."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from pastry.engine.tiny import create_tiny
+
+IMAGE_SIZE, PATCH = 28, 7  # 16 patches
+IMAGE = "<image>"
+# ChatML with LLaVA's image parts: one "<image>" per {"type": "image"} part.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<image>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def create_tiny_llava(
+    out: Path, tower: str = "clip", seed: int = 0, layout: str = "legacy", size: str = "tiny"
+) -> Path:
+    """A LLaVA checkpoint in ``out``: Pastry's tiny llama (its tokenizer with "<image>"
+    added after its vocabulary, the image token; a ChatML template that writes it per
+    image part; its text shape), a 2-layer ``tower`` ("clip" or "siglip") at
+    28x28 pixels in 7-pixel patches, random weights under ``seed``. ``layout`` "v5"
+    renames the tensors as transformers 5 keeps them in memory (``model.language_model.*``);
+    "legacy" is what ``save_pretrained`` writes. ``size`` "base": LLaVA-1.5's shapes at a
+    small scale, for benchmarks: the "small" llama (768 hidden, 12 layers) and a ViT-B/16
+    tower at 224 pixels (196 embeddings per image), transformers' initialisation."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    text_dir = create_tiny(out / "text", size="small" if size == "base" else "tiny",
+                           dtype="float32", seed=seed)  # fmt: skip
+    text = json.loads((text_dir / "config.json").read_text())
+    tok = Tokenizer.from_file(str(text_dir / "tokenizer.json"))
+    image_id = tok.get_vocab_size()  # "<image>", added to the tokenizer below
+    text["vocab_size"] = max(text["vocab_size"], image_id + 1)
+    text_config = LlamaConfig(**{k: v for k, v in text.items() if k != "architectures"})
+    side, patch = (224, 16) if size == "base" else (IMAGE_SIZE, PATCH)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=side, patch_size=patch)  # fmt: skip
+    if size == "base":
+        vision.update(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                      num_attention_heads=12)  # fmt: skip
+    if tower == "clip":
+        vision_config = CLIPVisionConfig(**vision, projection_dim=32)
+        processor = CLIPImageProcessor(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+        )
+    else:
+        vision_config = SiglipVisionConfig(**vision)
+        processor = SiglipImageProcessor(size={"height": side, "width": side})
+    config = LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=image_id,
+        image_seq_length=(side // patch) ** 2,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default" if tower == "clip" else "full",
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    if size == "tiny":
+        with torch.no_grad():  # transformers' init is small: make the logits decisive
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.normal_(0, 0.1)
+    path = out / f"llava-{tower}-{layout}-{size}"
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    shutil.copy(text_dir / "generation_config.json", path / "generation_config.json")
+    tok.add_special_tokens([AddedToken(IMAGE, special=True)])
+    assert tok.token_to_id(IMAGE) == config.image_token_index
+    tok.save(str(path / "tokenizer.json"))
+    tok_config = json.loads((text_dir / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    if layout == "v5":
+        weights = load_file(path / "model.safetensors")
+        renamed = {}
+        for k, v in weights.items():
+            if k.startswith("language_model.model."):
+                k = "model.language_model." + k.removeprefix("language_model.model.")
+            elif k == "language_model.lm_head.weight":
+                k = "lm_head.weight"
+            else:
+                k = "model." + k
+            renamed[k] = v
+        save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def png(seed: int, size: tuple[int, int] = (40, 33)) -> bytes:
+    """A random RGB image, PNG-encoded."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
