@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from pastry.engine import native
-from pastry.engine.engine import Engine, build_model
+from pastry.engine.build import build_model
+from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request
 from pastry.paths import default_gguf
 from pastry.wire.config import EngineConfig

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pastry.engine.engine import Engine, build_model
+from pastry.engine.build import build_model
+from pastry.engine.engine import Engine
 from pastry.engine.generate import FusedGenerator, Request
 from pastry.engine.quant import gguf_codes
 from pastry.paths import default_gguf

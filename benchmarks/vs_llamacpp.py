@@ -274,7 +274,7 @@ def gguf_type(path: Path) -> str:
 def pastry_engine(m: Model, pair: str, cfg: EngineConfig) -> Engine:
     """Pastry on the pair's weights: the dense bf16 ones, or with every projection of the
     4-bit file kept in its blocks (int4) — the same values llama.cpp multiplies by."""
-    from pastry.engine.engine import build_model
+    from pastry.engine.build import build_model
     from pastry.engine.quant import gguf_codes
 
     weights = dict(m.weights)

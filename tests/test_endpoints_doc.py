@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pastry.server import anthropic, responses, sglang_api
+from pastry.server import anthropic, responses, sglang_params
 from pastry.server.openai_params import CHAT_FIELDS, COMPLETION_FIELDS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "endpoints.md"
@@ -20,7 +20,7 @@ def test_every_accepted_field_is_documented():
         "chat": CHAT_FIELDS,
         "responses": responses.FIELDS,
         "messages": anthropic.FIELDS,
-        "sglang": sglang_api.FIELDS | sglang_api.SAMPLING | set(sglang_api.OFF),
+        "sglang": sglang_params.FIELDS | sglang_params.SAMPLING | set(sglang_params.OFF),
     }
     missing = {api: sorted(set(f) - named) for api, f in fields.items() if set(f) - named}
     assert not missing, f"docs/endpoints.md does not name {missing}"

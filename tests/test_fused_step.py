@@ -300,7 +300,7 @@ def test_step_in_the_sandbox_matches_the_trusted_runner(eng):
 
 GENERATE = """
 from pastry.sdk import Context, MaxTokens, Sampler
-from pastry.sdk.context import await_step
+from pastry.sdk.calls import await_step
 import pastry.sdk as px
 
 async def main(args):

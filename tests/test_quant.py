@@ -8,8 +8,9 @@ import torch
 
 from engine_util import Pages, Seq
 from pastry.engine import native, quant
+from pastry.engine.build import build_model
 from pastry.engine.checkpoint import load_checkpoint
-from pastry.engine.engine import Engine, build_model
+from pastry.engine.engine import Engine
 from pastry.engine.gguf_export import export_gguf, permute_qk
 from pastry.engine.hf_checkpoint import load_state_dict
 from pastry.engine.quant import Int4Codes, Int4Weight, Int8Codes, Int8Weight

@@ -1,4 +1,4 @@
-"""``Context.generate`` awaits a step's last call only (pastry.sdk.context.await_step)."""
+"""``Context.generate`` awaits a step's last call only (pastry.sdk.calls.await_step)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pastry.sdk.context import await_step
+from pastry.sdk.calls import await_step
 
 
 def run(coro_fn):

@@ -477,7 +477,7 @@ def kept_codes(
     path: str | Path, cfg: ModelConfig, mode: str, device: torch.device
 ) -> dict[str, Codes]:
     """The quantized projections of checkpoint ``path`` to serve as they are (codes by HF
-    name, for :func:`~pastry.engine.engine.build_model` over the dense weights).
+    name, for :func:`~pastry.engine.build.build_model` over the dense weights).
 
     With ``mode`` "int4", "int4-hybrid" or "int8" on the CPU, a GGUF file's blocks: Q4_0, Q4_1 and Q4_K
     exactly as int4 (never requantized, whatever the mode), Q8_0, Q5_x and Q6_K requantized

@@ -21,12 +21,14 @@ step's calls in one engine batch.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections.abc import Callable, Sequence
 
-from pastry.api import ApiError, InferletApi, Sampling
+from pastry.api import ApiError, Sampling
 from pastry.sdk.ahead import until_own_stop
+from pastry.sdk.calls import await_step
 from pastry.sdk.current import api
+from pastry.sdk.images import embed_calls, in_image, placeholders
+from pastry.sdk.pages import give_back, share
 from pastry.sdk.sampling import Sampler
 from pastry.sdk.stop import (
     EosTokens,
@@ -36,51 +38,6 @@ from pastry.sdk.stop import (
     StopStrings,
     loop_fields,
 )
-
-# Per-instance reference counts of KV page handles shared between forked contexts.
-_page_refs: weakref.WeakKeyDictionary[object, dict[int, int]] = weakref.WeakKeyDictionary()
-
-
-def page_refs(a: InferletApi) -> dict[int, int]:
-    refs = _page_refs.get(a)
-    if refs is None:
-        refs = _page_refs[a] = {}
-    return refs
-
-
-async def await_step(earlier: Sequence[asyncio.Future], last: asyncio.Future):
-    """The result of ``last``, the final call of a step on one queue, once the step's
-    ``earlier`` calls are done too; the first failure in queue order is raised.
-
-    A queue's commands complete in order, so the earlier ones are done when ``last`` is
-    (unless ``last`` was rejected before they ran): awaiting ``last`` alone wakes the
-    inferlet once per step, without a gather's callback round per call. Cancelled (the
-    inferlet ends), it cancels the earlier calls too, as a gather would."""
-    try:
-        try:
-            value = await last
-        except Exception:
-            await _first_failure(earlier)
-            raise
-        await _first_failure(earlier)
-        return value
-    except asyncio.CancelledError:
-        for f in earlier:
-            f.cancel()
-        raise
-
-
-async def _first_failure(futs: Sequence[asyncio.Future]) -> None:
-    """Wait for ``futs`` (awaiting a done future does not suspend) and raise the first
-    failure among them; every failure is retrieved."""
-    failure = None
-    for f in futs:
-        try:
-            await f
-        except Exception as e:
-            failure = failure or e
-    if failure is not None:
-        raise failure
 
 
 class Context:
@@ -168,15 +125,10 @@ class Context:
         if not images:
             self.fill_tokens(tokens)
             return
-        mark = self.api.get_image_token(self.queue)
-        at = [i for i, t in enumerate(tokens) if t == mark]
-        if len(at) != len(images):
-            raise ValueError(
-                f"the prompt has {len(at)} image placeholders (token {mark}) for "
-                f"{len(images)} images"
-            )
         start = 0
-        for i, image in zip(at, images, strict=True):
+        for i, image in zip(
+            placeholders(self.api, self.queue, tokens, images), images, strict=True
+        ):
             self.fill_tokens(tokens[start:i])
             self.fill_image(image)
             start = i + 1
@@ -359,10 +311,8 @@ class Context:
         child = Context(
             self.model, engine=self.api.get_queue_engine(self.queue), adapter=self.adapter
         )
-        refs = page_refs(self.api)
         full = self.kv_len // self.page_size
-        for p in self.pages[:full]:
-            refs[p] = refs.get(p, 1) + 1
+        share(self.api, self.pages[:full])
         child.pages = list(self.pages[:full])
         child.frozen = min(self.frozen, full)
         rest = self.kv_len % self.page_size
@@ -380,22 +330,8 @@ class Context:
         if self.released:
             return
         self.released = True
-        refs = page_refs(self.api)
-        free = []
-        for p in self.pages:
-            n = refs.get(p, 1) - 1
-            if n <= 0:
-                refs.pop(p, None)
-                free.append(p)
-            else:
-                refs[p] = n
-        futs = []
-        if free:
-            futs.append(self.api.dealloc_kvpages(self.queue, free))
-        if self._embeds:
-            futs.append(self.api.dealloc_embeds(self.queue, self._embeds))
-        self.pages, self._embeds = [], []
-        await asyncio.gather(*futs)
+        pages, embeds, self.pages, self._embeds = self.pages, self._embeds, [], []
+        await give_back(self.api, self.queue, pages, embeds)
         if self._own_queue:
             self.api.close_queue(self.queue)
 
@@ -426,19 +362,7 @@ class Context:
             pages = a.start_generate(q, prompt, n)
         old_q, old_pages, old_embeds = self.queue, self.pages, self._embeds
         self.queue, self.pages, self._embeds = q, pages, []
-        refs = page_refs(self.api)
-        free = []
-        for p in old_pages:
-            left = refs.get(p, 1) - 1
-            if left <= 0:
-                refs.pop(p, None)
-                free.append(p)
-            else:
-                refs[p] = left
-        futs = [a.dealloc_kvpages(old_q, free)] if free else []
-        if old_embeds:
-            futs.append(a.dealloc_embeds(old_q, old_embeds))
-        await asyncio.gather(*futs)
+        await give_back(a, old_q, old_pages, old_embeds)
         if self._own_queue:
             a.close_queue(old_q)
         self._own_queue = True
@@ -505,28 +429,16 @@ class Context:
         return futs, outs
 
     def _embed(self, tokens: list[int], start: int, ins: list[int]) -> list:
-        """The embed calls of ``tokens`` at positions ``start..`` into ``ins``: embed_txt
-        for each run of text, embed_img for each image filled there."""
-        a, q, n = self.api, self.queue, len(tokens)
+        """The embed calls of ``tokens`` at positions ``start..`` into ``ins``."""
         if not self._images:
-            return [a.embed_txt(q, list(tokens), list(range(start, start + n)), ins)]
-        futs, i = [], 0
-        for at in sorted(p for p in self._images if start <= p < start + n):
-            image, size = self._images.pop(at)
-            j = at - start
-            if j > i:
-                futs.append(a.embed_txt(q, list(tokens[i:j]), list(range(start + i, at)), ins[i:j]))  # fmt: skip
-            futs.append(a.embed_img(q, image, at, ins[j : j + size]))
-            i = j + size
-        if i < n:
-            futs.append(a.embed_txt(q, list(tokens[i:]), list(range(start + i, start + n)), ins[i:]))  # fmt: skip
-        return futs
+            a, n = self.api, len(tokens)
+            return [a.embed_txt(self.queue, list(tokens), list(range(start, start + n)), ins)]
+        return embed_calls(self.api, self.queue, self._images, tokens, start, ins)
 
     def _check_tail(self, what: str) -> None:
         """Refuse to leave part of an image pending: the pending token a flush keeps (and
         generation starts from) must be text."""
-        last = len(self.tokens) - 1
-        if any(at <= last < at + n for at, (_, n) in self._images.items()):
+        if in_image(self._images, len(self.tokens) - 1):
             raise ApiError(
                 f"{what}: the context ends with an image; fill text after it (generation "
                 "starts from a text token)"

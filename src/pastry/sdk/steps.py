@@ -28,7 +28,8 @@ import math
 from collections.abc import Awaitable, Sequence
 
 from pastry.api import ApiError, sampling_of
-from pastry.sdk.context import Context, page_refs
+from pastry.sdk.context import Context
+from pastry.sdk.pages import page_refs
 
 Dist = tuple[list[int], list[float]]  # token ids by decreasing probability, probabilities
 
