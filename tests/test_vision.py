@@ -423,3 +423,223 @@ def test_chat_image_url_parts_answer_as_transformers(clip, tiny_llama, tmp_path)
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"]
         assert r.json()["error"]["param"] == "messages[0].content[1]"
+
+
+def _hf_greedy(path, text: str, images: list[bytes], steps: int) -> tuple[list[int], list[int]]:
+    """transformers' greedy tokens after ``text`` (its "<image>" tokens the images'), and
+    the expanded prompt."""
+    from transformers import AutoTokenizer
+
+    model, processor = _hf(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    image_id, n = model.config.image_token_index, model.config.image_seq_length
+    ids = tok(text)["input_ids"]
+    expanded = [t for i in ids for t in ([image_id] * n if i == image_id else [i])]
+    px = processor(images=[decode_image(i) for i in images], return_tensors="pt")["pixel_values"]
+    input_ids = torch.tensor([expanded])
+    with torch.no_grad():  # the mask given: the BOS is the pad token id
+        ref = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             pixel_values=px, max_new_tokens=steps, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return ref[0, len(expanded) :].tolist(), expanded
+
+
+def _hf_choice_scores(path, text: str, images: list[bytes], choices: list[str]) -> list[float]:
+    """The mean log-probability of each choice's tokens after ``text`` (token-length
+    normalised, as select scores them), by transformers."""
+    from transformers import AutoTokenizer
+
+    model, processor = _hf(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    image_id, n = model.config.image_token_index, model.config.image_seq_length
+    px = processor(images=[decode_image(i) for i in images], return_tensors="pt")["pixel_values"]
+
+    def expand(ids):
+        return [t for i in ids for t in ([image_id] * n if i == image_id else [i])]
+
+    prompt = expand(tok(text)["input_ids"])
+    scores = []
+    for c in choices:
+        full = expand(tok(text + c)["input_ids"])
+        x = torch.tensor([full])
+        with torch.no_grad():
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=px).logits
+        lp = torch.log_softmax(logits[0].float(), -1)
+        k = len(prompt) - 1  # the prompt's last token scores the first choice token
+        got = [lp[i, full[i + 1]].item() for i in range(k, len(full) - 1)]
+        scores.append(sum(got) / len(got))
+    return scores
+
+
+import pastry.lang as pl  # noqa: E402  (the shipped program below reads it)
+
+
+@pl.function
+def two_images(s, first, second):
+    s += "Look: " + pl.image(first) + " and " + pl.image(second) + " what differs?"
+    s += pl.gen("answer", max_tokens=6, ignore_eos=True)
+    s += " Same?" + pl.select("same", choices=[" yes", " no"])
+
+
+@pl.function
+def one_image(s, picture):
+    s += "Look: " + pl.image(picture) + "\n what is it?" + pl.gen("answer", max_tokens=6)
+
+
+def test_lang_image_and_sglang_image_answer_as_transformers(clip, tmp_path):
+    """``pastry.lang``'s ``image`` (bytes sent from a client, the program sandboxed in the
+    server) before a gen and a select, and SGLang's own ``sgl.image`` through
+    ``RuntimeEndpoint`` (one image, as SGLang sends it): transformers' greedy tokens and
+    choice."""
+    from server_util import running_server
+
+    sgl = pytest.importorskip("sglang")
+    from pastry.runtime import build_pyrt
+
+    try:
+        build_pyrt.build()
+    except build_pyrt.BuildError as e:
+        pytest.skip(f"cannot build the Python runtime component: {e}")
+    images = [png(1), png(2, (20, 50))]
+    text = "Look: <image> and <image> what differs?"
+    want, _ = _hf_greedy(clip, text, images, 6)
+    from transformers import AutoTokenizer
+
+    answer = AutoTokenizer.from_pretrained(clip).decode(want)
+    scores = _hf_choice_scores(clip, text + answer + " Same?", images, [" yes", " no"])
+    picked = [" yes", " no"][int(np.argmax(scores))]
+    (tmp_path / "cat.png").write_bytes(images[0])
+    with running_server(clip, tmp_path / "home") as (url, _):
+        ours = pl.Endpoint(url)
+        try:
+            state = two_images.run(first=images[0], second=images[1], temperature=0, backend=ours)
+            assert state["answer"] == answer
+            assert state["same"] == picked
+            assert state.text() == text + answer + " Same?" + picked
+            meta = state.get_meta_info("answer")
+            assert meta["prompt_tokens"] == len(_hf_greedy(clip, text, images, 1)[1])
+            mine = one_image.run(picture=images[0], temperature=0, backend=ours)
+            with pytest.raises(pl.ProgramError, match="num_embs_needed: not an image"):
+                one_image.run(picture=b"not an image", temperature=0, backend=ours)
+        finally:
+            ours.close()
+        theirs = sgl.RuntimeEndpoint(url, chat_template_name="chatml-llava")
+
+        @sgl.function
+        def sgl_one_image(s, path):
+            s += "Look: " + sgl.image(path) + " what is it?" + sgl.gen("answer", max_tokens=6)
+
+        state = sgl_one_image.run(path=str(tmp_path / "cat.png"), temperature=0, backend=theirs)
+        want_one, _ = _hf_greedy(clip, "Look: <image>\n what is it?", images[:1], 6)
+        tok = AutoTokenizer.from_pretrained(clip)
+        assert state["answer"] == mine["answer"] == tok.decode(want_one, skip_special_tokens=True)
+
+
+def test_responses_input_image_and_anthropic_image_blocks_answer_as_chat(clip, tmp_path):
+    """The Responses API's ``input_image`` parts and Anthropic's base64 ``image`` blocks
+    are the chat endpoint's ``image_url`` parts (tested against transformers above): the
+    same greedy answer, prompt tokens counting the images; a follow-up of a response with
+    images is computed whole; bad parts are a 400 naming the part."""
+    import httpx
+
+    from server_util import running_server
+
+    images = [png(1), png(2, (20, 50))]
+    b64 = [base64.b64encode(i).decode() for i in images]
+    chat_parts = [
+        {"type": "text", "text": "Look: "},
+        {"type": "image_url", "image_url": {"url": _data_url(images[0])}},
+        {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": _data_url(images[1])}},
+    ]
+    resp_parts = [
+        {"type": "input_text", "text": "Look: "},
+        {"type": "input_image", "image_url": _data_url(images[0])},
+        {"type": "input_text", "text": " and "},
+        {"type": "input_image", "image_url": _data_url(images[1]), "detail": "auto"},
+    ]
+    blocks = [
+        {"type": "text", "text": "Look: "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64[0]}},
+        {"type": "text", "text": " and "},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64[1]}},
+    ]
+    model = "llava-clip-legacy-tiny"
+    with running_server(clip, tmp_path) as (url, _):
+        post = lambda path, body: httpx.post(f"{url}{path}", json=body, timeout=120)  # noqa: E731
+        chat = post("/v1/chat/completions", {"model": model, "max_tokens": 6, "temperature": 0,
+                    "messages": [{"role": "user", "content": chat_parts}]})  # fmt: skip
+        assert chat.status_code == 200, chat.text
+        want = chat.json()["choices"][0]["message"]["content"]
+        prompt_tokens = chat.json()["usage"]["prompt_tokens"]
+        r = post("/v1/responses", {"model": model, "max_output_tokens": 6, "temperature": 0,
+                 "input": [{"role": "user", "content": resp_parts}]})  # fmt: skip
+        assert r.status_code == 200, r.text
+        first = r.json()
+        assert first["output"][0]["content"][0]["text"] == want
+        assert first["usage"]["input_tokens"] == prompt_tokens
+        r = post("/v1/responses", {"model": model, "max_output_tokens": 4, "temperature": 0,
+                 "previous_response_id": first["id"], "input": "And now?"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens"] > prompt_tokens
+        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        msg = {"model": model, "max_tokens": 6, "temperature": 0,
+               "messages": [{"role": "user", "content": blocks}]}  # fmt: skip
+        r = post("/v1/messages", msg)
+        assert r.status_code == 200, r.text
+        assert r.json()["content"][0]["text"] == want
+        assert r.json()["usage"]["input_tokens"] == prompt_tokens
+        r = post("/v1/messages/count_tokens", {k: msg[k] for k in ("model", "messages")})
+        assert r.json()["input_tokens"] == prompt_tokens
+        bad_responses = [
+            ({"type": "input_image", "file_id": "file-1"}, "input[0].content[1].file_id", "Files API"),
+            ({"type": "input_image", "image_url": _data_url(images[0]), "detail": "high"}, "input[0].content[1].detail", "only 'auto'"),
+            ({"type": "input_image", "image_url": _data_url(b"text")}, "input[0].content[1].image_url", "not an image"),
+            ({"type": "input_image", "image_url": "https://example.com/a.png"}, "input[0].content[1].image_url", "does not fetch"),
+            ({"type": "input_file", "file_id": "x"}, "input[0].content[1].type", "input_text and input_image"),
+        ]  # fmt: skip
+        for part, param, words in bad_responses:
+            body = {"model": model, "input": [{"role": "user", "content": [resp_parts[0], part]}]}
+            r = post("/v1/responses", body)
+            assert r.status_code == 400, (part, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], err
+        src = blocks[1]["source"]
+        bad_blocks = [
+            ({"type": "url", "url": "https://example.com/a.png"}, "source", "base64 image sources"),
+            ({**src, "media_type": "image/tiff"}, "source.media_type", "image/jpeg"),
+            ({**src, "data": base64.b64encode(b"text").decode()}, "source.data", "not an image"),
+        ]  # fmt: skip
+        for source, param, words in bad_blocks:
+            content = [blocks[0], {"type": "image", "source": source}]
+            r = post("/v1/messages", {**msg, "messages": [{"role": "user", "content": content}]})
+            assert r.status_code == 400, (source, r.text)
+            err = r.json()["error"]
+            where = f"'messages[0].content[1].{param}'"
+            assert err["message"].startswith(where) and words in err["message"], err
+        # nothing was left over
+        assert post("/v1/messages", msg).json()["content"][0]["text"] == want
+
+
+def test_lang_image_sources_and_bytes_arguments(tmp_path):
+    """``image()`` takes bytes, a base64 data URL or a path, and refuses URLs it would have
+    to fetch; bytes arguments of a shipped run survive the JSON launch argument."""
+    from pastry.lang.expr import Image
+    from pastry.lang.inferlet import decode_arguments, encode_arguments
+
+    data = png(3)
+    (tmp_path / "a.png").write_bytes(data)
+    for source in (data, bytearray(data), _data_url(data), str(tmp_path / "a.png")):
+        got = pl.image(source)
+        assert isinstance(got, Image) and got.data == data
+    with pytest.raises(ValueError, match="does not fetch"):
+        pl.image("https://example.com/a.png")
+    with pytest.raises(ValueError, match="base64 is not valid"):
+        pl.image("data:image/png;base64,@@@")
+    with pytest.raises(ValueError, match="must be base64"):
+        pl.image("data:image/png,rawdata")
+    with pytest.raises(TypeError, match="bytes, a data: URL or a path"):
+        pl.image(3)
+    args = {"picture": data, "more": [b"\x00\x01", {"deep": b"x"}], "n": 1, "s": "text"}
+    sent = json.loads(json.dumps(encode_arguments(args)))
+    assert decode_arguments(sent) == args

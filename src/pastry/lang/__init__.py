@@ -39,7 +39,17 @@ from pastry.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
-from pastry.lang.expr import Expr, ExprList, Gen, RoleBegin, RoleEnd, Select, Text, as_choices
+from pastry.lang.expr import (
+    Expr,
+    ExprList,
+    Gen,
+    Image,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    as_choices,
+)
 from pastry.lang.function import Function, function, get_default_backend, set_default_backend
 from pastry.lang.state import ProgramState, ProgramStateGroup
 from pastry.lang.stream import ProgramError
@@ -113,6 +123,34 @@ def select(
     return Select(name, as_choices(choices or ()), float(temperature), choices_method)
 
 
+def image(source: bytes | str) -> Expr:
+    """An image for the prompt (SGLang's ``sgl.image``): its encoded bytes (PNG, JPEG, WebP
+    or GIF), a ``data:`` URL, or the path of a file, read where the program runs (inside
+    the server for a program run through an :class:`Endpoint`: pass a client's image as
+    bytes, an argument of the run). The state's text gets the model's image token; the
+    image's embeddings take its place in the context. On a model without images the
+    program fails with the server's error."""
+    if isinstance(source, bytes | bytearray | memoryview):
+        return Image(bytes(source))
+    if not isinstance(source, str):
+        raise TypeError(f"image() takes bytes, a data: URL or a path, not {type(source).__name__}")
+    if source.startswith("data:"):
+        import base64
+        import binascii
+
+        head, _, data = source.partition(",")
+        if not head.endswith(";base64"):
+            raise ValueError("image(): a data: URL must be base64 (data:image/...;base64,...)")
+        try:
+            return Image(base64.b64decode(data, validate=True))
+        except binascii.Error as e:
+            raise ValueError(f"image(): the data: URL's base64 is not valid: {e}") from None
+    if source.startswith(("http://", "https://")):
+        raise ValueError("image(): pastry.lang does not fetch URLs; pass the image's bytes")
+    with open(source, "rb") as f:
+        return Image(f.read())
+
+
 def _role(role: str, expr: Expr | str | None) -> Expr:
     if expr is None:
         return ExprList((RoleBegin(role), RoleEnd(role)))
@@ -183,6 +221,7 @@ __all__ = [
     "gen_string",
     "get_default_backend",
     "greedy_token_selection",
+    "image",
     "select",
     "set_default_backend",
     "system",

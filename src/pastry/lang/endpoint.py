@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from pastry.lang.function import Function
+from pastry.lang.inferlet import encode_arguments
 from pastry.lang.ship import program_source
 from pastry.lang.stream import ProgramError
 
@@ -158,7 +159,7 @@ class Endpoint:
             request = json.dumps(
                 {
                     "function": fn.__name__,
-                    "arguments": arguments,
+                    "arguments": encode_arguments(arguments),
                     "sampling": sampling,
                     "stream": state.streaming,
                     "adapter": self.adapter if adapter is None else adapter,

@@ -129,6 +129,17 @@ class Select(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class Image(Expr):
+    """An image in the prompt (its encoded bytes: PNG, JPEG, WebP or GIF): the model's
+    image token in the text, the image's embeddings in the context."""
+
+    data: bytes
+
+    def __repr__(self) -> str:
+        return f"Image({len(self.data)} bytes)"
+
+
+@dataclass(frozen=True, eq=False)
 class RoleBegin(Expr):
     role: str
 
@@ -145,7 +156,7 @@ def _expr(x: Expr | str) -> Expr:
         return Text(x)
     raise TypeError(
         f"a prompt state can be extended with text or pastry.lang expressions (gen, select, "
-        f"roles), not {type(x).__name__}: convert it with str() first"
+        f"image, roles), not {type(x).__name__}: convert it with str() first"
     )
 
 

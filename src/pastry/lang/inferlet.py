@@ -2,17 +2,43 @@
 
 The launch argument is one JSON object: ``function`` (its name in the shipped module),
 ``arguments``, ``sampling`` (the run's default sampling parameters), ``stream`` and
-``adapter`` (a LoRA adapter's name, or null). With
+``adapter`` (a LoRA adapter's name, or null); bytes among the arguments (an image's)
+travel as ``{"__pastry_bytes__": base64}`` (:func:`encode_arguments`). With
 ``stream``, every piece of the program's text is sent as a message ``{"text": piece}`` as
 it is produced. The result is ``{"text", "variables", "meta_info", "messages"}`` as JSON.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
 from pastry.lang.function import Function, plain
+
+BYTES = "__pastry_bytes__"
+
+
+def encode_arguments(value: Any) -> Any:
+    """``value`` with every ``bytes`` in it made JSON (:data:`BYTES`)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {BYTES: base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, dict):
+        return {k: encode_arguments(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode_arguments(v) for v in value]
+    return value
+
+
+def decode_arguments(value: Any) -> Any:
+    """The inverse of :func:`encode_arguments` (tuples come back as lists, as JSON's)."""
+    if isinstance(value, dict):
+        if len(value) == 1 and BYTES in value:
+            return base64.b64decode(value[BYTES])
+        return {k: decode_arguments(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_arguments(v) for v in value]
+    return value
 
 
 async def serve(namespace: dict[str, Any], args: list[str]) -> str:
@@ -33,7 +59,7 @@ async def serve(namespace: dict[str, Any], args: list[str]) -> str:
         on_text=on_text,
         adapter=req.get("adapter"),
         **req.get("sampling", {}),
-        **req.get("arguments", {}),
+        **decode_arguments(req.get("arguments", {})),
     )
     s = state.stream
     return json.dumps(

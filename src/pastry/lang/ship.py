@@ -30,7 +30,7 @@ class ShipError(ValueError):
 
 
 def _is_literal(value: Any) -> bool:
-    if value is None or isinstance(value, bool | int | float | str):
+    if value is None or isinstance(value, bool | int | float | str | bytes):
         return True
     if isinstance(value, list | tuple | set | frozenset):
         return all(_is_literal(v) for v in value)

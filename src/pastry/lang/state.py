@@ -112,6 +112,7 @@ class ProgramState:
                     text=s.text,
                     messages=s.messages,
                     variables=s.variables,
+                    images=s.images,
                     role=(s.cur_role, s.role_begin),
                 )
             )

@@ -7,6 +7,11 @@ those tokens, keeping the K/V of the longest common prefix (the cache a program 
 its own earlier tokens, and the pages it shares with the state it was forked from). So a
 program sees the same tokens as a server that re-tokenizes the full prompt on every
 request (SGLang's runtime), and computes only what is new.
+
+An ``image`` puts the model's image token in the text and the image in the state's
+``images``: when the text is tokenized, each image token (in order, one per image) stands
+for the image's embeddings, and the context holds the image there (``fill_image``). The
+kept prefix never ends inside an image.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pastry.lang.driver import Driver
 from pastry.lang.expr import (
     Expr,
     Gen,
+    Image,
     RoleBegin,
     RoleEnd,
     SamplingParams,
@@ -82,6 +88,7 @@ class Stream:
         text: str = "",
         messages: list[tuple[str, str]] | None = None,
         variables: dict[str, Any] | None = None,
+        images: list[tuple[bytes, int]] | None = None,
         role: tuple[str | None, int | None] = (None, None),
         top: bool = False,
     ) -> None:
@@ -91,6 +98,8 @@ class Stream:
         self.messages: list[tuple[str, str]] = list(messages or [])
         self.variables: dict[str, Any] = dict(variables or {})
         self.meta_info: dict[str, Any] = {}
+        # the images of the text, in order: (encoded bytes, embeddings)
+        self.images: list[tuple[bytes, int]] = list(images or [])
         self.cur_role, self.role_begin = role
         self.fork_start = len(text)
         self.top = top  # the program's own state: its text is what streaming sends
@@ -172,6 +181,8 @@ class Stream:
                 await self._gen(leaf)
             elif isinstance(leaf, Select):
                 await self._select(leaf)
+            elif isinstance(leaf, Image):
+                await self._image(leaf)
             elif isinstance(leaf, RoleBegin):
                 await self._role_begin(leaf.role)
             elif isinstance(leaf, RoleEnd):
@@ -200,10 +211,39 @@ class Stream:
         # the whole text from its start: with the model's BOS, as a server tokenizes a prompt
         return ctx.api.tokenize(ctx.queue, text, True)
 
+    async def _image(self, image: Image) -> None:
+        ctx = await self._context()
+        a, q = ctx.api, ctx.queue
+        n = a.num_embs_needed(q, image.data)  # refuses what is no image, or a text model
+        self.images.append((image.data, n))
+        self._append(a.detokenize(q, [a.get_image_token(q)]))
+
+    def _expand(self, ctx: Context, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """``tokens`` with each image token made the image's embeddings' worth of them, and
+        where each image starts."""
+        if not self.images:
+            return tokens, []
+        mark = ctx.api.get_image_token(ctx.queue)
+        found = tokens.count(mark)
+        if found != len(self.images):
+            raise ValueError(
+                f"the text has {found} image tokens for the state's {len(self.images)} "
+                "images: an image token in the text is an image's place, written by image()"
+            )
+        out: list[int] = []
+        starts: list[int] = []
+        for t in tokens:
+            if t == mark:
+                starts.append(len(out))
+                out.extend([mark] * self.images[len(starts) - 1][1])
+            else:
+                out.append(t)
+        return out, starts
+
     async def _synced(self) -> Context:
         """The context holding exactly the tokens of the text (the last one pending)."""
         ctx = await self._context()
-        target = self._tokenize(ctx, self.text)
+        target, starts = self._expand(ctx, self._tokenize(ctx, self.text))
         if not target:
             raise ValueError("gen and select need a prompt: add text to the state first")
         keep = 0
@@ -212,9 +252,19 @@ class Stream:
                 break
             keep += 1
         keep = min(keep, len(target) - 1)
+        spans = [(at, self.images[i]) for i, at in enumerate(starts)]
+        for at, (_, n) in spans:  # never keep part of an image
+            if at < keep < at + n:
+                keep = at
         if keep < len(ctx.tokens):
             await truncate(ctx, keep)
-        ctx.fill_tokens(target[keep:])
+        done = keep
+        for at, (data, n) in spans:
+            if at >= keep:
+                ctx.fill_tokens(target[done:at])
+                ctx.fill_image(data)
+                done = at + n
+        ctx.fill_tokens(target[done:])
         return ctx
 
     async def _fork(self, item: Fork) -> None:
@@ -271,7 +321,7 @@ class Stream:
             )
         ctx = await self._synced()
         prompt = list(ctx.tokens)
-        continued = [self._tokenize(ctx, self.text + c) for c in sel.choices]
+        continued = [self._expand(ctx, self._tokenize(ctx, self.text + c))[0] for c in sel.choices]
         scored = await scoring.choice_logprobs(ctx, prompt, continued)
         unconditional = None
         if sel.method.requires_unconditional_logprobs:

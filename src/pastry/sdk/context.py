@@ -117,6 +117,15 @@ class Context:
         self.tokens.extend(placeholder)
         self.pending.extend(placeholder)
 
+    def drop_images(self, length: int) -> None:
+        """Forget the pending images at or after ``length`` (the context is being cut
+        there: :func:`~pastry.sdk.steps.truncate`); ``ApiError`` for a cut through one."""
+        for at, (_, n) in list(self._images.items()):
+            if at < length < at + n:
+                raise ApiError(f"cannot cut the context at {length}: inside an image ({at}..{at + n - 1})")  # fmt: skip
+            if at >= length:
+                del self._images[at]
+
     def fill_prompt(self, tokens: Sequence[int], images: Sequence[bytes] = ()) -> None:
         """Append ``tokens``, each image placeholder token among them (``get_image_token``:
         one per image, where a chat template or the client wrote it) replaced by the next

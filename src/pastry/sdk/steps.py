@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Sequence
 
 from pastry.api import ApiError, sampling_of
 from pastry.sdk.context import Context
-from pastry.sdk.pages import page_refs
+from pastry.sdk.pages import page_refs, unshare
 
 Dist = tuple[list[int], list[float]]  # token ids by decreasing probability, probabilities
 
@@ -91,8 +91,8 @@ async def truncate(ctx: Context, length: int, spare: bool = True) -> None:
     ctx.check_live()
     if not 0 <= length <= len(ctx.tokens):
         raise ApiError(f"cannot truncate a context of {len(ctx.tokens)} tokens to {length}")
+    ctx.drop_images(length)
     a, ps, refs = ctx.api, ctx.page_size, page_refs(ctx.api)
-    free: list[int] = []  # pages shared through the prefix cache that we stop using
     ctx.tokens = ctx.tokens[:length]
     ctx.kv_len = min(ctx.kv_len, length)
     ctx.pending = ctx.tokens[ctx.kv_len :]
@@ -101,11 +101,7 @@ async def truncate(ctx: Context, length: int, spare: bool = True) -> None:
     # then into the spare pages. None of them may be a page a fork still reads.
     spare_pages = ctx.pages[used:]
     shared = {p for i, p in enumerate(spare_pages, used) if refs.get(p, 1) > 1 or i < ctx.frozen}
-    for p in shared:
-        if refs.get(p, 1) > 1:
-            refs[p] -= 1
-        else:
-            free.append(p)
+    free = unshare(a, sorted(shared))  # pages shared through the prefix cache we stop using
     kept = [p for p in spare_pages if p not in shared]
     if not spare:
         free += kept

@@ -30,8 +30,10 @@ from starlette.types import Send
 
 from pastry.control.events import Failed, Finished, Message, Terminated
 from pastry.control.programs import session_key
+from pastry.control.quotas import Quotas
 from pastry.server import metrics
 from pastry.server.auth import tenant_session
+from pastry.server.chat_images import anthropic_image
 from pastry.server.openai import adapter_name, admit, model_name, read_body
 from pastry.server.openai_answers import ChoiceStream, JobRun, chat_message, instance_error
 from pastry.server.openai_params import Job, OpenAIError, parse_chat
@@ -98,9 +100,10 @@ def _text_block(b: Any, w: str) -> str:
     return b["text"]
 
 
-def chat_messages(system: Any, messages: Any) -> list[dict]:
+def chat_messages(system: Any, messages: Any, model=None, quotas: Quotas | None = None) -> list[dict]:  # fmt: skip
     """Anthropic's ``system`` and ``messages`` as chat messages: ``tool_use`` blocks become
-    the assistant's tool calls, ``tool_result`` blocks tool messages."""
+    the assistant's tool calls, ``tool_result`` blocks tool messages, base64 ``image``
+    blocks of a user turn (with ``quotas``) ``image_url`` parts of its content."""
     out: list[dict] = []
     if system is not None:
         out.append({"role": "system", "content": _text(system, "system")})
@@ -117,12 +120,17 @@ def chat_messages(system: Any, messages: Any) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise _error(f"'{where}.content' must be a string or a list of blocks", f"{where}.content")  # fmt: skip
-        text, calls, results = [], [], []
+        text, calls, results, images = [], [], [], []
         for j, b in enumerate(content):
             w = f"{where}.content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
             if kind == "text":
                 text.append(_text_block(b, w))
+                images.append({"type": "text", "text": text[-1]})
+            elif kind == "image" and m["role"] == "user" and quotas is not None:
+                _cache_control(b, w)
+                _only(b, {"type", "source", "cache_control"}, w)
+                images.append(anthropic_image(b, w, model, quotas))
             elif kind == "tool_use" and m["role"] == "assistant":
                 _only(b, {"type", "id", "name", "input", "cache_control"}, w)
                 if not (isinstance(b.get("id"), str) and isinstance(b.get("name"), str) and isinstance(b.get("input"), dict)):  # fmt: skip
@@ -138,13 +146,15 @@ def chat_messages(system: Any, messages: Any) -> list[dict]:
                 results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})  # fmt: skip
             else:
                 raise _error(
-                    f"'{w}' has type {kind!r}: this server takes text blocks, and tool_use "
-                    "(assistant) and tool_result (user) blocks",
+                    f"'{w}' has type {kind!r}: this server takes text blocks, tool_use "
+                    "(assistant) and tool_result and image (user) blocks",
                     f"{w}.type",
                 )
         out += results  # a user turn's tool results come first, then its text
         if calls:
             out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})  # fmt: skip
+        elif len(images) > len(text):  # the turn's text and images, in order
+            out.append({"role": "user", "content": images})
         elif text or not results:
             out.append({"role": m["role"], "content": "".join(text)})
     return out
@@ -211,7 +221,9 @@ def _output_format(config: Any) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def parse_messages(model, body: dict, adapter: str | None = None) -> Job:
+def parse_messages(
+    model, body: dict, adapter: str | None = None, quotas: Quotas | None = None
+) -> Job:
     for name in body:
         if name not in FIELDS and body[name] is not None:
             raise _error(f"'{name}' is not supported by this server", name)
@@ -236,7 +248,7 @@ def parse_messages(model, body: dict, adapter: str | None = None) -> Job:
         raise _error("'tool_choice' needs 'tools'", "tool_choice")
     chat = {
         "model": model.name,
-        "messages": chat_messages(body.get("system"), body.get("messages")),
+        "messages": chat_messages(body.get("system"), body.get("messages"), model, quotas),
         "max_tokens": max_tokens,
         "temperature": temperature,
         "top_p": body.get("top_p"),
@@ -250,7 +262,7 @@ def parse_messages(model, body: dict, adapter: str | None = None) -> Job:
         "response_format": _output_format(body.get("output_config")),
     }
     try:
-        return parse_chat(model, {k: v for k, v in chat.items() if v is not None}, adapter=adapter)
+        return parse_chat(model, {k: v for k, v in chat.items() if v is not None}, adapter=adapter, quotas=quotas)  # fmt: skip
     except OpenAIError as e:
         message, param = str(e), e.param
         for ours, theirs in _CHAT_NAMES.items():
@@ -431,7 +443,7 @@ def routes(server: PastryServer) -> list[Route]:
         try:
             body = await read_body(request)
             m = server.controller.models[model_name(server, body)]
-            job = await asyncio.to_thread(parse_messages, m, body, adapter_name(server, body))
+            job = await asyncio.to_thread(parse_messages, m, body, adapter_name(server, body), server.config.quotas)  # fmt: skip
             admit(server, request, job, body)
         except OpenAIError as e:
             metrics.request_done(ENDPOINT, e.status)
@@ -446,11 +458,12 @@ def routes(server: PastryServer) -> list[Route]:
             body = await read_body(request)
             m = server.controller.models[model_name(server, body)]
             counted = {k: body[k] for k in ("model", "messages", "system", "tools", "tool_choice") if k in body}  # fmt: skip
-            job = await asyncio.to_thread(parse_messages, m, {**counted, "max_tokens": 1})
+            job = await asyncio.to_thread(parse_messages, m, {**counted, "max_tokens": 1}, None, server.config.quotas)  # fmt: skip
         except OpenAIError as e:
             return JSONResponse(error_body(e), e.status)
-        (arg,) = job.args
-        return JSONResponse({"input_tokens": len(json.loads(arg)["prompt"])})
+        arg = json.loads(job.args[0])  # each image's one placeholder: its embeddings' worth
+        images = len(arg.get("images", ())) * (m.info.image_tokens - 1)
+        return JSONResponse({"input_tokens": len(arg["prompt"]) + images})
 
     return [
         Route(ENDPOINT, create, methods=["POST"]),

@@ -3,7 +3,8 @@ the ``chat`` inferlet embeds.
 
 A part is ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,...",
 "detail": "auto"}}`` (SGLang's ``image_data``: the same data URL, or the base64
-alone). Only inline images are taken: fetching ``http(s)`` URLs from the
+alone; the Responses API's ``input_image`` and Anthropic's base64 ``image`` blocks: the
+same bytes). Only inline images are taken: fetching ``http(s)`` URLs from the
 server is off (it would let a request make the server reach any address; there is no
 allowlist to turn it on yet), and the refusal says so. The bytes are decoded here, in the
 request's worker thread, by :func:`pastry.wire.images.decode_image` under the image
@@ -22,11 +23,11 @@ from pastry.server.openai_options import OpenAIError
 from pastry.wire.images import ImageError, decode_image
 
 _DETAILS = ("auto", None)
+# the image types Anthropic's Messages API takes (a base64 source's media_type)
+ANTHROPIC_MEDIA = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
-def image_part(part: dict, where: str, model, quotas: Quotas) -> str:
-    """The base64 text of the image in the ``image_url`` part ``part`` (at ``where``, for
-    errors) for ``model`` (a served model: ``.info``), decoded and checked."""
+def _takes_images(model, where: str) -> None:
     info = model.info
     if not info.image_tokens:
         raise OpenAIError(
@@ -34,6 +35,12 @@ def image_part(part: dict, where: str, model, quotas: Quotas) -> str:
             "vision-language checkpoint)",
             where,
         )
+
+
+def image_part(part: dict, where: str, model, quotas: Quotas) -> str:
+    """The base64 text of the image in the ``image_url`` part ``part`` (at ``where``, for
+    errors) for ``model`` (a served model: ``.info``), decoded and checked."""
+    _takes_images(model, where)
     spec = part.get("image_url")
     extra = sorted(set(part) - {"type", "image_url"})
     if extra:
@@ -85,16 +92,70 @@ def _data_url(url: str, where: str, quotas: Quotas, bare: bool = False) -> str:
     return data
 
 
+def input_image(part: dict, where: str, model, quotas: Quotas) -> dict:
+    """The Responses API's ``input_image`` part ``{"type": "input_image", "image_url":
+    "data:...", "detail": "auto"}``, checked; the part as a response echoes it."""
+    _takes_images(model, where)
+    extra = sorted(k for k in part if k not in ("type", "image_url", "detail", "file_id"))
+    if extra:
+        raise OpenAIError(f"'{where}' has unknown field '{extra[0]}'", f"{where}.{extra[0]}")
+    if part.get("file_id") is not None:
+        raise OpenAIError(
+            f"'{where}.file_id': this server has no Files API; send the image inline as a "
+            "data: URL in 'image_url'",
+            f"{where}.file_id",
+        )
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise OpenAIError(
+            f"'{where}.image_url' must be a data URL, 'data:image/<format>;base64,<data>'",
+            f"{where}.image_url",
+        )
+    if part.get("detail") not in _DETAILS:
+        raise OpenAIError(
+            f"'{where}.detail': this model sees every image at its one resolution; only "
+            f"'auto' is taken, got {part['detail']!r:.40}",
+            f"{where}.detail",
+        )
+    _data_url(url, f"{where}.image_url", quotas)
+    return {"type": "input_image", "image_url": url, "detail": "auto"}
+
+
+def anthropic_image(block: dict, where: str, model, quotas: Quotas) -> dict:
+    """Anthropic's image block ``{"type": "image", "source": {"type": "base64",
+    "media_type": "image/png", "data": ...}}``, checked, as a chat ``image_url`` part."""
+    _takes_images(model, where)
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        kind = source.get("type") if isinstance(source, dict) else None
+        raise OpenAIError(
+            f"'{where}.source' has type {kind!r}: this server takes base64 image sources "
+            "(it does not fetch URLs, and has no Files API)",
+            f"{where}.source.type",
+        )
+    extra = sorted(k for k in source if k not in ("type", "media_type", "data"))
+    if extra:
+        raise OpenAIError(
+            f"'{where}.source' has unknown field '{extra[0]}'", f"{where}.source.{extra[0]}"
+        )
+    media = source.get("media_type")
+    if media not in ANTHROPIC_MEDIA:
+        raise OpenAIError(
+            f"'{where}.source.media_type' must be one of {', '.join(ANTHROPIC_MEDIA)}, "
+            f"got {media!r:.40}",
+            f"{where}.source.media_type",
+        )
+    data = source.get("data")
+    if not isinstance(data, str) or not data:
+        raise OpenAIError(f"'{where}.source.data' must be base64 text", f"{where}.source.data")
+    _data_url(data, f"{where}.source.data", quotas, bare=True)
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+
+
 def image_text(value: object, where: str, model, quotas: Quotas) -> str:
     """SGLang's ``image_data`` entry ``value`` (a data URL or bare base64; file paths and
     remote URLs are refused) for ``model``: the image's checked base64."""
-    info = model.info
-    if not info.image_tokens:
-        raise OpenAIError(
-            f"'{where}': the model '{info.model_name}' takes no images (serve a "
-            "vision-language checkpoint)",
-            where,
-        )
+    _takes_images(model, where)
     if not isinstance(value, str) or not value:
         raise OpenAIError(f"'{where}' must be an image as a data URL or base64 text", where)
     return _data_url(value, where, quotas, bare=True)

@@ -232,7 +232,9 @@ async def _create(store: ResponseStore, request: Request):
         body = await read_body(request)
         m = server.controller.models[model_name(server, body)]
         adapter = adapter_name(server, body)
-        spec = await asyncio.to_thread(parse_response, m, body, store, user, adapter)
+        spec = await asyncio.to_thread(
+            parse_response, m, body, store, user, adapter, server.config.quotas
+        )
         admit(server, request, spec.job, body)
     except OpenAIError as e:
         metrics.request_done(ENDPOINT, e.status)

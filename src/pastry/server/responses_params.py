@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pastry.control.quotas import Quotas
+from pastry.server.chat_images import input_image
 from pastry.server.openai_params import Job, OpenAIError, parse_chat
 from pastry.server.responses_store import ResponseStore, Stored
 
@@ -46,10 +48,19 @@ class Spec:
 
 
 def parse_response(
-    model, body: dict, store: ResponseStore, user: str, adapter: str | None = None
+    model,
+    body: dict,
+    store: ResponseStore,
+    user: str,
+    adapter: str | None = None,
+    quotas: Quotas | None = None,
 ) -> Spec:
     """``model``: the served model, ``adapter``: its LoRA adapter the request names (if
-    any); errors are :class:`OpenAIError` naming the field."""
+    any), ``quotas``: the image quotas (None: ``input_image`` parts are refused); errors
+    are :class:`OpenAIError` naming the field.
+
+    A conversation with images is computed whole on each follow-up: its K/V is neither
+    exported nor imported (what follows an image is never taken from a cache)."""
     for name in body:
         if name not in FIELDS and body[name] is not None:
             raise _error(f"'{name}' is not supported by this server", name)
@@ -57,7 +68,7 @@ def parse_response(
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _error("'instructions' must be a string", "instructions")
-    items = _input_items(body.get("input"))
+    items = _input_items(body.get("input"), model, quotas)
     conversation = (previous.conversation if previous else []) + _messages(items)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation  # fmt: skip
     if not messages:
@@ -70,8 +81,10 @@ def parse_response(
     # KV computed with another adapter (or without one) is not this request's
     history = previous.history if previous and previous.served == served else None
     options = {"kv_export": f"responses/{rid}"} if stored else None
+    if any(isinstance(m.get("content"), list) for m in conversation):  # images
+        history = options = None
     try:
-        job = parse_chat(model, {k: v for k, v in chat.items() if v is not None}, history=history, options=options, adapter=adapter)  # fmt: skip
+        job = parse_chat(model, {k: v for k, v in chat.items() if v is not None}, history=history, options=options, adapter=adapter, quotas=quotas)  # fmt: skip
     except OpenAIError as e:
         raise _renamed(e) from None
     if job.n != 1:  # never: Responses has no n
@@ -194,10 +207,10 @@ def _renamed(e: OpenAIError) -> OpenAIError:
     return OpenAIError(message, param, e.status, e.code, e.kind)
 
 
-def _input_items(value: Any) -> list[dict]:
+def _input_items(value: Any, model, quotas: Quotas | None) -> list[dict]:
     """``input`` as a list of items (a string is one user message), each checked."""
     if isinstance(value, str):
-        return [_message_item({"role": "user", "content": value}, "input")]
+        return [_message_item({"role": "user", "content": value}, "input", model, quotas)]
     if not isinstance(value, list):
         raise _error("'input' must be a string or a list of input items", "input")
     out = []
@@ -207,7 +220,7 @@ def _input_items(value: Any) -> list[dict]:
             raise _error(f"'{where}' must be an object", where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            out.append(_message_item(item, where))
+            out.append(_message_item(item, where, model, quotas))
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
@@ -229,14 +242,38 @@ def _input_items(value: Any) -> list[dict]:
     return out
 
 
-def _message_item(item: dict, where: str) -> dict:
+def _message_item(item: dict, where: str, model, quotas: Quotas | None) -> dict:
     _only(item, {"type", "role", "content", "id", "status", "phase"}, where)
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise _error(f"'{where}.role' must be user, system, developer or assistant", f"{where}.role")  # fmt: skip
-    kinds = ("output_text", "refusal") if role == "assistant" else ("input_text",)
-    text = _text_of(item.get("content"), f"{where}.content", kinds)
-    return {"type": "message", "role": role, "content": [{"type": kinds[0], "text": text}], "id": item.get("id") or "msg_" + uuid.uuid4().hex, "status": "completed"}  # fmt: skip
+    content = item.get("content")
+    if role == "user" and quotas is not None and isinstance(content, list):
+        parts = _image_content(content, f"{where}.content", model, quotas)
+        if all(p["type"] == "input_text" for p in parts):  # text only: one part
+            parts = [{"type": "input_text", "text": "".join(p["text"] for p in parts)}]
+    else:
+        kinds = ("output_text", "refusal") if role == "assistant" else ("input_text",)
+        parts = [{"type": kinds[0], "text": _text_of(content, f"{where}.content", kinds)}]
+    return {"type": "message", "role": role, "content": parts, "id": item.get("id") or "msg_" + uuid.uuid4().hex, "status": "completed"}  # fmt: skip
+
+
+def _image_content(content: list, where: str, model, quotas: Quotas) -> list[dict]:
+    """A user message's ``input_text`` and ``input_image`` parts, checked, in order."""
+    parts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            parts.append(input_image(part, at, model, quotas))
+        elif kind == "input_text":
+            _only(part, {"type", "text"}, at)
+            if not isinstance(part.get("text"), str):
+                raise _error(f"'{at}.text' must be a string", f"{at}.text")
+            parts.append({"type": "input_text", "text": part["text"]})
+        else:
+            raise _error(f"'{at}' has type {kind!r}: this server takes input_text and input_image parts", f"{at}.type")  # fmt: skip
+    return parts
 
 
 def _text_of(content: Any, where: str, kinds: tuple[str, ...]) -> str:
@@ -272,7 +309,7 @@ def _messages(items: list[dict]) -> list[dict]:
     out: list[dict] = []
     for item in items:
         if item["type"] == "message":
-            out.append({"role": item["role"], "content": item["content"][0]["text"]})
+            out.append({"role": item["role"], "content": _chat_content(item["content"])})
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             if out and out[-1]["role"] == "assistant" and "raw" not in out[-1]:
@@ -282,6 +319,13 @@ def _messages(items: list[dict]) -> list[dict]:
         else:
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})  # fmt: skip
     return out
+
+
+def _chat_content(parts: list[dict]) -> str | list[dict]:
+    """A message item's content as a chat message's: its text, or (with images) parts."""
+    if len(parts) == 1 and "text" in parts[0]:
+        return parts[0]["text"]
+    return [{"type": "text", "text": p["text"]} if "text" in p else {"type": "image_url", "image_url": {"url": p["image_url"]}} for p in parts]  # fmt: skip
 
 
 def _tools(value: Any) -> list[dict]:
