@@ -310,8 +310,8 @@ async def main(args):
 
 
 def test_context_fill_image_generates_as_transformers(clip):
-    """``Context.fill_image`` between text runs longer than a page (the prefix cache is
-    not asked for what follows an image), greedy tokens equal to transformers'."""
+    """``Context.fill_image`` between text runs longer than a page, greedy tokens equal to
+    transformers' (with the other instance's K/V from the prefix cache or without)."""
     eng = load_engine(clip)
     info = eng.info
     before, after = list(range(5, 25)), list(range(100, 140))
@@ -329,7 +329,6 @@ def test_context_fill_image_generates_as_transformers(clip):
         out = json.loads(result(events))
         assert out["tokens"] == want
         assert out["placeholders"] == 2 * info.image_tokens
-        assert out["cached"] == 0
         assert "ends with an image" in out["tail"]
         assert "not an image" in out["bad"] or "cannot be read" in out["bad"]
 
@@ -539,7 +538,7 @@ def test_responses_input_image_and_anthropic_image_blocks_answer_as_chat(clip, t
     """The Responses API's ``input_image`` parts and Anthropic's base64 ``image`` blocks
     are the chat endpoint's ``image_url`` parts (tested against transformers above): the
     same greedy answer, prompt tokens counting the images; a follow-up of a response with
-    images is computed whole; bad parts are a 400 naming the part."""
+    images finds them in the prefix cache; bad parts are a 400 naming the part."""
     import httpx
 
     from server_util import running_server
@@ -582,13 +581,17 @@ def test_responses_input_image_and_anthropic_image_blocks_answer_as_chat(clip, t
                  "previous_response_id": first["id"], "input": "And now?"})  # fmt: skip
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["input_tokens"] > prompt_tokens
-        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        # the conversation so far, images and all, from the prefix cache
+        assert r.json()["usage"]["input_tokens_details"]["cached_tokens"] > 2 * 16
         msg = {"model": model, "max_tokens": 6, "temperature": 0,
                "messages": [{"role": "user", "content": blocks}]}  # fmt: skip
         r = post("/v1/messages", msg)
         assert r.status_code == 200, r.text
         assert r.json()["content"][0]["text"] == want
-        assert r.json()["usage"]["input_tokens"] == prompt_tokens
+        usage = r.json()["usage"]  # the chat request's prompt came before: from the cache
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt_tokens
+        # past the first image (a match ending inside the second computes that one whole)
+        assert usage["cache_read_input_tokens"] > 16
         r = post("/v1/messages/count_tokens", {k: msg[k] for k in ("model", "messages")})
         assert r.json()["input_tokens"] == prompt_tokens
         bad_responses = [
@@ -643,3 +646,46 @@ def test_lang_image_sources_and_bytes_arguments(tmp_path):
     args = {"picture": data, "more": [b"\x00\x01", {"deep": b"x"}], "n": 1, "s": "text"}
     sent = json.loads(json.dumps(encode_arguments(args)))
     assert decode_arguments(sent) == args
+
+
+CACHE_AGENT = """
+import json
+import sys
+import pastry.sdk as px
+from pastry.sdk import Context, MaxTokens
+
+async def main(args):
+    before, after = json.loads(args[0]), json.loads(args[1])
+    images = [bytes.fromhex(a) for a in args[2:]]
+    if sys.platform == "wasi":  # the sandboxed instance asks about its own images
+        images = images[2:]
+    out = {}
+    for name, image in (("first", images[0]), ("again", images[0]), ("other", images[1])):
+        ctx = Context()
+        ctx.fill_tokens(before)
+        ctx.fill_image(image)
+        ctx.fill_tokens(after)
+        n = len(ctx.tokens)
+        await ctx.generate(stop=MaxTokens(5))
+        out[name] = {"tokens": ctx.tokens[n:], "cached": ctx.cached_tokens}
+        await ctx.release()  # its pages enter the prefix cache
+    return json.dumps(out)
+"""
+
+
+def test_the_same_image_again_comes_from_the_prefix_cache(clip):
+    """An image's K/V (and what follows it) is matched by the image's SHA-256: the same
+    image after the same text is not computed again (the same greedy tokens), another
+    image is; trusted and sandboxed."""
+    eng = load_engine(clip)
+    before, after = list(range(5, 25)), list(range(100, 140))
+    n = eng.info.image_tokens
+    images = [png(11), png(12), png(13), png(14)]
+    args = [json.dumps(before), json.dumps(after), *[i.hex() for i in images]]
+    for events in trusted_and_sandboxed(eng, CACHE_AGENT, args):
+        out = json.loads(result(events))
+        assert out["again"]["tokens"] == out["first"]["tokens"]
+        assert out["first"]["cached"] <= len(before)  # (the other instance's text, at most)
+        # everything but the last page's partial tail: past the image and into the text
+        assert out["again"]["cached"] >= len(before) + n + 16, out
+        assert out["other"]["cached"] <= len(before), out

@@ -94,7 +94,15 @@ class Prefill:
     ``len(out_embeds)`` tokens (always computed). The pages then hold what ``embed_txt`` +
     ``forward`` would write. A page shared through the cache is read-only while another
     inferlet uses it: writing it (``forward`` into it, ``mask_kvpage``, ``copy_kvpage`` onto
-    it) raises ``ApiError``; copy it into a page of your own first."""
+    it) raises ``ApiError``; copy it into a page of your own first.
+
+    Images (a model with the ``input_image`` trait): ``image_at`` is where each image of
+    ``tokens`` starts (its ``num_embs_needed`` positions hold the image token,
+    ``get_image_token``), ``image_digests`` each one's SHA-256, and ``images`` the encoded
+    bytes of those at or after ``kv_len``, in order (an image is never split by
+    ``kv_len``). An image is matched in the cache by its digest, so the same image asked
+    about again is not encoded again, and what follows it is matched too; one not cached
+    is embedded (``embed_img``) and forwarded with the rest."""
 
     q: Handle
     tokens: Sequence[Token]
@@ -102,6 +110,9 @@ class Prefill:
     pages: Sequence[Handle]
     out_embeds: Sequence[Handle]
     reserve: Count = 0
+    image_at: Sequence[Count] = ()
+    image_digests: Sequence[bytes] = ()
+    images: Sequence[bytes] = ()
 
 
 @request("input text, tokenize", trait="tokenize", now=list[Token])

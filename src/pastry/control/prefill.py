@@ -27,12 +27,19 @@ order the waiting prefills (:mod:`pastry.control.policies.admission`). At admiss
    nothing else runs, the allocation goes ahead and the eviction policy may end inferlets
    (or the prefill fails with the reason).
 4. **Compute** the rest: the stale tail of the last fresh page is masked, the remaining
-   tokens are embedded and forwarded on top of the shared prefix, in one batch.
+   tokens are embedded (each image among them by ``embed_img``) and forwarded on top of
+   the shared prefix, in one batch.
 5. **Insert** early: the full pages of a fresh context's prompt enter the tree as soon as
    its batch is dispatched (they are certified then; see
    :mod:`pastry.control.provenance`), so prefills admitted in later batches reuse them.
    The rest (a partial last page, generated tokens) is inserted when the pages are
    released (:meth:`~pastry.control.resources.ResourceManager.free`).
+
+Images are matched like text: the keys of an image's positions come from its SHA-256
+(:func:`pastry.wire.images.image_keys`, above every token id), KV provenance certifies an
+``embed_img``'s slots with the same keys, so the pages of a prompt with an image enter the
+tree like any others and the same image (in the same place, after the same text) is not
+encoded again. A match never ends inside an image: the whole image is computed.
 
 The returned awaitable resolves, once the forward has run, to the number of tokens taken
 from the cache. Without a prefix cache the same call simply computes everything.
@@ -51,7 +58,7 @@ from pastry.control.prefix_cache import PrefixCache
 from pastry.control.provenance import KvProvenance
 from pastry.control.resources import ResourceManager
 from pastry.control.scheduler import BatchScheduler
-from pastry.wire.calls import Call, CallError, Forward
+from pastry.wire.calls import Call, CallError, EmbedImg, Forward
 
 
 @dataclass
@@ -110,9 +117,13 @@ class Prefiller:
         pages: Sequence[int],
         out_embeds: Sequence[int],
         reserve: int = 0,
+        images: Sequence[tuple[int, int, bytes]] = (),
     ) -> tuple[list[int], asyncio.Future]:
         """Queue a prefill on ``queue`` for ``instance``; arguments as
-        :meth:`pastry.api.InferletApi.prefill`.
+        :meth:`pastry.api.InferletApi.prefill`, but ``tokens`` are the cache's keys (an
+        image's positions keyed by its digest, :func:`pastry.wire.images.image_keys`) and
+        ``images`` are ``(first position, embeddings, encoded bytes)`` of the images to
+        embed, in order, each at or after ``kv_len``.
         Returns the new page handles and the future of the number of cached tokens.
         Raises ``ValueError`` (bad arguments) or a :class:`~pastry.control.resources
         .ResourceError` (handles)."""
@@ -141,6 +152,7 @@ class Prefiller:
             namespace=res.user_of(instance),
         )  # fmt: skip
         plan = PrefillPlan(self, instance, admission, list(pages), handles, list(out_embeds))
+        plan.images = list(images)
         return handles, plan.submit(queue)
 
     # ------------------------------------------------------------------ dispatch
@@ -169,9 +181,18 @@ class Prefiller:
         if self.provenance is None:
             return
         t0 = time.perf_counter()
+        failed: set[int] = set()  # the slots of image embeds the engine refused
         for i, (_, call) in enumerate(calls):
             refused = results is None or type(results[i]) is CallError
-            if refused and type(call) is Forward and len(call.out_pages):
+            if refused and type(call) is EmbedImg:
+                failed.update(call.out_embeds.tolist())
+                self.provenance.forget_embeds(call.out_embeds)
+        for i, (_, call) in enumerate(calls):
+            if type(call) is not Forward or not len(call.out_pages):
+                continue
+            refused = results is None or type(results[i]) is CallError
+            # a forward over a refused image's slots read stale embeddings: not the image
+            if refused or (failed and not failed.isdisjoint(call.in_embeds.tolist())):
                 pages = call.out_pages.tolist()
                 self.provenance.forget(pages)
                 self.resources.uncache(pages)

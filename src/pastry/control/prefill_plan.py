@@ -4,7 +4,8 @@
 queues: a KV command that admits the prefill (:class:`_Admit`; the steps of
 :mod:`pastry.control.prefill`'s docstring happen in :meth:`PrefillPlan._decide`), KV calls
 it decided (a copy, masks), an ``embed_txt`` and a forward. Each command's op is the plan
-(and which of its calls): data, prepared when its batch is formed.
+(and which of its calls): data, prepared when its batch is formed. A prefill with images
+has one embed per run of text and per image (``embed_img``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from pastry.control.commands import Command, CommandError, NotAdmitted, Op, Queue, Stage
 from pastry.control.prefix_cache import Match, RadixNode
 from pastry.control.resources import ResourceError
-from pastry.wire.calls import Call, CopyKv, EmbedTxt, Forward, MaskKv, ids
+from pastry.wire.calls import Call, CopyKv, EmbedImg, EmbedTxt, Forward, MaskKv, ids
 
 
 @dataclass(eq=False)
@@ -96,6 +97,10 @@ class PrefillPlan:
     fresh_prompt: bool = False
     computing: tuple | None = None  # our key in Prefiller.computing while we compute it
     error: str = ""  # why admission failed
+    # the images to embed: (first position, embeddings, encoded bytes), in order
+    images: list[tuple[int, int, bytes]] = field(default_factory=list)
+    # what the embed commands embed: (first position, end, an image's bytes or None: text)
+    segments: list[tuple[int, int, bytes | None]] = field(default_factory=list)
 
     @property
     def reused(self) -> int:
@@ -109,16 +114,19 @@ class PrefillPlan:
         extra = max(0, len(self.pages) + len(self.new) - max(len(self.pages), -(-n // ps)))
         kv = [Command(Stage.KV, _Admit(self), admission=self.admission)]
         kv += [Command(Stage.KV, _KvCall(self, i)) for i in range(1, 2 + extra)]
-        embed = Command(Stage.EMBED, _Embed(self))
+        self.segments = _segments(self.admission.kv_len, n, self.images)
+        embeds = [Command(Stage.EMBED, _Embed(self, i)) for i in range(len(self.segments))]
         fwd = Command(Stage.FORWARD, _Forward(self), tokens=self.admission.new_tokens)
-        self.commands = [*kv, embed, fwd]
+        self.commands = [*kv, *embeds, fwd]
         for c in self.commands:
             sched.submit(queue, c)
             if c is not fwd:  # their failures reach the caller through the forward's
                 c.future.add_done_callback(_retrieve)
         kv[0].future.add_done_callback(self._admit_done)
         fwd.future.add_done_callback(self._forward_done)
-        return fwd.future
+        if not self.images:
+            return fwd.future
+        return _failing_with(fwd.future, [c.future for c in embeds])
 
     # ------------------------------------------------------------------ admission
 
@@ -182,10 +190,15 @@ class PrefillPlan:
             match = adm.match()
             if match.length > kv_len:
                 m = match.length
-        full = m // ps  # indices [first_new, full) come from the cache by reference
-        partial = m % ps if m > kv_len else 0
-        if partial and full == last and n % ps:
-            m, partial = full * ps, 0  # copy + mask of one page: compute its slots instead
+        while True:
+            for at, k, _ in self.images:  # never part of an image: the whole is computed
+                if at < m < at + k:
+                    m = max(at, kv_len)
+            full = m // ps  # indices [first_new, full) come from the cache by reference
+            partial = m % ps if m > kv_len else 0
+            if not (partial and full == last and n % ps):
+                break
+            m = full * ps  # copy + mask of one page: compute its slots instead
         shared = max(0, full - first_new) if m > kv_len else 0
         fresh_prompt = cache is not None and kv_len == 0
         key = None
@@ -284,19 +297,29 @@ class PrefillPlan:
 
     # ------------------------------------------------------------------ computing
 
-    def _embed(self) -> Call | None:
+    def _embed(self, i: int) -> Call | None:
+        """The ``i``-th embed: its segment's text or image, but what the cache supplied."""
         self._admitted()
-        n, m = len(self.admission.tokens), self.start
-        if m >= n:
+        lo, hi, image = self.segments[i]
+        m = self.start
+        lo = max(lo, m)
+        if lo >= hi:
             return None
         slots = self.prefiller.resources.translate(self.instance, "embed", self.embeds)
-        return EmbedTxt(ids(self.admission.tokens[m:]), ids(range(m, n)), ids(slots))
+        slots = ids(slots[lo - m : hi - m])
+        if image is not None:  # (a match never ends inside an image: lo is its start)
+            return EmbedImg(np.frombuffer(image, np.uint8), ids(range(lo, hi)), slots)
+        return EmbedTxt(ids(self.admission.tokens[lo:hi]), ids(range(lo, hi)), slots)
 
     def _forward(self) -> Call | None:
         self._admitted()
         n, m, ps = len(self.admission.tokens), self.start, self.prefiller.page_size
         if m >= n:
             return None
+        for c in self.commands:  # an image embed refused in an earlier batch: not on it
+            f = c.future
+            if type(c.op) is _Embed and f.done() and not f.cancelled() and f.exception():
+                raise CommandError(f"the prefill's image embed failed: {f.exception()}")
         res = self.prefiller.resources
         k = n - m
         ins = res.translate(self.instance, "embed", self.embeds)
@@ -383,13 +406,15 @@ class _KvCall(Op):
 
 
 class _Embed(Op):
-    __slots__ = ("plan",)
+    """The ``i``-th embed of a prefill (a run of text, or an image)."""
 
-    def __init__(self, plan: PrefillPlan) -> None:
-        self.plan = plan
+    __slots__ = ("i", "plan")
+
+    def __init__(self, plan: PrefillPlan, i: int) -> None:
+        self.plan, self.i = plan, i
 
     def prepare(self) -> Call | None:
-        return self.plan._embed()
+        return self.plan._embed(self.i)
 
 
 class _Forward(Op):
@@ -403,6 +428,45 @@ class _Forward(Op):
 
     def finish(self, result) -> int:
         return self.plan._finish(result)
+
+
+def _segments(kv_len: int, n: int, images) -> list[tuple[int, int, bytes | None]]:
+    """Positions ``kv_len..n`` as runs of text and images (``(first position,
+    embeddings, bytes)``, in order), each ``(first, end, bytes or None)``."""
+    out: list[tuple[int, int, bytes | None]] = []
+    lo = kv_len
+    for at, k, data in images:
+        if at > lo:
+            out.append((lo, at, None))
+        out.append((at, at + k, data))
+        lo = at + k
+    if lo < n:
+        out.append((lo, n, None))
+    return out
+
+
+def _failing_with(fwd: asyncio.Future, embeds: list[asyncio.Future]) -> asyncio.Future:
+    """``fwd``'s outcome, or the first failure among ``embeds`` (a refused image: the
+    forward ran on embeddings that are not its); cancelling it cancels ``fwd``."""
+    out = asyncio.get_running_loop().create_future()
+
+    def done(f: asyncio.Future) -> None:
+        if out.done():
+            return
+        for e in embeds:
+            if e.done() and not e.cancelled() and e.exception() is not None:
+                out.set_exception(e.exception())
+                return
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())
+        else:
+            out.set_result(f.result())
+
+    fwd.add_done_callback(done)
+    out.add_done_callback(lambda o: fwd.cancel() if o.cancelled() else None)
+    return out
 
 
 def _retrieve(fut: asyncio.Future) -> None:

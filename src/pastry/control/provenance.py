@@ -6,15 +6,18 @@ base model. The control layer never reads the engine's memory, so :class:`KvProv
 follows every call that writes it, in the order the engine runs them (the batch scheduler
 calls :meth:`KvProvenance.observe` when it dispatches a batch), and keeps:
 
-- per embedding slot, the ``(token, position)`` that ``embed_txt`` last wrote to it, or
-  nothing once anything else wrote it (a forward's output, an image's ``embed_img``);
+- per embedding slot, the ``(token, position)`` that ``embed_txt`` last wrote to it (for
+  an ``embed_img``, the image's key at that position: :func:`pastry.wire.images.image_keys`
+  of the SHA-256 of its bytes, above every token id), or nothing once anything else wrote
+  it (a forward's output; an image embed the engine refused, :meth:`forget_embeds`);
 - per KV page, a :class:`PageRecord`: the page's index ``i`` in its sequence (slot ``s``
   holds position ``i * page_size + s``), the tokens of its certified slots ``0..len-1``,
   a key naming every token before the page, and the record of page ``i - 1`` the K/V were
   computed on (so the whole token sequence can be read back).
 
 A forward certifies the slots it writes only if all of this holds: no custom mask, no
-adapter, no explicit positions; every input is an ``embed_txt`` of a token at position
+adapter, no explicit positions; every input is an ``embed_txt`` of a token (or an
+``embed_img`` of an image) at position
 ``L + j`` (``L`` = context length); the context pages are page ``0, 1, ...`` of one
 certified sequence (every page but the last full, the last certified up to
 ``in_kv_last_len``; keys chained); and the new K/V go to slot ``L % page_size`` of the page
@@ -46,6 +49,7 @@ from pastry.control import races
 from pastry.control.page_records import ROOT_KEY, KnownChains, PageRecord
 from pastry.control.races import MANY
 from pastry.wire.calls import CopyKv, EmbedImg, EmbedTxt, Forward, MaskKv, SwapIn
+from pastry.wire.images import MAX_KEYED, image_digest, image_keys
 
 # Contexts of up to this many pages are walked in full (cheaper than looking them up).
 _WALKED = 4
@@ -98,6 +102,10 @@ class KvProvenance:
         for p in pages:
             self._set(p, None)
 
+    def forget_embeds(self, slots) -> None:
+        """The embeddings in ``slots`` are no one's any more (their embed failed)."""
+        self.embed_token[slots] = -1
+
     # ------------------------------------------------------------------ observing a batch
 
     def observe(self, calls: Sequence[tuple[Any, Any]]) -> None:
@@ -126,8 +134,8 @@ class KvProvenance:
             elif t is SwapIn:
                 for p in call.pages.tolist():
                     self._set(p, None)
-            elif t is EmbedImg:  # an image's embeddings are no token's: K/V of them is not text
-                self.embed_token[call.out_embeds] = -1
+            elif t is EmbedImg:
+                self._embed_img(call, races.raced(slots, call.out_embeds.tolist(), q, True))
 
     def _apply(self, calls: Sequence[tuple[Any, Any]]) -> None:
         """:meth:`observe` for a batch where no call races another queue's; each run of
@@ -151,7 +159,7 @@ class KvProvenance:
                 for p in call.pages.tolist():
                     self._set(p, None)
             elif t is EmbedImg:
-                self.embed_token[call.out_embeds] = -1
+                self._embed_img(call, False)
         if embeds:
             self._embed_txts(embeds)
 
@@ -204,6 +212,22 @@ class KvProvenance:
             self.embed_token[e], self.embed_position[e] = toks[0], poss[0]
             return
         self.embed_token[outs] = tokens
+        self.embed_position[outs] = positions
+
+    def _embed_img(self, call: EmbedImg, raced: bool) -> None:
+        """An image's slots hold the image's keys (:func:`pastry.wire.images.image_keys`, from
+        the SHA-256 of its bytes) at its positions: a forward over them certifies its pages
+        as that image, as one over ``embed_txt`` slots certifies text."""
+        outs, positions = call.out_embeds, call.positions
+        n = len(outs)
+        if raced or not n or n != len(positions) or n > MAX_KEYED:
+            self.embed_token[outs] = -1
+            return
+        poss = positions.tolist()
+        if min(poss) < 0 or max(poss) >= self.max_position:
+            self.embed_token[outs] = -1
+            return
+        self.embed_token[outs] = image_keys(image_digest(call.image.tobytes()), n)
         self.embed_position[outs] = positions
 
     def _forward(self, call: Forward, raced: bool) -> None:

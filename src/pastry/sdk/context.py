@@ -21,13 +21,14 @@ step's calls in one engine batch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable, Sequence
 
 from pastry.api import ApiError, Sampling
+from pastry.sdk import images as imaging
 from pastry.sdk.ahead import until_own_stop
 from pastry.sdk.calls import await_step
 from pastry.sdk.current import api
-from pastry.sdk.images import embed_calls, in_image, placeholders
 from pastry.sdk.pages import give_back, share
 from pastry.sdk.sampling import Sampler
 from pastry.sdk.stop import (
@@ -79,9 +80,9 @@ class Context:
         self.cached_tokens = 0  # filled tokens that came from the prefix cache
         # Images filled but not yet forwarded: position -> (encoded bytes, embeddings).
         self._images: dict[int, tuple[bytes, int]] = {}
-        # Once an image is in the context, its K/V is no text's: what follows is computed,
-        # never matched in the prefix cache by its (placeholder) tokens.
-        self.has_image = False
+        # Every image of the context: (first position, embeddings, SHA-256), in order; the
+        # prefix cache matches an image by its digest.
+        self.image_spans: list[tuple[int, int, bytes]] = []
         # Pages [0, frozen) may be shared through the prefix cache: never written in place.
         self.frozen = 0
 
@@ -111,20 +112,21 @@ class Context:
         self.check_live()
         a, q = self.api, self.queue
         n = a.num_embs_needed(q, image)
-        self._images[len(self.tokens)] = (bytes(image), n)
-        self.has_image = True
+        image = bytes(image)
+        self._images[len(self.tokens)] = (image, n)
+        self.image_spans.append((len(self.tokens), n, hashlib.sha256(image).digest()))
         placeholder = [a.get_image_token(q)] * n
         self.tokens.extend(placeholder)
         self.pending.extend(placeholder)
 
+    @property
+    def has_image(self) -> bool:
+        return bool(self.image_spans)
+
     def drop_images(self, length: int) -> None:
-        """Forget the pending images at or after ``length`` (the context is being cut
-        there: :func:`~pastry.sdk.steps.truncate`); ``ApiError`` for a cut through one."""
-        for at, (_, n) in list(self._images.items()):
-            if at < length < at + n:
-                raise ApiError(f"cannot cut the context at {length}: inside an image ({at}..{at + n - 1})")  # fmt: skip
-            if at >= length:
-                del self._images[at]
+        """Forget the images at or after ``length`` (the context is being cut there:
+        :func:`~pastry.sdk.steps.truncate`); ``ApiError`` for a cut through one."""
+        self.image_spans = imaging.cut_images(self.image_spans, self._images, length)
 
     def fill_prompt(self, tokens: Sequence[int], images: Sequence[bytes] = ()) -> None:
         """Append ``tokens``, each image placeholder token among them (``get_image_token``:
@@ -136,7 +138,7 @@ class Context:
             return
         start = 0
         for i, image in zip(
-            placeholders(self.api, self.queue, tokens, images), images, strict=True
+            imaging.placeholders(self.api, self.queue, tokens, images), images, strict=True
         ):
             self.fill_tokens(tokens[start:i])
             self.fill_image(image)
@@ -331,7 +333,7 @@ class Context:
         child.kv_len = self.kv_len
         child.tokens = list(self.tokens)
         child.pending = list(self.pending)
-        child.has_image = self.has_image
+        child.image_spans = list(self.image_spans)
         return child
 
     async def release(self) -> None:
@@ -421,12 +423,13 @@ class Context:
         n = len(tokens)
         start = self.kv_len
         self.kv_len += n
-        if n > n_out and self.adapter is None and not self.has_image:  # maybe in the cache
+        if n > n_out and self.adapter is None:  # maybe in the cache
             outs = self.embed_slots(n_out)  # the prefill brings its own input slots
             if start == len(self.pages) * ps:  # reusable: pages up to the end may be shared
                 self.frozen = (start + n) // ps
             seq = self.tokens[: start + n]
-            new, fut = a.prefill(q, seq, start, self.pages, outs, reserve)
+            images = imaging.prefill_images(self.image_spans, self._images, start, start + n)
+            new, fut = a.prefill(q, seq, start, self.pages, outs, reserve, *images)
             self.pages.extend(new)
             fut.add_done_callback(self._count_cached)
             return [fut], outs
@@ -442,12 +445,12 @@ class Context:
         if not self._images:
             a, n = self.api, len(tokens)
             return [a.embed_txt(self.queue, list(tokens), list(range(start, start + n)), ins)]
-        return embed_calls(self.api, self.queue, self._images, tokens, start, ins)
+        return imaging.embed_calls(self.api, self.queue, self._images, tokens, start, ins)
 
     def _check_tail(self, what: str) -> None:
         """Refuse to leave part of an image pending: the pending token a flush keeps (and
         generation starts from) must be text."""
-        if in_image(self._images, len(self.tokens) - 1):
+        if imaging.in_image(self._images, len(self.tokens) - 1):
             raise ApiError(
                 f"{what}: the context ends with an image; fill text after it (generation "
                 "starts from a text token)"

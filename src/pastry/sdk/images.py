@@ -3,14 +3,15 @@ tokens, and the embed calls that write a run of tokens and images.
 
 A context keeps the images it has filled but not yet forwarded as ``position -> (encoded
 bytes, embeddings)``: the image's placeholder tokens fill positions ``position ..
-position + embeddings - 1``.
+position + embeddings - 1``; and every image it holds as ``(position, embeddings,
+SHA-256)``, what a prefill names them by (the prefix cache matches an image by its digest).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pastry.api import InferletApi
+from pastry.api import ApiError, InferletApi
 
 Images = dict[int, tuple[bytes, int]]
 
@@ -53,3 +54,30 @@ def embed_calls(
         i = at - start + size
     text(n)
     return futs
+
+
+def prefill_images(
+    spans: list[tuple[int, int, bytes]], images: Images, start: int, end: int
+) -> tuple[list[int], list[bytes], list[bytes]]:
+    """A prefill's image arguments for positions ``start..end`` of a context
+    (:class:`pastry.api.Prefill`): where each image of ``..end`` starts, each one's
+    digest, and the bytes of those from ``start`` on (taken out of ``images``: the prefill
+    embeds them, or finds them cached)."""
+    if not spans:
+        return [], [], []
+    mine = [(at, digest) for at, _, digest in spans if at < end]
+    data = [images.pop(at)[0] for at, _ in mine if at >= start]
+    return [at for at, _ in mine], [d for _, d in mine], data
+
+
+def cut_images(
+    spans: list[tuple[int, int, bytes]], images: Images, length: int
+) -> list[tuple[int, int, bytes]]:
+    """The images of a context cut at ``length`` (``images`` loses those after it too);
+    ``ApiError`` for a cut through one."""
+    for at, n, _ in spans:
+        if at < length < at + n:
+            raise ApiError(f"cannot cut the context at {length}: inside an image ({at}..{at + n - 1})")  # fmt: skip
+    for at in [at for at in images if at >= length]:
+        del images[at]
+    return [span for span in spans if span[0] < length]

@@ -59,8 +59,9 @@ def parse_response(
     any), ``quotas``: the image quotas (None: ``input_image`` parts are refused); errors
     are :class:`OpenAIError` naming the field.
 
-    A conversation with images is computed whole on each follow-up: its K/V is neither
-    exported nor imported (what follows an image is never taken from a cache)."""
+    A conversation with images is not exported for its follow-up (an export is imported
+    by token ids, which name no image): the prefix cache supplies its K/V instead, the
+    images matched by their digests."""
     for name in body:
         if name not in FIELDS and body[name] is not None:
             raise _error(f"'{name}' is not supported by this server", name)

@@ -8,6 +8,7 @@ parses image bytes. Importing this module does not import Pillow.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+# The prefix cache's keys for an image's positions (image_keys): ids from 2**32 on, where
+# no token id is, so that an image matches the same image and nothing else.
+KEY_BASE = 1 << 32
+MAX_KEYED = 1 << 14  # embeddings per image that keys tell apart
 
 
 class ImageError(ValueError):
@@ -59,3 +64,21 @@ def decode_image(data: bytes, max_bytes: int | None = None, max_pixels: int | No
         return im.convert("RGB")
     except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt data
         raise ImageError(f"the image cannot be decoded: {e}") from None
+
+
+def image_digest(data: bytes) -> bytes:
+    """The SHA-256 of an image's encoded bytes: what names it in the prefix cache."""
+    return hashlib.sha256(bytes(data)).digest()
+
+
+def image_keys(digest: bytes, n: int) -> list[int]:
+    """The prefix cache's keys of the ``n`` positions of the image with SHA-256 ``digest``
+    (:func:`image_digest`): 48 bits of the digest and the position's index in the image,
+    above :data:`KEY_BASE` (every key fits a signed 64-bit integer, as page records keep
+    them). Two images share keys only if their digests share 48 bits."""
+    if len(digest) != 32:
+        raise ValueError(f"an image digest is 32 bytes (SHA-256), got {len(digest)}")
+    if not 0 < n <= MAX_KEYED:
+        raise ValueError(f"an image of {n} embeddings cannot be keyed (1 to {MAX_KEYED})")
+    base = KEY_BASE + (int.from_bytes(digest[:6], "little") << 14)
+    return list(range(base, base + n))

@@ -33,7 +33,7 @@ from pastry.control.ops import (
 from pastry.control.sampling import Release, sample_spec
 from pastry.control.steps import Embed, SampledStep, Step
 from pastry.wire.calls import ids
-from pastry.wire.images import ImageError, open_image
+from pastry.wire.images import ImageError, image_digest, image_keys, open_image
 from pastry.wire.kv_layout import KvNames, kv_write_error
 
 _I64 = 1 << 63
@@ -199,14 +199,61 @@ def prefill(s: Caller, r: api.Prefill) -> tuple[list[int], asyncio.Future]:
     ref = s.queue(r.q)
     kv_len, reserve = _count(r.kv_len, "kv_len"), _count(r.reserve, "reserve")
     submit = ref.model.prefiller.submit
+    tokens, images = r.tokens, ()
+    if len(r.image_at) or len(r.image_digests) or len(r.images):
+        tokens, images = _prefill_images(s, ref, r, kv_len)
     try:
         return resource_call(
-            submit, s.instance, ref.queue, r.tokens, kv_len, r.pages, r.out_embeds, reserve
+            submit, s.instance, ref.queue, tokens, kv_len, r.pages, r.out_embeds, reserve, images
         )
     except ApiError:
         raise
     except ValueError as e:
         raise ApiError(str(e)) from None
+
+
+def _prefill_images(s: Caller, ref, r: api.Prefill, kv_len: int) -> tuple[list[int], list]:
+    """The prefix cache's keys of a prefill's tokens (each image's positions keyed by its
+    digest, :func:`pastry.wire.images.image_keys`) and the images it embeds: ``(first
+    position, embeddings, bytes)`` of each one at or after ``kv_len``."""
+    info = ref.model.info
+    if not info.image_tokens:
+        raise ApiError(
+            f"prefill: the model '{info.model_name}' takes no images (it has no "
+            "'input_image' trait: serve a vision-language checkpoint)"
+        )
+    at, digests = ints(r.image_at, "image_at"), [bytes(d) for d in r.image_digests]
+    keys, n, mark = ints(r.tokens, "tokens"), info.image_tokens, info.image_token_id
+    if len(digests) != len(at):
+        raise ApiError(f"prefill: {len(at)} image positions (image_at) for {len(digests)} image_digests")  # fmt: skip
+    later = [i for i, a in enumerate(at) if a >= kv_len]
+    if len(r.images) != len(later):
+        raise ApiError(
+            f"prefill: {len(later)} images start at or after kv_len ({kv_len}) and need their "
+            f"bytes; {len(r.images)} images given"
+        )
+    end = 0
+    for i, a in enumerate(at):
+        if a < end or a + n > len(keys) or a < kv_len < a + n:
+            raise ApiError(
+                f"prefill: image_at[{i}] = {a}: images take {n} positions each, in order, "
+                f"within the {len(keys)} tokens, none split by kv_len ({kv_len})"
+            )
+        if any(t != mark for t in keys[a : a + n]):
+            raise ApiError(f"prefill: positions {a}..{a + n - 1} must hold the image token {mark}")  # fmt: skip
+        try:
+            keys[a : a + n] = image_keys(digests[i], n)
+        except ValueError as e:
+            raise ApiError(f"prefill: image_digests[{i}]: {e}") from None
+        end = a + n
+    images = []
+    for j, i in enumerate(later):
+        data = r.images[j]
+        _image_tokens(s, ref, data, f"prefill: images[{j}]")
+        if image_digest(data) != digests[i]:
+            raise ApiError(f"prefill: image_digests[{i}] is not the SHA-256 of images[{j}]")
+        images.append((at[i], n, bytes(data)))
+    return keys, images
 
 
 # ---------------------------------------------------------------------------- input image
