@@ -689,3 +689,37 @@ def test_the_same_image_again_comes_from_the_prefix_cache(clip):
         # everything but the last page's partial tail: past the image and into the text
         assert out["again"]["cached"] >= len(before) + n + 16, out
         assert out["other"]["cached"] <= len(before), out
+
+
+BROKEN_AGENT = """
+import json
+import pastry.sdk as px
+from pastry.sdk import Context, MaxTokens
+
+async def main(args):
+    before, image = json.loads(args[0]), bytes.fromhex(args[1])
+    out = []
+    for _ in range(2):
+        ctx = Context()
+        ctx.fill_tokens(before)
+        ctx.fill_image(image)  # the header reads: the engine finds the pixels cut short
+        ctx.fill_tokens(before)
+        try:
+            await ctx.generate(stop=MaxTokens(2))
+            out.append("generated")
+        except px.ApiError as e:
+            out.append(str(e))
+        await ctx.release()
+    return json.dumps(out)
+"""
+
+
+def test_an_image_the_engine_cannot_decode_fails_the_prefill_and_is_never_cached(clip):
+    """A truncated PNG passes the header check and fails in the engine: the prefill that
+    embeds it fails, and nothing forwarded over its slots enters the cache (the second
+    context embeds it again, and fails again, instead of reading stale K/V)."""
+    eng = load_engine(clip)
+    args = [json.dumps(list(range(5, 25))), png(21, (64, 64))[:300].hex()]
+    for events in trusted_and_sandboxed(eng, BROKEN_AGENT, args):
+        out = json.loads(result(events))
+        assert len(out) == 2 and all("EmbedImg" in o for o in out), out

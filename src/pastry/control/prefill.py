@@ -31,7 +31,9 @@ order the waiting prefills (:mod:`pastry.control.policies.admission`). At admiss
    the shared prefix, in one batch.
 5. **Insert** early: the full pages of a fresh context's prompt enter the tree as soon as
    its batch is dispatched (they are certified then; see
-   :mod:`pastry.control.provenance`), so prefills admitted in later batches reuse them.
+   :mod:`pastry.control.provenance`), so prefills admitted in later batches reuse them
+   (not a prompt with an image to embed: the engine may still refuse the image, so its
+   pages wait for their release).
    The rest (a partial last page, generated tokens) is inserted when the pages are
    released (:meth:`~pastry.control.resources.ResourceManager.free`).
 

@@ -277,7 +277,7 @@ class PrefillPlan:
         self.fresh_prompt = d.fresh_prompt
         fwd = self.commands[-1]
         fwd.tokens = n - m
-        if d.key is not None and n > m:
+        if d.key is not None and n > m and not self.images:  # (inserted at release)
             self.computing = d.key
             pf.computing.setdefault(d.key, self)
         if self.pinned is not None or self.fresh_prompt or self.computing:
@@ -354,7 +354,9 @@ class PrefillPlan:
         """The batch holding ``cmd`` (the forward, or the admission when nothing is
         computed) is dispatched: the copy has been sent, the prompt pages are certified."""
         self._unpin()
-        if self.fresh_prompt:
+        # A prompt with an image to embed enters the tree when its pages are released, not
+        # now: the engine may yet refuse the image (its pages are then uncertified).
+        if self.fresh_prompt and not self.images:
             ps = self.prefiller.page_size
             full = len(self.admission.tokens) // ps
             res = self.prefiller.resources
@@ -450,13 +452,17 @@ def _failing_with(fwd: asyncio.Future, embeds: list[asyncio.Future]) -> asyncio.
     forward ran on embeddings that are not its); cancelling it cancels ``fwd``."""
     out = asyncio.get_running_loop().create_future()
 
-    def done(f: asyncio.Future) -> None:
-        if out.done():
+    def done(_) -> None:
+        if out.done() or not fwd.done():
             return
-        for e in embeds:
-            if e.done() and not e.cancelled() and e.exception() is not None:
+        for e in embeds:  # (a batch's futures resolve in any order: wait for them all)
+            if not e.done():
+                e.add_done_callback(done)
+                return
+            if not e.cancelled() and e.exception() is not None:
                 out.set_exception(e.exception())
                 return
+        f = fwd
         if f.cancelled():
             out.cancel()
         elif f.exception() is not None:
