@@ -723,3 +723,83 @@ def test_an_image_the_engine_cannot_decode_fails_the_prefill_and_is_never_cached
     for events in trusted_and_sandboxed(eng, BROKEN_AGENT, args):
         out = json.loads(result(events))
         assert len(out) == 2 and all("EmbedImg" in o for o in out), out
+
+
+def test_image_urls_are_fetched_only_from_allowed_hosts(clip, tmp_path):
+    """``--image-url-allow``: image URLs of chat, Responses, Anthropic and /generate
+    requests are fetched from the allowed hosts and answer as the same image inline; an
+    unallowed host, a 404 or a redirect is a 400 naming the part."""
+    import http.server
+    import threading
+
+    import httpx
+
+    from server_util import running_server
+
+    site = tmp_path / "site"
+    site.mkdir()
+    image = png(31)
+    (site / "cat.png").write_bytes(image)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(site), **kw)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{httpd.server_address[1]}"
+    model = "llava-clip-legacy-tiny"
+
+    def chat(url):
+        parts = [
+            {"type": "text", "text": "Look: "},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]
+        return {"model": model, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": parts}]}  # fmt: skip
+
+    try:
+        with running_server(clip, tmp_path / "home", image_url_allow=("127.0.0.1",)) as (url, _):
+            post = lambda path, body: httpx.post(f"{url}{path}", json=body, timeout=120)  # noqa: E731
+            inline = post("/v1/chat/completions", chat(_data_url(image)))
+            want = inline.json()["choices"][0]["message"]["content"]
+            r = post("/v1/chat/completions", chat(f"{base}/cat.png"))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == want
+            resp = {"model": model, "max_output_tokens": 4, "temperature": 0, "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": "Look: "}, {"type": "input_image", "image_url": f"{base}/cat.png"}]}]}  # fmt: skip
+            r = post("/v1/responses", resp)
+            assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == want, (
+                r.text
+            )
+            msg = {"model": model, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Look: "}, {"type": "image", "source": {"type": "url", "url": f"{base}/cat.png"}}]}]}  # fmt: skip
+            r = post("/v1/messages", msg)
+            assert r.status_code == 200 and r.json()["content"][0]["text"] == want, r.text
+            gen = {"text": "Look: <image>", "image_data": f"{base}/cat.png",
+                   "sampling_params": {"max_new_tokens": 4, "temperature": 0}}  # fmt: skip
+            r = post("/generate", gen)
+            assert r.status_code == 200, r.text
+            for bad, words in [
+                (f"{base}/missing.png", "answered 404"),
+                (
+                    f"http://localhost:{httpd.server_address[1]}/cat.png",
+                    "not one this server fetches",
+                ),
+            ]:
+                r = post("/v1/chat/completions", chat(bad))
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert (
+                    err["param"] == "messages[0].content[1].image_url.url"
+                    and words in err["message"]
+                ), err
+            r = post("/generate", {**gen, "image_data": f"{base}/missing.png"})
+            assert r.status_code == 400 and "'image_data': the image URL answered 404" in r.text, (
+                r.text
+            )
+    finally:
+        httpd.shutdown()

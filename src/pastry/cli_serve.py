@@ -136,6 +136,11 @@ def _add_program_options(p: argparse.ArgumentParser) -> None:
         help="hosts inferlets may reach over HTTP (default: none)",
     )  # fmt: skip
     p.add_argument(
+        "--image-url-allow", nargs="+", default=[], metavar="HOST",
+        help="hosts the server fetches images from when a request names one by URL "
+        "(image_url, input_image, an Anthropic url source; default: none, inline images only)",
+    )  # fmt: skip
+    p.add_argument(
         "--trusted-uploads",
         action="store_true",
         help="run programs that operators upload from now on in the server process instead "
@@ -249,6 +254,15 @@ def _adapter_spec(spec: str) -> tuple[str, str]:
     return name, path
 
 
+def _reach(args: argparse.Namespace) -> dict:
+    """What inferlets and requests may reach outside the server."""
+    return {
+        "http_allow": tuple(args.http_allow),
+        "image_url_allow": tuple(args.image_url_allow),
+        "mcp_servers": tuple(args.mcp),
+    }
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -271,10 +285,9 @@ def _serve(args: argparse.Namespace) -> int:
             num_pages=args.num_pages,
             num_embeds=args.num_embeds,
             policy=args.policy,
-            http_allow=tuple(args.http_allow),
             trusted_uploads=args.trusted_uploads,
             adapters=tuple(_adapter_spec(a) for a in args.adapter),
-            mcp_servers=tuple(args.mcp),
+            **_reach(args),
             schedule=args.schedule,
             max_batch=args.max_batch,
             engines=args.engines if args.engines is not None else (0 if args.engine else 1),

@@ -443,6 +443,7 @@ def routes(server: PastryServer) -> list[Route]:
         try:
             body = await read_body(request)
             m = server.controller.models[model_name(server, body)]
+            await server.image_fetch.inline(body, "messages")  # image URLs it may fetch
             job = await asyncio.to_thread(parse_messages, m, body, adapter_name(server, body), server.config.quotas)  # fmt: skip
             admit(server, request, job, body)
         except OpenAIError as e:
@@ -458,6 +459,7 @@ def routes(server: PastryServer) -> list[Route]:
             body = await read_body(request)
             m = server.controller.models[model_name(server, body)]
             counted = {k: body[k] for k in ("model", "messages", "system", "tools", "tool_choice") if k in body}  # fmt: skip
+            await server.image_fetch.inline(counted, "messages")
             job = await asyncio.to_thread(parse_messages, m, {**counted, "max_tokens": 1}, None, server.config.quotas)  # fmt: skip
         except OpenAIError as e:
             return JSONResponse(error_body(e), e.status)

@@ -70,8 +70,9 @@ def _data_url(url: str, where: str, quotas: Quotas, bare: bool = False) -> str:
     head, comma, data = url.partition(",")
     if url.startswith(("http://", "https://")):
         raise OpenAIError(
-            f"'{where}': this server does not fetch image URLs (remote fetching is off); "
-            "send the image inline as a data: URL",
+            f"'{where}': this server does not fetch image URLs from this host (its operator "
+            "allows hosts with --image-url-allow; none by default): send the image inline "
+            "as a data: URL",
             where,
         )
     if bare and not url.startswith("data:"):

@@ -39,6 +39,7 @@ class ServerConfig:
     num_embeds: int = 0
     policy: str = "adaptive"
     http_allow: tuple[str, ...] = ()
+    image_url_allow: tuple[str, ...] = ()  # hosts image URLs may name (server/image_fetch.py)
     # MCP servers inferlets may use: NAME=COMMAND or NAME=URL (control/mcp.py: McpServer)
     mcp_servers: tuple[str, ...] = ()
     max_upload_bytes: int = 1 << 20

@@ -113,6 +113,8 @@ async def _generate(parse, endpoint: str, api: Api, request: Request):
         body = await read_body(request)
         m = server.controller.models[model_name(server, body)]
         adapter = adapter_name(server, body)
+        if endpoint == "/v1/chat/completions":
+            await server.image_fetch.inline(body, "chat")  # image URLs it may fetch
         job = await asyncio.to_thread(parse, m, body, adapter=adapter)  # off the loop
         admit(server, request, job, body)
     except OpenAIError as e:

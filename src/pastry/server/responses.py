@@ -232,6 +232,7 @@ async def _create(store: ResponseStore, request: Request):
         body = await read_body(request)
         m = server.controller.models[model_name(server, body)]
         adapter = adapter_name(server, body)
+        await server.image_fetch.inline(body, "responses")  # image URLs it may fetch
         spec = await asyncio.to_thread(
             parse_response, m, body, store, user, adapter, server.config.quotas
         )

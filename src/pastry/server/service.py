@@ -28,6 +28,7 @@ from pastry.paths import programs_dir
 from pastry.runtime.trusted import Instance, TrustedRuntime
 from pastry.server.config import ConfigError, ServerConfig  # importable from here too
 from pastry.server.engines import ServerEngines
+from pastry.server.image_fetch import ImageFetcher
 from pastry.server.registry import ProgramRegistry, RegistryError
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class PastryServer:
         self.controller: Controller | None = None
         self.runtime: TrustedRuntime | None = None
         q = config.quotas
+        # image URLs in requests, from the hosts the operator allows (none by default)
+        self.image_fetch = ImageFetcher(config.image_url_allow, q.image_bytes or 64 << 20)
         self.registry = ProgramRegistry(
             config.programs_dir or programs_dir(),
             config.max_upload_bytes,

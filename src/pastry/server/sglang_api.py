@@ -33,6 +33,7 @@ from pastry.control.programs import session_key
 from pastry.runtime.trusted import Instance
 from pastry.server import errors
 from pastry.server.auth import tenant_session, user_of
+from pastry.server.openai_options import OpenAIError
 from pastry.server.relay import Events, relay, send_json
 from pastry.server.service import LaunchQuotaError, PastryServer
 from pastry.server.sglang_params import ApiError, Job, check_texts, parse
@@ -112,6 +113,10 @@ async def _generate(server: PastryServer, request: Request):
     except ValueError as e:
         return ApiError(f"the request body is not valid JSON: {e}").response()
     try:
+        try:
+            await server.image_fetch.inline(body, "generate")  # image URLs it may fetch
+        except OpenAIError as e:
+            raise ApiError(str(e)) from None
         job = await asyncio.to_thread(parse, server, body)  # compiles grammars: off the loop
         await asyncio.to_thread(check_texts, server, body)  # issue 17: off the loop
         _admit(server, request, job)
