@@ -124,9 +124,7 @@ class PrefillPlan:
                 c.future.add_done_callback(_retrieve)
         kv[0].future.add_done_callback(self._admit_done)
         fwd.future.add_done_callback(self._forward_done)
-        if not self.images:
-            return fwd.future
-        return _failing_with(fwd.future, [c.future for c in embeds])
+        return fwd.future
 
     # ------------------------------------------------------------------ admission
 
@@ -338,6 +336,12 @@ class PrefillPlan:
         )
 
     def _finish(self, _result) -> int:
+        # An image refused in this batch (its embed resolved just before): the forward ran
+        # on embeddings that are not the image's, so the prefill fails with the refusal.
+        for c in self.commands:
+            f = c.future
+            if type(c.op) is _Embed and f.done() and not f.cancelled() and f.exception():
+                raise f.exception()
         return self.reused
 
     def _forward_done(self, fut: asyncio.Future) -> None:
@@ -444,34 +448,6 @@ def _segments(kv_len: int, n: int, images) -> list[tuple[int, int, bytes | None]
         lo = at + k
     if lo < n:
         out.append((lo, n, None))
-    return out
-
-
-def _failing_with(fwd: asyncio.Future, embeds: list[asyncio.Future]) -> asyncio.Future:
-    """``fwd``'s outcome, or the first failure among ``embeds`` (a refused image: the
-    forward ran on embeddings that are not its); cancelling it cancels ``fwd``."""
-    out = asyncio.get_running_loop().create_future()
-
-    def done(_) -> None:
-        if out.done() or not fwd.done():
-            return
-        for e in embeds:  # (a batch's futures resolve in any order: wait for them all)
-            if not e.done():
-                e.add_done_callback(done)
-                return
-            if not e.cancelled() and e.exception() is not None:
-                out.set_exception(e.exception())
-                return
-        f = fwd
-        if f.cancelled():
-            out.cancel()
-        elif f.exception() is not None:
-            out.set_exception(f.exception())
-        else:
-            out.set_result(f.result())
-
-    fwd.add_done_callback(done)
-    out.add_done_callback(lambda o: fwd.cancel() if o.cancelled() else None)
     return out
 
 
