@@ -189,13 +189,13 @@ class PrefillPlan:
             if match.length > kv_len:
                 m = match.length
         while True:
-            for at, k, _ in self.images:  # never part of an image: the whole is computed
-                if at < m < at + k:
-                    m = max(at, kv_len)
+            m = self._outside_images(m)  # never part of an image: the whole is computed
             full = m // ps  # indices [first_new, full) come from the cache by reference
             partial = m % ps if m > kv_len else 0
             if not (partial and full == last and n % ps):
                 break
+            if self._outside_images(full * ps) < full * ps:
+                break  # rather a copy and a mask of one page (two batches) than the image again
             m = full * ps  # copy + mask of one page: compute its slots instead
         shared = max(0, full - first_new) if m > kv_len else 0
         fresh_prompt = cache is not None and kv_len == 0
@@ -207,6 +207,13 @@ class PrefillPlan:
         pf.stats.seconds += time.perf_counter() - t0
         return _Reuse(match, m, full, partial, shared, first_new, last, fresh_prompt, key,
                       self.commands[0].queue)  # fmt: skip
+
+    def _outside_images(self, m: int) -> int:
+        """``m``, or the start of the image it falls inside."""
+        for at, k, _ in self.images:
+            if at < m < at + k:
+                return max(at, self.admission.kv_len)
+        return m
 
     def _take_memory(self, d: _Reuse) -> RadixNode | None:
         """Admit against free memory, share and pin the prefix, allocate the rest (steps
