@@ -804,3 +804,43 @@ def test_image_urls_are_fetched_only_from_allowed_hosts(clip, tmp_path):
             )
     finally:
         httpd.shutdown()
+
+
+ONE_ASK = """
+import json
+from pastry.sdk import Context, MaxTokens
+
+async def main(args):
+    ctx = Context()
+    ctx.fill_tokens(json.loads(args[0]))
+    ctx.fill_image(bytes.fromhex(args[1]))
+    ctx.fill_tokens(json.loads(args[0]))
+    await ctx.generate(stop=MaxTokens(2))
+    await ctx.release()
+    return json.dumps(ctx.cached_tokens)
+"""
+
+
+def test_users_never_match_each_others_cached_images(clip):
+    """The same image and text from two users: each user's second ask is cached past
+    the image, the other user's first is not (one tree per user, docs/security.md)."""
+    from inferlet_util import start
+    from pastry.runtime.trusted import Program
+
+    eng = load_engine(clip)
+    args = [json.dumps(list(range(5, 25))), png(41).hex()]
+
+    async def go():
+        controller, rt, handle = await start(eng)
+        prog = Program.from_source("ask", ONE_ASK)
+        got = []
+        for user in ("alice", "bob", "alice", "bob"):
+            events = [ev async for ev in rt.launch(prog, args, user=user).events()]
+            got.append(json.loads(result(events)))
+        await controller.close()
+        handle.close()
+        return got
+
+    a1, b1, a2, b2 = asyncio.run(go())
+    assert a1 == 0 and b1 == 0
+    assert a2 > 20 + eng.info.image_tokens and b2 == a2
