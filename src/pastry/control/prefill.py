@@ -151,7 +151,7 @@ class Prefiller:
         reusable = kv_len if kv_len == len(pages) * ps else -1
         admission = Admission(
             tokens, kv_len, time.perf_counter(), self, reusable, n - len(out_embeds),
-            namespace=res.user_of(instance),
+            namespace=res.user_of(instance), image_spans=tuple((at, k) for at, k, _ in images),
         )  # fmt: skip
         plan = PrefillPlan(self, instance, admission, list(pages), handles, list(out_embeds))
         plan.images = list(images)

@@ -35,6 +35,7 @@ class Admission:
     reusable_from: int  # the first position the cache may supply (-1: none)
     limit: int  # the last position + 1 the cache may supply
     namespace: object = None  # whose cache it may match (its user's: docs/security.md)
+    image_spans: tuple[tuple[int, int], ...] = ()  # (first position, embeddings) of new images
     seen: int | None = None  # the scheduling policy's batch count when it first saw it
     starved: bool = False  # waited too long: served first, pages saved up for it
     admitted: bool = False
@@ -60,7 +61,11 @@ class Admission:
         """Tokens the cache would supply if admitted now."""
         if self.prefiller.cache is None or self.reusable_from < 0:
             return 0
-        return max(0, self.match().length - self.reusable_from)
+        m = self.match().length
+        for at, k in self.image_spans:  # a match inside a new image computes it whole
+            if at < m < at + k:
+                m = at
+        return max(0, m - self.reusable_from)
 
 
 @dataclass(frozen=True, slots=True)
