@@ -844,3 +844,71 @@ def test_users_never_match_each_others_cached_images(clip):
     a1, b1, a2, b2 = asyncio.run(go())
     assert a1 == 0 and b1 == 0
     assert a2 > 20 + eng.info.image_tokens and b2 == a2
+
+
+BAD_PREFILLS = """
+import hashlib
+import json
+import pastry.sdk as px
+
+async def main(args):
+    image = bytes.fromhex(args[0])
+    q = px.create_queue(px.available_models()[0])
+    n, mark = px.num_embs_needed(q, image), px.get_image_token(q)
+    digest = hashlib.sha256(image).digest()
+    tokens = [5, 6] + [mark] * n + [7, 8]
+    [out] = px.alloc_embeds(q, 1)
+    cases = {
+        "count": ([2], [], [image]),
+        "bytes": ([2], [digest], []),
+        "digest": ([2], [hashlib.sha256(b"x").digest()], [image]),
+        "place": ([1], [digest], [image]),
+        "overlap": ([2, 3], [digest, digest], [image, image]),
+        "short": ([2], [digest[:8]], [image]),
+        "not_image": ([2], [hashlib.sha256(b"x").digest()], [b"x"]),
+    }
+    errors = {}
+    for name, (at, digests, images) in cases.items():
+        try:
+            px.prefill(q, tokens, 0, [], [out], 0, at, digests, images)
+            errors[name] = "accepted"
+        except px.ApiError as e:
+            errors[name] = str(e)
+    pages, cached = px.prefill(q, tokens, 0, [], [out], 0, [2], [digest], [image])
+    await cached
+    try:  # the image's positions hold K/V now: nothing of it is new, so its bytes are not
+        px.prefill(q, tokens + [9, 10], len(tokens), pages, [out], 0, [2], [digest], [image])
+    except px.ApiError as e:
+        errors["extra"] = str(e)
+    return json.dumps(errors)
+"""
+
+
+def test_prefill_refuses_image_arguments_that_do_not_add_up(clip, tiny_llama):
+    """``prefill``'s image arguments are checked before anything is queued, each refusal
+    naming what is wrong; a text model refuses them."""
+    image = png(51).hex()
+    for events in trusted_and_sandboxed(load_engine(clip), BAD_PREFILLS, [image]):
+        errors = json.loads(result(events))
+        assert "1 image positions (image_at) for 0 image_digests" in errors["count"]
+        assert "need their bytes; 0 images given" in errors["bytes"]
+        assert "image_digests[0] is not the SHA-256 of images[0]" in errors["digest"]
+        assert "must hold the image token" in errors["place"]
+        assert "in order" in errors["overlap"]
+        assert "an image digest is 32 bytes" in errors["short"]
+        assert "not an image" in errors["not_image"]
+        assert "1 images given" in errors["extra"]
+    text_model = """
+import pastry.sdk as px
+
+async def main(args):
+    q = px.create_queue(px.available_models()[0])
+    [out] = px.alloc_embeds(q, 1)
+    try:
+        px.prefill(q, [5, 6, 7], 0, [], [out], 0, [1], [bytes(32)], [bytes.fromhex(args[0])])
+    except px.ApiError as e:
+        return str(e)
+    return "accepted"
+"""
+    (ev,), _ = asyncio.run(run_all(load_engine(tiny_llama), [(text_model, [image])]))
+    assert "prefill: the model" in result(ev) and "takes no images" in result(ev)
