@@ -326,10 +326,9 @@ class PrefillPlan:
         n, m, ps = len(self.admission.tokens), self.start, self.prefiller.page_size
         if m >= n:
             return None
-        for c in self.commands:  # an image embed refused in an earlier batch: not on it
-            f = c.future
-            if type(c.op) is _Embed and f.done() and not f.cancelled() and f.exception():
-                raise CommandError(f"the prefill's image embed failed: {f.exception()}")
+        failed = self._failed_embed()  # an image embed refused in an earlier batch
+        if failed is not None:
+            raise CommandError(f"the prefill's image embed failed: {failed}")
         res = self.prefiller.resources
         k = n - m
         ins = res.translate(self.instance, "embed", self.embeds)
@@ -350,11 +349,18 @@ class PrefillPlan:
     def _finish(self, _result) -> int:
         # An image refused in this batch (its embed resolved just before): the forward ran
         # on embeddings that are not the image's, so the prefill fails with the refusal.
+        failed = self._failed_embed()
+        if failed is not None:
+            raise failed
+        return self.reused
+
+    def _failed_embed(self) -> BaseException | None:
+        """The failure of the first of this prefill's embeds that failed (None: none)."""
         for c in self.commands:
             f = c.future
             if type(c.op) is _Embed and f.done() and not f.cancelled() and f.exception():
-                raise f.exception()
-        return self.reused
+                return f.exception()
+        return None
 
     def _forward_done(self, fut: asyncio.Future) -> None:
         pf = self.prefiller

@@ -55,13 +55,17 @@ def image_part(part: dict, where: str, model, quotas: Quotas) -> str:
             f'\'{where}.image_url\' must be {{"url": "data:image/...;base64,..."}}',
             f"{where}.image_url",
         )
-    if spec.get("detail") not in _DETAILS:
-        raise OpenAIError(
-            f"'{where}.image_url.detail': this model sees every image at its one resolution; "
-            f"only 'auto' is taken, got {spec['detail']!r:.40}",
-            f"{where}.image_url.detail",
-        )
+    _check_detail(spec.get("detail"), f"{where}.image_url.detail")
     return _data_url(spec["url"], f"{where}.image_url.url", quotas)
+
+
+def _check_detail(detail: object, where: str) -> None:
+    if detail not in _DETAILS:
+        raise OpenAIError(
+            f"'{where}': this model sees every image at its one resolution; only 'auto' is "
+            f"taken, got {detail!r:.40}",
+            where,
+        )
 
 
 def _data_url(url: str, where: str, quotas: Quotas, bare: bool = False) -> str:
@@ -112,12 +116,7 @@ def input_image(part: dict, where: str, model, quotas: Quotas) -> dict:
             f"'{where}.image_url' must be a data URL, 'data:image/<format>;base64,<data>'",
             f"{where}.image_url",
         )
-    if part.get("detail") not in _DETAILS:
-        raise OpenAIError(
-            f"'{where}.detail': this model sees every image at its one resolution; only "
-            f"'auto' is taken, got {part['detail']!r:.40}",
-            f"{where}.detail",
-        )
+    _check_detail(part.get("detail"), f"{where}.detail")
     _data_url(url, f"{where}.image_url", quotas)
     return {"type": "input_image", "image_url": url, "detail": "auto"}
 
