@@ -61,7 +61,7 @@ class Prompt:
 
     def __init__(self, eng: Engine, images: list[bytes], as_text: bool = False) -> None:
         self.eng, self.images, self.as_text = eng, images, as_text
-        self.t = eng.info.image_tokens
+        self.t = eng.info.image_layout.frame
 
     def calls(self) -> list:
         eng, t = self.eng, self.t
@@ -175,7 +175,7 @@ def main() -> None:
         )
         hf = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
         processor = AutoImageProcessor.from_pretrained(path)
-    t = eng.info.image_tokens
+    t = eng.info.image_layout.frame
     images = [png(i, (640, 480)) for i in range(4)]
     rows, out = [], {}
     for k in (1, 4):

@@ -34,6 +34,7 @@ from pastry.wire.codec import (
     encode_info,
     encode_results,
 )
+from pastry.wire.images import ImageLayout
 
 
 def assert_same(a, b) -> None:
@@ -250,8 +251,13 @@ def test_info_roundtrip():
     assert decode_info(wire(encode_info(INFO))) == INFO
     plain = dataclasses.replace(INFO, special_tokens={}, chat_template=None, bos_token_id=1)
     assert decode_info(encode_info(plain)) == plain
-    vision = dataclasses.replace(INFO, image_tokens=576, image_token_id=32000)
+    vision = dataclasses.replace(INFO, image_layout=ImageLayout(32000, 576))
     assert decode_info(wire(encode_info(vision))) == vision
+    tiled = ImageLayout(49190, 64, tile=512, longest_edge=2048, split=True, wrap=49189,
+                        whole=49152, cells=tuple(range(36)), row_end=(198,), grid_end=(271,))  # fmt: skip
+    back = decode_info(wire(encode_info(dataclasses.replace(INFO, image_layout=tiled))))
+    assert back.image_layout == tiled and back.image_token_id == 49190
+    assert back.image_layout.positions(1000, 300) == tiled.positions(1000, 300)
 
 
 # --- encoding errors --------------------------------------------------------------------

@@ -79,14 +79,14 @@ def _calls(alloc: Pages, segments, images, image_tokens):
 def test_logits_with_images_equal_transformers(ckpt, segments):
     eng = load(ckpt)
     info = eng.info
-    assert "input_image" in info.traits and info.image_tokens == 16
+    assert "input_image" in info.traits and info.image_layout.frame == 16
     images = [png(1), png(2, (20, 50))]
     model, _ = _hf(ckpt)
-    input_ids, px = _hf_inputs(ckpt, segments, images, info.image_tokens, info.image_token_id)
+    input_ids, px = _hf_inputs(ckpt, segments, images, info.image_layout.frame, info.image_token_id)
     with torch.no_grad():
         ref = torch.softmax(model(input_ids=input_ids, pixel_values=px).logits[0].float(), -1)
     alloc = Pages(eng)
-    calls, ins = _calls(alloc, segments, images, info.image_tokens)
+    calls, ins = _calls(alloc, segments, images, info.image_layout.frame)
     n = len(ins)
     outs = alloc.embeds(n)
     fwd = Forward(in_embeds=ins, out_pages=alloc.pages(-(-n // eng.page_size)), out_embeds=outs,
@@ -99,7 +99,7 @@ def test_logits_with_images_equal_transformers(ckpt, segments):
     assert (got.argmax(-1) == ref.numpy().argmax(-1)).all()
     # the image matters: another image gives other logits after it
     other = [png(7), png(8)]
-    calls2, ins2 = _calls(Pages(eng), segments, other, info.image_tokens)
+    calls2, ins2 = _calls(Pages(eng), segments, other, info.image_layout.frame)
     res2 = eng.execute([*calls2, Forward(in_embeds=ins2, out_embeds=outs[-1:],
                         out_indices=ids([n - 1])), NextDist(int(outs[-1]), k=v)])  # fmt: skip
     assert np.abs(dense(res2[-1], v) - got[-1]).max() > 1e-4
@@ -121,7 +121,7 @@ def test_a_bad_image_fails_its_call_alone(clip):
 
 def test_a_text_model_refuses_images(tiny_llama):
     eng = load(tiny_llama)
-    assert "input_image" not in eng.info.traits and eng.info.image_tokens == 0
+    assert "input_image" not in eng.info.traits and eng.info.image_layout is None
     res = eng.execute([EmbedImg(np.frombuffer(png(1), np.uint8), ids([0]), ids([0]))])
     assert isinstance(res[0], CallError) and "takes no images" in res[0].message
 
@@ -229,7 +229,7 @@ def test_embed_img_through_the_inferlet_api_trusted_and_sandboxed(clip):
     images = [png(1), png(2, (20, 50))]
     segments, steps = [A, 0, B, 1, C], 6
     model, _ = _hf(clip)
-    input_ids, px = _hf_inputs(clip, segments, images, info.image_tokens, info.image_token_id)
+    input_ids, px = _hf_inputs(clip, segments, images, info.image_layout.frame, info.image_token_id)
     with torch.no_grad():
         ref = model.generate(input_ids=input_ids, pixel_values=px, max_new_tokens=steps,
                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
@@ -319,7 +319,7 @@ def test_context_fill_image_generates_as_transformers(clip):
     steps = 6
     segments = [before, 0, after, 1, after]
     model, _ = _hf(clip)
-    input_ids, px = _hf_inputs(clip, segments, images, info.image_tokens, info.image_token_id)
+    input_ids, px = _hf_inputs(clip, segments, images, info.image_layout.frame, info.image_token_id)
     with torch.no_grad():
         ref = model.generate(input_ids=input_ids, pixel_values=px, max_new_tokens=steps,
                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
@@ -328,7 +328,7 @@ def test_context_fill_image_generates_as_transformers(clip):
     for events in trusted_and_sandboxed(eng, CONTEXT_AGENT, args):
         out = json.loads(result(events))
         assert out["tokens"] == want
-        assert out["placeholders"] == 2 * info.image_tokens
+        assert out["placeholders"] == 2 * info.image_layout.frame
         assert "ends with an image" in out["tail"]
         assert "not an image" in out["bad"] or "cannot be read" in out["bad"]
 
@@ -680,7 +680,7 @@ def test_the_same_image_again_comes_from_the_prefix_cache(clip):
     image is; trusted and sandboxed."""
     eng = load_engine(clip)
     before, after = list(range(5, 25)), list(range(100, 140))
-    n = eng.info.image_tokens
+    n = eng.info.image_layout.frame
     images = [png(11), png(12), png(13), png(14)]
     args = [json.dumps(before), json.dumps(after), *[i.hex() for i in images]]
     for events in trusted_and_sandboxed(eng, CACHE_AGENT, args):
@@ -843,7 +843,7 @@ def test_users_never_match_each_others_cached_images(clip):
 
     a1, b1, a2, b2 = asyncio.run(go())
     assert a1 == 0 and b1 == 0
-    assert a2 > 20 + eng.info.image_tokens and b2 == a2
+    assert a2 > 20 + eng.info.image_layout.frame and b2 == a2
 
 
 BAD_PREFILLS = """

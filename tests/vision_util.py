@@ -119,3 +119,75 @@ def png(seed: int, size: tuple[int, int] = (40, 33)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return buf.getvalue()
+
+
+TILE, IDEFICS_EDGE = 32, 64  # 32-pixel tiles (8-pixel patches: 16, shuffled to 4 embeddings)
+TAGS = ["<fake_token_around_image>", IMAGE, "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)
+]
+
+
+def create_tiny_idefics3(out: Path, seed: int = 0, split: bool = True) -> Path:
+    """An Idefics3 (SmolVLM) checkpoint in ``out``: Pastry's tiny llama (its tokenizer with
+    Idefics3's tokens added: ``<fake_token_around_image>``, ``<image>``, ``<global-img>``,
+    ``<end_of_utterance>`` and the 36 ``<row_r_col_c>`` tags; the ChatML template with an
+    ``<image>`` per image part), a 2-layer Idefics3 tower on 32-pixel tiles in 8-pixel
+    patches with pixel shuffle 2 (4 embeddings per frame), and Idefics3's processor
+    resizing images to 64 pixels on their longest side and (``split``) cutting them into
+    up to 2 x 2 tiles plus the whole image; random weights under ``seed``."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+
+    text_dir = create_tiny(out / "text", size="tiny", dtype="float32", seed=seed)
+    text = json.loads((text_dir / "config.json").read_text())
+    tok = Tokenizer.from_file(str(text_dir / "tokenizer.json"))
+    base = tok.get_vocab_size()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in TAGS])
+    text["vocab_size"] = max(text["vocab_size"], base + len(TAGS))
+    config = Idefics3Config(
+        vision_config=Idefics3VisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=TILE,
+            patch_size=8,
+        ),
+        text_config=LlamaConfig(**{k: v for k, v in text.items() if k != "architectures"}),
+        image_token_id=tok.token_to_id(IMAGE),
+        scale_factor=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    with torch.no_grad():  # transformers' init is small: make the logits decisive
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.1)
+    path = out / f"idefics3-{'split' if split else 'whole'}"
+    model.save_pretrained(path)
+    Idefics3ImageProcessorPil(
+        size={"longest_edge": IDEFICS_EDGE}, max_image_size={"longest_edge": TILE},
+        do_image_splitting=split,
+    ).save_pretrained(path)  # fmt: skip
+    shutil.copy(text_dir / "generation_config.json", path / "generation_config.json")
+    tok.save(str(path / "tokenizer.json"))
+    tok_config = json.loads((text_dir / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    return path
+
+
+def idefics3_processor(path: Path):
+    """transformers' ``Idefics3Processor`` for a :func:`create_tiny_idefics3` checkpoint."""
+    from transformers import AutoImageProcessor, Idefics3Processor, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    frame = (TILE // 8) ** 2 // 4
+    return Idefics3Processor(AutoImageProcessor.from_pretrained(path), tok, image_seq_len=frame)

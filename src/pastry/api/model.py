@@ -100,7 +100,10 @@ class Prefill:
     ``tokens`` starts (its ``num_embs_needed`` positions hold the image token,
     ``get_image_token``), ``image_digests`` each one's SHA-256, and ``images`` the encoded
     bytes of those at or after ``kv_len``, in order (an image is never split by
-    ``kv_len``). An image is matched in the cache by its digest, so the same image asked
+    ``kv_len``), and ``image_lens`` how many positions each one takes (its
+    ``num_embs_needed``; may be left empty on a model whose images all take the same
+    number, e.g. LLaVA, and is needed where an image takes positions by its size, e.g.
+    Idefics3 / SmolVLM). An image is matched in the cache by its digest, so the same image asked
     about again is not encoded again, and what follows it is matched too; one not cached
     is embedded (``embed_img``) and forwarded with the rest."""
 
@@ -113,6 +116,7 @@ class Prefill:
     image_at: Sequence[Count] = ()
     image_digests: Sequence[bytes] = ()
     images: Sequence[bytes] = ()
+    image_lens: Sequence[Count] = ()
 
 
 @request("input text, tokenize", trait="tokenize", now=list[Token])
@@ -170,8 +174,10 @@ class ApplyChatTemplate:
 @request("input image", trait="input_image", now=Count)
 class NumEmbsNeeded:
     """How many embeddings ``embed_img`` writes for ``image`` (its encoded bytes: PNG,
-    JPEG, WebP or GIF) on the queue's model: the number of placeholder tokens its chat
-    template writes for one image. Raises ``ApiError`` for bytes that are not such an
+    JPEG, WebP or GIF) on the queue's model: the positions the image takes in a context.
+    Every image takes the same number on a LLaVA model; on Idefics3 / SmolVLM an image
+    takes positions by its size (its tiles' embeddings with their tags and newlines, then
+    the whole image's: the processor's expansion of one ``<image>``). Raises ``ApiError`` for bytes that are not such an
     image, or one over the image quotas (``--max-image-bytes``, ``--max-image-pixels``)."""
 
     q: Handle

@@ -32,6 +32,7 @@ from pastry.wire.calls import (
     mask_words,
 )
 from pastry.wire.config import ModelConfig
+from pastry.wire.images import ImageLayout
 from pastry.wire.kv_layout import kv_write_error
 
 _INF = float("inf")
@@ -93,13 +94,13 @@ class CallChecker:
         num_embeds: int,
         max_batch_tokens: int,
         adapters: list,
-        image_tokens: int = 0,
+        image_layout: ImageLayout | None = None,
         max_image_bytes: int = 0,
     ) -> None:
         self.cfg, self.page_size, self.num_pages = cfg, page_size, num_pages
         self.num_host_pages, self.num_embeds = num_host_pages, num_embeds
         self.max_batch_tokens, self.adapters = max_batch_tokens, adapters
-        self.image_tokens, self.max_image_bytes = image_tokens, max_image_bytes
+        self.image_layout, self.max_image_bytes = image_layout, max_image_bytes
 
     # ------------------------------------------------------------------ values
 
@@ -151,8 +152,10 @@ class CallChecker:
         self.positions(c.positions, len(tokens))
 
     def embed_img(self, c: EmbedImg) -> None:
-        """Shapes only: the engine decodes the image (a bad one fails that call alone)."""
-        if not self.image_tokens:
+        """Shapes only: the engine decodes the image (a bad one, or one whose span is not
+        as long as the slots, fails that call alone)."""
+        layout = self.image_layout
+        if layout is None:
             raise Invalid("this model takes no images (it has no image encoder)")
         image = np.asarray(c.image)
         if image.ndim != 1 or image.dtype != np.uint8 or not image.size:
@@ -160,10 +163,8 @@ class CallChecker:
         if image.size > self.max_image_bytes:
             raise Invalid(f"the image is {image.size} bytes, over {self.max_image_bytes}")
         out = self.embed_slots(c.out_embeds, "out embed")
-        if len(out) != self.image_tokens:
-            raise Invalid(
-                f"an image takes {self.image_tokens} embeds on this model, got {len(out)}"
-            )
+        if layout.fixed and len(out) != layout.frame:
+            raise Invalid(f"an image takes {layout.frame} embeds on this model, got {len(out)}")
         self.positions(c.positions, len(out))
 
     def forward(self, c: Forward) -> ForwardPlan:

@@ -54,7 +54,7 @@ from pastry.wire.config import EngineConfig
 from pastry.wire.images import ImageError, decode_image
 
 if TYPE_CHECKING:
-    from pastry.engine.vision.llava import ImageEncoder
+    from pastry.engine.vision.llava import ImageEncoder  # or an Idefics3Encoder
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Engine:
             num_embeds=sizes.num_embeds,
             max_batch_tokens=config.max_batch_tokens,
             adapters=self._adapters,
-            image_tokens=encoder.spec.image_tokens if encoder else 0,
+            image_layout=encoder.layout if encoder else None,
             max_image_bytes=MAX_IMAGE_BYTES,
         )
         self.info = self._describe(sizes, name, tokenizer_json, chat_template, special_tokens)
@@ -210,8 +210,7 @@ class Engine:
             special_tokens=dict(special_tokens or {}),
             kv_peers=(f"shm:{self.config.kv_shm}",) if self.config.kv_shm else (),
             host=host_id(),
-            image_tokens=self.encoder.spec.image_tokens if self.encoder else 0,
-            image_token_id=self.encoder.spec.image_token_id if self.encoder else None,
+            image_layout=self.encoder.layout if self.encoder else None,
         )
 
     def _compiled_decode(self, config: EngineConfig) -> CompiledDecode | None:
@@ -245,12 +244,11 @@ class Engine:
         weights.update(kept_codes(ckpt.path, ckpt.config, config.quantize, device))
         model = build_model(ckpt.config, dtype, device, weights, config.quantize)
         del weights
-        encoder = None
+        tok, encoder = ckpt.tokenizer, None
         if ckpt.vision is not None:
-            from pastry.engine.vision.llava import ImageEncoder
+            from pastry.engine.vision.encoders import load_encoder
 
-            encoder = ImageEncoder.load(ckpt.path, ckpt.vision, dtype, device)
-        tok = ckpt.tokenizer
+            encoder = load_encoder(ckpt.path, ckpt.vision, dtype, device, tok)
         engine = cls(
             model,
             config,
@@ -349,22 +347,33 @@ class Engine:
 
     def _embed_img(self, run, results) -> None:
         """Every image of the run through the encoder at once; an image that does not
-        decode fails its call alone."""
+        decode, or whose span is not its call's slots, fails its call alone."""
         ok = accept(run, results, self.check.embed_img)
         decoded, calls = [], []
         for i, c, _ in ok:
             try:
                 decoded.append(decode_image(np.asarray(c.image).tobytes()))
-                calls.append(c)
+                calls.append((i, c))
             except ImageError as e:
                 results[i] = CallError(f"EmbedImg: {e}")
         if not calls:
             return
-        enc = self.encoder
-        features = enc(enc.pixels(decoded)).reshape(-1, self.cfg.hidden_size)
-        slots = self._tensor([c.out_embeds for c in calls])
-        self.embeds.hidden.index_copy_(0, slots, features.to(self.dtype))
-        self.embeds.positions.index_copy_(0, slots, self._tensor([c.positions for c in calls]))
+        spans = self.encoder.spans(decoded, self.model.embed)
+        kept = []
+        for (i, c), span in zip(calls, spans, strict=True):
+            if len(span) == len(c.out_embeds):
+                kept.append((c, span))
+            else:
+                results[i] = CallError(
+                    f"EmbedImg: the image takes {len(span)} embeds on this model, got "
+                    f"{len(c.out_embeds)}"
+                )
+        if not kept:
+            return
+        slots = self._tensor([c.out_embeds for c, _ in kept])
+        rows = torch.cat([span for _, span in kept]).to(self.dtype)
+        self.embeds.hidden.index_copy_(0, slots, rows)
+        self.embeds.positions.index_copy_(0, slots, self._tensor([c.positions for c, _ in kept]))
 
     # ------------------------------------------------------------------ forward
 

@@ -58,16 +58,16 @@ def embed_calls(
 
 def prefill_images(
     spans: list[tuple[int, int, bytes]], images: Images, start: int, end: int
-) -> tuple[list[int], list[bytes], list[bytes]]:
+) -> tuple[list[int], list[bytes], list[bytes], list[int]]:
     """A prefill's image arguments for positions ``start..end`` of a context
     (:class:`pastry.api.Prefill`): where each image of ``..end`` starts, each one's
-    digest, and the bytes of those from ``start`` on (taken out of ``images``: the prefill
-    embeds them, or finds them cached)."""
+    digest, the bytes of those from ``start`` on (taken out of ``images``: the prefill
+    embeds them, or finds them cached) and the positions each one takes."""
     if not spans:
-        return [], [], []
-    mine = [(at, digest) for at, _, digest in spans if at < end]
-    data = [images.pop(at)[0] for at, _ in mine if at >= start]
-    return [at for at, _ in mine], [d for _, d in mine], data
+        return [], [], [], []
+    mine = [span for span in spans if span[0] < end]
+    data = [images.pop(at)[0] for at, _, _ in mine if at >= start]
+    return [at for at, _, _ in mine], [d for _, _, d in mine], data, [n for _, n, _ in mine]
 
 
 def cut_images(

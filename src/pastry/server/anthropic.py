@@ -33,7 +33,7 @@ from pastry.control.programs import session_key
 from pastry.control.quotas import Quotas
 from pastry.server import metrics
 from pastry.server.auth import tenant_session
-from pastry.server.chat_images import anthropic_image
+from pastry.server.chat_images import added_positions, anthropic_image
 from pastry.server.openai import adapter_name, admit, model_name, read_body
 from pastry.server.openai_answers import ChoiceStream, JobRun, chat_message, instance_error
 from pastry.server.openai_params import Job, OpenAIError, parse_chat
@@ -464,7 +464,7 @@ def routes(server: PastryServer) -> list[Route]:
         except OpenAIError as e:
             return JSONResponse(error_body(e), e.status)
         arg = json.loads(job.args[0])  # each image's one placeholder: its embeddings' worth
-        images = len(arg.get("images", ())) * (m.info.image_tokens - 1)
+        images = added_positions(m, arg.get("images", []))
         return JSONResponse({"input_tokens": len(arg["prompt"]) + images})
 
     return [

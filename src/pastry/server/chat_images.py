@@ -20,7 +20,7 @@ from typing import Any
 
 from pastry.control.quotas import Quotas
 from pastry.server.openai_options import OpenAIError
-from pastry.wire.images import ImageError, decode_image
+from pastry.wire.images import ImageError, decode_image, open_image
 
 _DETAILS = ("auto", None)
 # the image types Anthropic's Messages API takes (a base64 source's media_type)
@@ -29,7 +29,7 @@ ANTHROPIC_MEDIA = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 def _takes_images(model, where: str) -> None:
     info = model.info
-    if not info.image_tokens:
+    if info.image_layout is None:
         raise OpenAIError(
             f"'{where}': the model '{info.model_name}' takes no images (serve a "
             "vision-language checkpoint)",
@@ -182,3 +182,16 @@ def content_parts(
             took = "text or image_url" if quotas is not None else "text"
             raise OpenAIError(f"'{at}' must be a {took} part, got {p!r:.100}", at)
     return "".join(p["text"] for p in out) if texts_only else out
+
+
+def added_positions(model, images: list[str]) -> int:
+    """How many positions ``images`` (checked base64, one placeholder token each in the
+    prompt) add to a prompt on ``model``: each image's ``num_embs_needed`` less its
+    placeholder. Only the images' headers are read."""
+    layout = model.info.image_layout
+    if layout is None or not images:
+        return 0
+    if layout.fixed:
+        return len(images) * (layout.frame - 1)
+    sizes = [open_image(base64.b64decode(b)).size for b in images]
+    return sum(layout.positions(w, h) - 1 for w, h in sizes)

@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 
 from pastry.control.quotas import Quotas
-from pastry.server.chat_images import content_parts
+from pastry.server.chat_images import added_positions, content_parts
 from pastry.server.limits import MAX_MESSAGES, MAX_TOOLS, too_many
 from pastry.server.openai_options import (
     MAX_LOGPROBS,
@@ -164,7 +164,7 @@ def parse_chat(
     prompt, kv_import = _chat_prompt(model, text, history)
     length = len(prompt)
     if images:
-        length += _image_placeholders(model, prompt, len(images))
+        length += _image_placeholders(model, prompt, images)
         if kv_import is not None:  # a stored conversation's KV has no image in it
             raise OpenAIError("images cannot continue a stored conversation", "messages")
     name = (
@@ -191,20 +191,20 @@ def parse_chat(
     )  # fmt: skip
 
 
-def _image_placeholders(model, prompt: list[int], images: int) -> int:
-    """The tokens ``images`` images add to ``prompt`` (each of the chat template's image
-    placeholders becomes ``image_tokens`` embeddings); a 400 unless the template wrote
-    one placeholder per image."""
+def _image_placeholders(model, prompt: list[int], images: list[str]) -> int:
+    """The tokens ``images`` add to ``prompt`` (each of the chat template's image
+    placeholders becomes the image's embeddings: ``added_positions``); a 400 unless the
+    template wrote one placeholder per image."""
     info = model.info
     found = prompt.count(info.image_token_id)
-    if found != images:
+    if found != len(images):
         raise OpenAIError(
-            f"'messages' has {images} image parts, but the rendered chat template holds "
+            f"'messages' has {len(images)} image parts, but the rendered chat template holds "
             f"{found} image placeholders (token {info.image_token_id}); the model's chat "
             "template must write one per image part",
             "messages",
         )
-    return images * (info.image_tokens - 1)
+    return added_positions(model, images)
 
 
 def _render(model, messages: list[dict], tool_list: list[dict], choice: str | None) -> str:

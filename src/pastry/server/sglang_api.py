@@ -61,7 +61,7 @@ async def _get_model_info(server: PastryServer, request: Request) -> JSONRespons
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
-            "has_image_understanding": info.image_tokens > 0,
+            "has_image_understanding": info.image_layout is not None,
             "has_audio_understanding": False,
             "model_type": info.arch,
             "architectures": None,

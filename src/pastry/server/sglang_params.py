@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 from pastry.lang.expr import SamplingParams
 from pastry.lang.generation import MAX_LOGPROBS, check
-from pastry.server.chat_images import image_text
+from pastry.server.chat_images import added_positions, image_text
 from pastry.server.limits import token_counts
 from pastry.server.openai_options import OpenAIError
 from pastry.server.service import PastryServer
@@ -115,7 +115,7 @@ def parse(server: PastryServer, body: Any) -> Job:
         if images[i]:
             if per["return_logprob"][i]:
                 raise ApiError("'return_logprob' with 'image_data' is not supported yet")
-            _check_image_prompt(server.controller.models[model], prompt, len(images[i]))
+            _check_image_prompt(server.controller.models[model], prompt, images[i])
             req["images"] = images[i]
         if loras[i] is not None:
             req["lora_path"] = loras[i]
@@ -152,17 +152,17 @@ def _images(server: PastryServer, body: dict, model: str, batch: bool, k: int) -
         raise ApiError(str(e)) from None
 
 
-def _check_image_prompt(m, prompt: dict, images: int) -> None:
+def _check_image_prompt(m, prompt: dict, images: list[str]) -> None:
     """One image token in ``prompt`` per image, and room for the images' embeddings."""
     info = m.info
     ids = prompt.get("input_ids") or m.tokens.encode_batch([prompt["text"]], True)[0]
     found = ids.count(info.image_token_id)
-    if found != images:
+    if found != len(images):
         raise ApiError(
-            f"the prompt has {found} image tokens (id {info.image_token_id}) for {images} "
+            f"the prompt has {found} image tokens (id {info.image_token_id}) for {len(images)} "
             "images of 'image_data': write the model's image token where each image goes"
         )
-    n = len(ids) + images * (info.image_tokens - 1)
+    n = len(ids) + added_positions(m, images)
     if n > info.max_position:
         raise ApiError(
             f"the prompt with its images is {n} tokens, over this model's context of "

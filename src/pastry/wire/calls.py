@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pastry.wire.images import ImageLayout
+
 
 def ids(values) -> np.ndarray:
     """A 1-D int64 array from a list, range or array (no copy when already int64)."""
@@ -70,8 +72,9 @@ class EmbedTxt:
 @dataclass(slots=True, eq=False)
 class EmbedImg:
     """Encode an image into embedding slots: ``image`` is its encoded bytes (``uint8``;
-    PNG, JPEG, WebP or GIF, :mod:`pastry.wire.images`), ``out_embeds`` exactly
-    ``EngineInfo.image_tokens`` slots, which receive its embeddings at ``positions``."""
+    PNG, JPEG, WebP or GIF, :mod:`pastry.wire.images`), ``out_embeds`` one slot per
+    position the image takes (``EngineInfo.image_layout``: its span), which receive its
+    embeddings at ``positions``."""
 
     image: np.ndarray
     positions: np.ndarray
@@ -341,5 +344,9 @@ class EngineInfo:
     adapters: tuple[str, ...] = ()  # LoRA adapter names, by id (Forward.adapter)
     kv_peers: tuple[str, ...] = ()  # where peers write this engine's KV (SendKv.peer)
     host: str = ""  # identifies the machine: engines of one host transfer KV through shm
-    image_tokens: int = 0  # embeddings per image (EmbedImg); 0: the model takes no images
-    image_token_id: int | None = None  # the placeholder a chat template writes for each
+    image_layout: ImageLayout | None = None  # how an image becomes positions; None: no images
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The placeholder a chat template writes for each image (``None``: no images)."""
+        return self.image_layout.token if self.image_layout else None

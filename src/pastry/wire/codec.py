@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from itertools import accumulate, groupby
 from operator import attrgetter
 from types import NoneType, UnionType
@@ -199,7 +199,7 @@ def decode_results(frames: Sequence[Any]) -> list[Result]:
 
 def encode_info(info: EngineInfo) -> Frames:
     """Frames for an :class:`EngineInfo` (a single msgpack frame)."""
-    values = [getattr(info, n) for n in _INFO_NAMES]
+    values = [_flat(getattr(info, n)) for n in _INFO_NAMES]
     for name, value in zip(_INFO_NAMES, values, strict=True):
         if not _conforms(value, _INFO_HINTS[name]):
             raise CodecError(f"EngineInfo.{name}: cannot encode {value!r}")
@@ -216,7 +216,25 @@ def decode_info(frames: Sequence[Any]) -> EngineInfo:
     for name, value in zip(_INFO_NAMES, values, strict=True):
         if not _conforms(value, _INFO_HINTS[name]):
             raise CodecError(f"EngineInfo.{name}: unexpected value {value!r:.80}")
-    return EngineInfo(*values)
+    return EngineInfo(
+        *(_built(v, _INFO_HINTS[n]) for n, v in zip(_INFO_NAMES, values, strict=True))
+    )
+
+
+def _flat(value: Any) -> Any:
+    """A dataclass field value of an :class:`EngineInfo` as msgpack carries it (a nested
+    dataclass, e.g. :class:`~pastry.wire.images.ImageLayout`, as its fields' values)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, f.name) for f in fields(value)]
+    return value
+
+
+def _built(value: Any, hint: Any) -> Any:
+    """The value :func:`_flat` made, back (``hint``: the field's annotation)."""
+    for cls in typing.get_args(hint) if isinstance(hint, UnionType) else (hint,):
+        if is_dataclass(cls) and isinstance(value, tuple | list):
+            return cls(*value)
+    return value
 
 
 # --- encoding ---------------------------------------------------------------------------
@@ -457,6 +475,14 @@ def _conforms(value: Any, hint: Any) -> bool:
         return any(_conforms(value, h) for h in typing.get_args(hint))
     if hint is None or hint is NoneType:
         return value is None
+    if is_dataclass(hint):  # a nested dataclass travels as its fields' values (_flat)
+        own = fields(hint)
+        hints = typing.get_type_hints(hint)
+        return (
+            isinstance(value, tuple | list)
+            and len(value) == len(own)
+            and all(_conforms(v, hints[f.name]) for v, f in zip(value, own, strict=True))
+        )
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is tuple:
         return isinstance(value, tuple | list) and all(_conforms(v, args[0]) for v in value)

@@ -33,7 +33,7 @@ from pastry.control.ops import (
 from pastry.control.sampling import Release, sample_spec
 from pastry.control.steps import Embed, SampledStep, Step
 from pastry.wire.calls import ids
-from pastry.wire.images import ImageError, image_digest, image_keys, open_image
+from pastry.wire.images import ImageError, ImageLayout, image_digest, image_keys, open_image
 from pastry.wire.kv_layout import KvNames, kv_write_error
 
 _I64 = 1 << 63
@@ -200,7 +200,7 @@ def prefill(s: Caller, r: api.Prefill) -> tuple[list[int], asyncio.Future]:
     kv_len, reserve = _count(r.kv_len, "kv_len"), _count(r.reserve, "reserve")
     submit = ref.model.prefiller.submit
     tokens, images = r.tokens, ()
-    if len(r.image_at) or len(r.image_digests) or len(r.images):
+    if len(r.image_at) or len(r.image_digests) or len(r.images) or len(r.image_lens):
         tokens, images = _prefill_images(s, ref, r, kv_len)
     try:
         return resource_call(
@@ -216,14 +216,8 @@ def _prefill_images(s: Caller, ref, r: api.Prefill, kv_len: int) -> tuple[list[i
     """The prefix cache's keys of a prefill's tokens (each image's positions keyed by its
     digest, :func:`pastry.wire.images.image_keys`) and the images it embeds: ``(first
     position, embeddings, bytes)`` of each one at or after ``kv_len``."""
-    info = ref.model.info
-    if not info.image_tokens:
-        raise ApiError(
-            f"prefill: the model '{info.model_name}' takes no images (it has no "
-            "'input_image' trait: serve a vision-language checkpoint)"
-        )
     at, digests = ints(r.image_at, "image_at"), [bytes(d) for d in r.image_digests]
-    keys, n, mark = ints(r.tokens, "tokens"), info.image_tokens, info.image_token_id
+    keys, mark = ints(r.tokens, "tokens"), _layout(ref, "prefill").token
     if len(digests) != len(at):
         raise ApiError(f"prefill: {len(at)} image positions (image_at) for {len(digests)} image_digests")  # fmt: skip
     later = [i for i, a in enumerate(at) if a >= kv_len]
@@ -232,11 +226,12 @@ def _prefill_images(s: Caller, ref, r: api.Prefill, kv_len: int) -> tuple[list[i
             f"prefill: {len(later)} images start at or after kv_len ({kv_len}) and need their "
             f"bytes; {len(r.images)} images given"
         )
+    lens = _image_lens(s, ref, r, at, later)
     end = 0
-    for i, a in enumerate(at):
+    for i, (a, n) in enumerate(zip(at, lens, strict=True)):
         if a < end or a + n > len(keys) or a < kv_len < a + n:
             raise ApiError(
-                f"prefill: image_at[{i}] = {a}: images take {n} positions each, in order, "
+                f"prefill: image_at[{i}] = {a}: an image takes its {n} positions, in order, "
                 f"within the {len(keys)} tokens, none split by kv_len ({kv_len})"
             )
         if any(t != mark for t in keys[a : a + n]):
@@ -248,54 +243,80 @@ def _prefill_images(s: Caller, ref, r: api.Prefill, kv_len: int) -> tuple[list[i
         end = a + n
     images = []
     for j, i in enumerate(later):
-        data = r.images[j]
-        _image_tokens(s, ref, data, f"prefill: images[{j}]")
-        if image_digest(data) != digests[i]:
+        if image_digest(r.images[j]) != digests[i]:
             raise ApiError(f"prefill: image_digests[{i}] is not the SHA-256 of images[{j}]")
-        images.append((at[i], n, bytes(data)))
+        images.append((at[i], lens[i], bytes(r.images[j])))
     return keys, images
+
+
+def _image_lens(s: Caller, ref, r: api.Prefill, at: list[int], later: list[int]) -> list[int]:
+    """The positions each image of a prefill takes: ``image_lens`` (which a model whose
+    images take positions by their size needs), each one with bytes checked against
+    ``num_embs_needed``."""
+    layout, lens = ref.model.info.image_layout, ints(r.image_lens, "image_lens")
+    if not len(lens):
+        if not layout.fixed:
+            raise ApiError(
+                "prefill: image_lens is needed on this model (an image takes positions by "
+                "its size: num_embs_needed)"
+            )
+        lens = [layout.frame] * len(at)
+    if len(lens) != len(at):
+        raise ApiError(f"prefill: {len(lens)} image_lens for {len(at)} images (image_at)")
+    for j, i in enumerate(later):
+        n = _image_positions(s, ref, r.images[j], f"prefill: images[{j}]")
+        if lens[i] != n:
+            raise ApiError(
+                f"prefill: image_lens[{i}] is {lens[i]}, but images[{j}] takes {n} positions "
+                "(num_embs_needed)"
+            )
+    return list(lens)
 
 
 # ---------------------------------------------------------------------------- input image
 
 
-def _image_tokens(s: Caller, ref, image: object, what: str) -> int:
-    """How many embeddings ``image`` takes on ``ref``'s model, once the image passed the
-    checks (a model that takes images; a format Pillow reads; the image quotas)."""
+def _layout(ref, what: str) -> ImageLayout:
+    """How an image becomes positions on ``ref``'s model; an ``ApiError`` for a text model."""
     info = ref.model.info
-    if not info.image_tokens:
+    if info.image_layout is None:
         raise ApiError(
             f"{what}: the model '{info.model_name}' takes no images (it has no 'input_image' "
             "trait: serve a vision-language checkpoint)"
         )
+    return info.image_layout
+
+
+def _image_positions(s: Caller, ref, image: object, what: str) -> int:
+    """How many positions ``image`` takes on ``ref``'s model (its embeddings), once the
+    image passed the checks (a model that takes images; a format Pillow reads; the image
+    quotas). Only the image's header is read."""
+    layout = _layout(ref, what)
     q = s.controller.quotas
     try:
-        open_image(image, q.image_bytes, q.image_pixels)
+        im = open_image(image, q.image_bytes, q.image_pixels)
     except ImageError as e:
         raise ApiError(f"{what}: {e}") from None
-    return info.image_tokens
+    try:
+        return layout.positions(*im.size)
+    except ValueError as e:
+        raise ApiError(f"{what}: {e}") from None
 
 
 @handles(api.NumEmbsNeeded)
 def num_embs_needed(s: Caller, r: api.NumEmbsNeeded) -> int:
-    return _image_tokens(s, s.queue(r.q), r.image, "num_embs_needed")
+    return _image_positions(s, s.queue(r.q), r.image, "num_embs_needed")
 
 
 @handles(api.GetImageToken)
 def get_image_token(s: Caller, r: api.GetImageToken) -> int:
-    info = s.queue(r.q).model.info
-    if info.image_token_id is None:
-        raise ApiError(
-            f"get_image_token: the model '{info.model_name}' takes no images (it has no "
-            "'input_image' trait: serve a vision-language checkpoint)"
-        )
-    return info.image_token_id
+    return _layout(s.queue(r.q), "get_image_token").token
 
 
 @handles(api.EmbedImg)
 def embed_img(s: Caller, r: api.EmbedImg) -> asyncio.Future:
     ref = s.queue(r.q)
-    n = _image_tokens(s, ref, r.image, "embed_img")
+    n = _image_positions(s, ref, r.image, "embed_img")
     embeds = ints(r.embeds, "embeds")
     if len(embeds) != n:
         raise ApiError(

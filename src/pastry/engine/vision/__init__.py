@@ -16,7 +16,11 @@ writes (``embed_img`` in the inferlet API).
   it, or ``vision_tower.*`` / ``multi_modal_projector.*``) to where the checkpoint's files
   store it (the layout before and after transformers 5 differ).
 
-Families: LLaVA (a CLIP or SigLIP tower, a two-layer projector). The tower is
+Families: LLaVA (a CLIP or SigLIP tower, a two-layer projector; every image the same
+number of embeddings) and Idefics3 / SmolVLM (tiles of a SigLIP-style tower, pixel
+shuffle, one linear; an image takes positions by its size: its
+:class:`~pastry.wire.images.ImageLayout`). :func:`~pastry.engine.vision.encoders.load_encoder`
+loads a checkpoint's encoder. The tower is
 ``transformers``' own module for the tower's ``model_type``, run in the engine's dtype and
 batched across the images of a step; the image processor is the one the checkpoint ships
 (``preprocessor_config.json`` through ``transformers.AutoImageProcessor``), fed images that

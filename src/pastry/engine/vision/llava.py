@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from pastry.engine.vision.common import check_processor_config, load_module, transformers_module
 from pastry.engine.vision.spec import VisionSpec, weight_layout, weight_name
 from pastry.wire.config import CheckpointError
+from pastry.wire.images import ImageLayout
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -30,23 +31,12 @@ log = logging.getLogger(__name__)
 _TOWER, _PROJECTOR = "vision_tower.", "multi_modal_projector."
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise CheckpointError(
-            "serving a vision-language checkpoint needs transformers and Pillow: "
-            "pip install 'pastry[vision]'"
-        ) from None
-    return transformers
-
-
 class Projector(nn.Module):
     """LLaVA's multi-modal projector: two linears with an activation between."""
 
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
-        act = _transformers().activations.ACT2FN
+        act = transformers_module().activations.ACT2FN
         if spec.projector_act not in act:
             raise CheckpointError(
                 f"config.json: projector_hidden_act '{spec.projector_act}' is not an activation "
@@ -62,12 +52,13 @@ class Projector(nn.Module):
 
 
 class ImageEncoder(nn.Module):
-    """Encoded images to language-model embeddings (``[images, image_tokens, hidden]``)."""
+    """Decoded images to language-model embeddings (``[images, spec.frame, hidden]``)."""
 
     def __init__(self, spec: VisionSpec, processor, tower: nn.Module, projector: Projector):
         super().__init__()
         self.spec, self.processor = spec, processor
         self.tower, self.projector = tower, projector
+        self.layout = ImageLayout(spec.image_token_id, spec.frame)
 
     @classmethod
     def load(
@@ -76,18 +67,15 @@ class ImageEncoder(nn.Module):
         spec: VisionSpec,
         dtype: torch.dtype,
         device: torch.device,
+        tokenizer=None,
     ) -> ImageEncoder:
         """The encoder of the vision-language checkpoint at ``model_dir``."""
         from pastry.engine.hf_checkpoint import weight_files
 
-        tf = _transformers()
+        tf = transformers_module()
         files = weight_files(model_dir)[1]
         layout = weight_layout(files)
-        if not (model_dir / "preprocessor_config.json").is_file():
-            raise CheckpointError(
-                f"{model_dir}: preprocessor_config.json is missing (a vision-language "
-                "checkpoint ships its image processor's settings there)"
-            )
+        check_processor_config(model_dir)
         processor = tf.AutoImageProcessor.from_pretrained(str(model_dir))
         config = tf.AutoConfig.for_model(**spec.tower)
         tower = tf.AutoModel.from_config(config, attn_implementation="sdpa")
@@ -103,8 +91,8 @@ class ImageEncoder(nn.Module):
                 tower_sd[("vision_model." if nested else "") + key] = (name, path)
             elif name.startswith(projector_at):
                 projector_sd[name.removeprefix(projector_at)] = (name, path)
-        _load(tower, tower_sd, model_dir, "vision tower")
-        _load(projector, projector_sd, model_dir, "multi-modal projector")
+        load_module(tower, tower_sd, model_dir, "vision tower")
+        load_module(projector, projector_sd, model_dir, "multi-modal projector")
         encoder = cls(spec, processor, tower, projector).to(device=device, dtype=dtype).eval()
         size = _processed_size(processor, spec)
         if size != spec.image_size:
@@ -116,7 +104,7 @@ class ImageEncoder(nn.Module):
             "image encoder: %s tower (%d layers), %d embeddings per %dx%d image",
             spec.tower["model_type"],
             spec.tower["num_hidden_layers"],
-            spec.image_tokens,
+            spec.frame,
             spec.image_size,
             spec.image_size,
         )
@@ -131,42 +119,16 @@ class ImageEncoder(nn.Module):
         px = self.processor(images=images, return_tensors="pt")["pixel_values"]
         return px.to(device=self.projector.linear_1.weight.device, dtype=self.dtype)
 
+    def spans(self, images: list[Image], embed_tokens) -> list[torch.Tensor]:
+        """Each image's embeddings (``layout.frame`` rows); ``embed_tokens`` is unused:
+        a LLaVA image's positions are all the tower's."""
+        return list(self(self.pixels(images)))
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out = self.tower(pixel_values=pixel_values, output_hidden_states=True)
         start = 1 if self.spec.feature_select == "default" else 0
         feats = [out.hidden_states[i][:, start:] for i in self.spec.feature_layers]
         return self.projector(torch.cat(feats, dim=-1))
-
-
-def _load(module: nn.Module, named: dict[str, tuple[str, Path]], model_dir: Path, what: str):
-    """Fill ``module`` from ``named`` (its parameter name -> (tensor name, file)), every
-    parameter present with its shape."""
-    own = module.state_dict()
-    missing = [k for k in own if k not in named and not k.endswith("position_ids")]
-    if missing:
-        raise CheckpointError(
-            f"{model_dir}: the {what}'s tensor '{missing[0]}' is missing "
-            f"({len(missing)} missing in all)"
-        )
-    extra = sorted(k for k in named if k not in own)
-    if extra:
-        log.warning("%s: ignoring %d %s tensors: %s", model_dir, len(extra), what, extra[:3])
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for key, (name, path) in named.items():
-        if key in own:
-            by_file.setdefault(path, []).append((key, name))
-    weights = {}
-    for path, keys in by_file.items():
-        with safe_open(path, framework="pt") as f:
-            for key, name in keys:
-                t = f.get_tensor(name)
-                if tuple(t.shape) != tuple(own[key].shape):
-                    raise CheckpointError(
-                        f"{path}: tensor '{name}' has shape {tuple(t.shape)}, the {what} "
-                        f"from config.json expects {tuple(own[key].shape)}"
-                    )
-                weights[key] = t
-    module.load_state_dict(weights, strict=False)
 
 
 def _processed_size(processor, spec: VisionSpec) -> int:
