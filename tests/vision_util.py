@@ -127,14 +127,18 @@ TAGS = ["<fake_token_around_image>", IMAGE, "<global-img>", "<end_of_utterance>"
 ]
 
 
-def create_tiny_idefics3(out: Path, seed: int = 0, split: bool = True) -> Path:
+def create_tiny_idefics3(out: Path, seed: int = 0, split: bool = True, size: str = "tiny") -> Path:
     """An Idefics3 (SmolVLM) checkpoint in ``out``: Pastry's tiny llama (its tokenizer with
     Idefics3's tokens added: ``<fake_token_around_image>``, ``<image>``, ``<global-img>``,
     ``<end_of_utterance>`` and the 36 ``<row_r_col_c>`` tags; the ChatML template with an
     ``<image>`` per image part), a 2-layer Idefics3 tower on 32-pixel tiles in 8-pixel
     patches with pixel shuffle 2 (4 embeddings per frame), and Idefics3's processor
     resizing images to 64 pixels on their longest side and (``split``) cutting them into
-    up to 2 x 2 tiles plus the whole image; random weights under ``seed``."""
+    up to 2 x 2 tiles plus the whole image; random weights under ``seed``. ``size``
+    "base", for benchmarks: SmolVLM's shapes at a small scale, the "small" llama (768
+    hidden, 12 layers) and a ViT-B/16 tower on 224-pixel tiles (49 embeddings per frame),
+    images to 448 pixels on their longest side (up to 2 x 2 tiles), transformers'
+    initialisation."""
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
         Idefics3Config,
@@ -144,21 +148,22 @@ def create_tiny_idefics3(out: Path, seed: int = 0, split: bool = True) -> Path:
         LlamaConfig,
     )
 
-    text_dir = create_tiny(out / "text", size="tiny", dtype="float32", seed=seed)
+    base = size == "base"
+    text_dir = create_tiny(out / "text", size="small" if base else "tiny", dtype="float32",
+                           seed=seed)  # fmt: skip
     text = json.loads((text_dir / "config.json").read_text())
     tok = Tokenizer.from_file(str(text_dir / "tokenizer.json"))
-    base = tok.get_vocab_size()
+    first = tok.get_vocab_size()
     tok.add_special_tokens([AddedToken(t, special=True) for t in TAGS])
-    text["vocab_size"] = max(text["vocab_size"], base + len(TAGS))
+    text["vocab_size"] = max(text["vocab_size"], first + len(TAGS))
+    tile, edge = (224, 448) if base else (TILE, IDEFICS_EDGE)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, image_size=tile, patch_size=8)  # fmt: skip
+    if base:
+        tower.update(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                     num_attention_heads=12, patch_size=16)  # fmt: skip
     config = Idefics3Config(
-        vision_config=Idefics3VisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=TILE,
-            patch_size=8,
-        ),
+        vision_config=Idefics3VisionConfig(**tower),
         text_config=LlamaConfig(**{k: v for k, v in text.items() if k != "architectures"}),
         image_token_id=tok.token_to_id(IMAGE),
         scale_factor=2,
@@ -166,14 +171,15 @@ def create_tiny_idefics3(out: Path, seed: int = 0, split: bool = True) -> Path:
     )
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)
-    with torch.no_grad():  # transformers' init is small: make the logits decisive
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.1)
-    path = out / f"idefics3-{'split' if split else 'whole'}"
+    if not base:
+        with torch.no_grad():  # transformers' init is small: make the logits decisive
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.normal_(0, 0.1)
+    path = out / f"idefics3-{'split' if split else 'whole'}-{size}"
     model.save_pretrained(path)
     Idefics3ImageProcessorPil(
-        size={"longest_edge": IDEFICS_EDGE}, max_image_size={"longest_edge": TILE},
+        size={"longest_edge": edge}, max_image_size={"longest_edge": tile},
         do_image_splitting=split,
     ).save_pretrained(path)  # fmt: skip
     shutil.copy(text_dir / "generation_config.json", path / "generation_config.json")
@@ -189,5 +195,6 @@ def idefics3_processor(path: Path):
     from transformers import AutoImageProcessor, Idefics3Processor, PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
-    frame = (TILE // 8) ** 2 // 4
+    tower = json.loads((path / "config.json").read_text())["vision_config"]
+    frame = (tower["image_size"] // tower["patch_size"]) ** 2 // 4
     return Idefics3Processor(AutoImageProcessor.from_pretrained(path), tok, image_seq_len=frame)

@@ -106,8 +106,7 @@ class Idefics3Encoder(nn.Module):
         px = out["pixel_values"]  # [images, most frames, 3, tile, tile]; zero frames pad
         weight = self.connector.modality_projection.proj.weight
         pixels = torch.cat([px[i, :f] for i, f in enumerate(frames)])
-        hidden = self.tower(pixel_values=pixels.to(weight.device, self.dtype)).last_hidden_state
-        feats = self.connector(hidden)  # [frames, frame, text hidden]
+        feats = self(pixels.to(weight.device, self.dtype))  # [frames, frame, text hidden]
         spans, at = [], 0
         for (rows, cols), f in zip(grids, frames, strict=True):
             tokens = torch.tensor(self.layout.span(rows, cols), device=weight.device)

@@ -69,7 +69,8 @@ class ImageEncoder(nn.Module):
         device: torch.device,
         tokenizer=None,
     ) -> ImageEncoder:
-        """The encoder of the vision-language checkpoint at ``model_dir``."""
+        """The encoder of the vision-language checkpoint at ``model_dir`` (``tokenizer`` is
+        not needed: a LLaVA image's positions are all the tower's)."""
         from pastry.engine.hf_checkpoint import weight_files
 
         tf = transformers_module()
