@@ -257,3 +257,24 @@ def test_prefill_takes_each_images_length(tiled):
         assert f"image_lens[0] is {n + 1}, but images[0] takes {n} positions" in out["wrong"]
         assert "2 image_lens for 1 images" in out["two"]
         assert out["cached"] == 0 and out["more"] == 0
+
+
+def test_checkpoint_configs_as_transformers_4_saved_them(tiled):
+    """SmolVLM's checkpoints (saved by transformers 4.4x) name the tower ``idefics3`` or not
+    at all; another tower, or a pixel shuffle that does not divide the patches, is refused
+    naming it."""
+    from pastry.engine.vision import vision_spec
+    from pastry.wire.config import CheckpointError
+
+    raw = json.loads((tiled / "config.json").read_text())
+    tower = {k: v for k, v in raw["vision_config"].items() if k != "model_type"}
+    for vision in [tower, {**tower, "model_type": "idefics3"}]:
+        spec = vision_spec({**raw, "vision_config": vision})
+        assert spec.family == "idefics3" and spec.frame == 4
+    clip = {**tower, "model_type": "clip_vision_model"}
+    for change, words in [
+        ({"vision_config": clip}, "'clip_vision_model' is not supported for idefics3"),
+        ({"scale_factor": 3}, "scale_factor 3 does not divide the tower's 4 x 4 patches"),
+    ]:
+        with pytest.raises(CheckpointError, match=words):
+            vision_spec({**raw, **change})

@@ -12,8 +12,9 @@ FAMILIES = ("llava", "idefics3")
 # Image towers by their ``vision_config.model_type``: whether the tower's first output is a
 # class token (CLIP's ViT prepends one; SigLIP has none).
 TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}
-# The tower each family's checkpoints name (LLaVA takes any of TOWERS).
-FAMILY_TOWERS = {"llava": tuple(TOWERS), "idefics3": ("idefics3_vision",)}
+# The tower each family's checkpoints name (LLaVA takes any of TOWERS; checkpoints saved by
+# transformers 4.4x, SmolVLM's among them, name Idefics3's tower "idefics3" or nothing).
+FAMILY_TOWERS = {"llava": tuple(TOWERS), "idefics3": ("idefics3_vision", "idefics3")}
 _SELECT = ("default", "full")  # LLaVA: "default" drops the tower's first output, "full" keeps it
 
 
