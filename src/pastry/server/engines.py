@@ -81,10 +81,13 @@ class ServerEngines:
                 )
                 self.processes.append(sup)  # stopped with the server
                 handles.append(sup)
-            for endpoint in cfg.remote_engines:
-                from pastry.wire.remote import RemoteEngine
-
-                handles.append(await RemoteEngine.connect(endpoint, token=cfg.engine_token))
+            for endpoint in cfg.remote_engines:  # supervised: reconnected when lost
+                sup = await EngineSupervisor.start(
+                    endpoint.removeprefix("tcp://"),
+                    _connector(endpoint, cfg.engine_token),
+                    hang_timeout=cfg.engine_hang_timeout,
+                )
+                handles.append(sup)  # not in processes: its host's operator stops it
         except BaseException:
             for h in handles:
                 await h.aclose()
@@ -146,6 +149,36 @@ def _local_configs(cfg: ServerConfig, local: int, several: bool) -> list[tuple[E
             kw["token"] = cfg.engine_token
         out.append((econf, kw))
     return out
+
+
+class RemoteHost:
+    """A ``pastry engine --listen`` process on another host, as its supervisor sees it:
+    nothing here to poll or stop (the operator of that host runs it). It is lost when the
+    connection is (the process exits: at once; its host dies or the link is cut: within
+    the connection's heartbeat timeout, 10 s), and back when it answers a connect again."""
+
+    pid = None
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+
+    def terminate(self, timeout: float = 10.0) -> None:
+        """Nothing to stop: the remote engine goes on serving whoever connects."""
+
+
+CONNECT_TIMEOUT_S = 10.0  # a remote engine answers a connect within this, or is down
+
+
+def _connector(endpoint: str, token: str | None):
+    """Connect to the remote engine at ``endpoint`` (a supervisor's starter)."""
+
+    async def start():
+        from pastry.wire.remote import RemoteEngine
+
+        handle = await RemoteEngine.connect(endpoint, CONNECT_TIMEOUT_S, token=token)
+        return RemoteHost(endpoint), handle
+
+    return start
 
 
 def _starter(model: Path, econf: EngineConfig, adapters, kw: dict):

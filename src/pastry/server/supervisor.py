@@ -1,4 +1,5 @@
-"""Engines that come back: the server supervises the engine processes it started.
+"""Engines that come back: the server supervises the engine processes it started, and the
+remote engines it connected to (``--engine``: reconnected when lost).
 
 An :class:`EngineSupervisor` is the engine handle the controller holds for one engine
 process. It forwards batches to the process and watches it: a process that exits or is
@@ -14,7 +15,9 @@ is *lost*. Then, at once and in this order:
    checked (``check_integrity``); everything else (other instances, other engines) goes
    on;
 3. a new process is started with the same configuration, in a worker thread, retried
-   with backoff (1 s doubling to 30 s) until it serves. Batches that arrive meanwhile wait
+   with backoff (1 s doubling to 30 s) until it serves (a remote engine: connected to
+   again, with the same backoff, until its host serves it again:
+   :class:`~pastry.server.engines.RemoteHost`). Batches that arrive meanwhile wait
    for it (up to ``hold_timeout``; after that their instances are terminated too), and
    the router skips the engine (``alive`` is false) when the model has others.
 
