@@ -249,3 +249,32 @@ def generated_text(url: str, model: str, prompt: str) -> str:
     status, body = post(url, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})  # fmt: skip
     assert status == 200, body
     return body["choices"][0]["text"]
+
+
+def test_an_engine_process_loads_adapters_and_keeps_them_across_a_restart(make_tiny, tmp_path):
+    """With the engine in its own process (``pastry serve``'s default), an adapter loaded at
+    runtime serves, and the engine restarted after a SIGKILL has it again, under the same
+    name, with the same answers."""
+    import time
+
+    from peft import LoraConfig, get_peft_model
+
+    ckpt = make_tiny("llama")
+    torch.manual_seed(1)
+    cfg = LoraConfig(r=4, lora_alpha=16, init_lora_weights=False, task_type="CAUSAL_LM",
+                     target_modules=["q_proj", "v_proj"])  # fmt: skip
+    get_peft_model(hf_model(ckpt), cfg).save_pretrained(tmp_path / "ad")
+    with running_server(ckpt, tmp_path, users=(OP,), in_process=False) as (url, server):
+        status, body = post(url, "/v1/load_lora_adapter", {"lora_name": "ad", "lora_path": str(tmp_path / "ad")})  # fmt: skip
+        assert status == 200, body
+        tok = server.controller.models[server.models[0]].tokenizer
+        want = tok.decode(greedy(ckpt, tmp_path / "ad", PROMPT, N))
+        assert generated(url, "ad") == want
+        engine = server.engines.processes[0]
+        engine.kill()
+        deadline = time.time() + 120
+        while engine.restarts == 0 or engine.state != "up":
+            assert time.time() < deadline, engine.last_failure
+            time.sleep(0.1)
+        assert generated(url, "ad") == want
+        assert post(url, "/v1/unload_lora_adapter", {"lora_name": "ad"})[0] == 200

@@ -17,7 +17,9 @@ is *lost*. Then, at once and in this order:
 3. a new process is started with the same configuration, in a worker thread, retried
    with backoff (1 s doubling to 30 s) until it serves (a remote engine: connected to
    again, with the same backoff, until its host serves it again:
-   :class:`~pastry.server.engines.RemoteHost`). Batches that arrive meanwhile wait
+   :class:`~pastry.server.engines.RemoteHost`). The adapters loaded and unloaded while
+   it served are loaded and unloaded again, in order, so that it comes back with the
+   same adapters under the same ids. Batches that arrive meanwhile wait
    for it (up to ``hold_timeout``; after that their instances are terminated too), and
    the router skips the engine (``alive`` is false) when the model has others.
 
@@ -91,6 +93,9 @@ class EngineSupervisor(EngineHandle):
         self._watchdog: asyncio.Task | None = None
         self._restarting: asyncio.Task | None = None
         self._closed = False
+        # adapters loaded and unloaded while it served, in order: replayed on a restarted
+        # engine, so that it has the same adapters under the same ids
+        self._adapter_ops: list[tuple[str, str | None]] = []
 
     @classmethod
     async def start(cls, name: str, starter: Starter, **kw: Any) -> EngineSupervisor:
@@ -147,6 +152,24 @@ class EngineSupervisor(EngineHandle):
 
     def execute_sync(self, batch: Sequence[Any]) -> list[Result]:
         raise EngineError("a supervised engine is used from the server's event loop only")
+
+    async def load_adapter(self, name: str, path: str) -> EngineInfo:
+        """Load adapter ``name`` on the engine (kept across its restarts)."""
+        if self.state != UP:
+            await self._wait_up()
+        assert self._handle is not None
+        self._info = await self._handle.load_adapter(name, path)
+        self._adapter_ops.append((name, path))
+        return self._info
+
+    async def unload_adapter(self, name: str) -> EngineInfo:
+        """Unload adapter ``name`` from the engine (and from what a restart replays)."""
+        if self.state != UP:
+            await self._wait_up()
+        assert self._handle is not None
+        self._info = await self._handle.unload_adapter(name)
+        self._adapter_ops.append((name, None))
+        return self._info
 
     async def aclose(self) -> None:
         self._closed = True
@@ -248,14 +271,21 @@ class EngineSupervisor(EngineHandle):
                 attempt += 1
                 await asyncio.sleep(delay)
                 continue
-            if not _same_engine(self.info, handle.info):
+            try:  # (an engine that ran on, its link back, has them all still)
+                info = handle.info
+                if info.adapters != self.info.adapters:
+                    info = await _replay_adapters(handle, self._adapter_ops)
+            except Exception as e:
+                info = None
+                log.error("engine %s: reloading its adapters failed: %s", self.name, e)
+            if info is None or not _same_engine(self.info, info):
                 await handle.aclose()
                 proc.terminate()
                 self.state = DOWN
                 self.last_failure = "the restarted engine differs from the one it replaces"
                 log.error("engine %s: %s; not using it", self.name, self.last_failure)
                 return
-            self._proc, self._handle = proc, handle
+            self._proc, self._handle, self._info = proc, handle, info
             self._set_up()
             log.info("engine %s is back (pid %s, restart %d)", self.name, self.pid, self.restarts)
             return
@@ -286,6 +316,15 @@ class EngineSupervisor(EngineHandle):
         if proc is not None:
             self._proc = None
             await asyncio.to_thread(proc.terminate, 5.0)
+
+
+async def _replay_adapters(handle: EngineHandle, ops: list[tuple[str, str | None]]) -> EngineInfo:
+    """Load and unload on a restarted engine what its predecessor did, in order (the
+    same adapters under the same ids); the engine's info after it."""
+    info = handle.info
+    for name, path in ops:
+        info = await (handle.load_adapter(name, path) if path else handle.unload_adapter(name))
+    return info
 
 
 def _same_engine(old: EngineInfo, new: EngineInfo) -> bool:
