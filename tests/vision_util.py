@@ -81,20 +81,13 @@ def create_tiny_llava(
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
     if size == "tiny":
-        with torch.no_grad():  # transformers' init is small: make the logits decisive
-            for p in model.parameters():
-                if p.ndim == 2:
-                    p.normal_(0, 0.1)
+        _decisive(model)
     path = out / f"llava-{tower}-{layout}-{size}"
     model.save_pretrained(path)
     processor.save_pretrained(path)
-    shutil.copy(text_dir / "generation_config.json", path / "generation_config.json")
     tok.add_special_tokens([AddedToken(IMAGE, special=True)])
     assert tok.token_to_id(IMAGE) == config.image_token_index
-    tok.save(str(path / "tokenizer.json"))
-    tok_config = json.loads((text_dir / "tokenizer_config.json").read_text())
-    tok_config["chat_template"] = CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    _text_files(path, text_dir, tok)
     if layout == "v5":
         weights = load_file(path / "model.safetensors")
         renamed = {}
@@ -108,6 +101,24 @@ def create_tiny_llava(
             renamed[k] = v
         save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+def _decisive(model) -> None:
+    """transformers' initialisation is small: widen the matrices so that logits decide."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.1)
+
+
+def _text_files(path: Path, text_dir: Path, tok) -> None:
+    """The tokenizer (``tok``, with the image tokens), the text model's generation config
+    and its tokenizer config with :data:`CHAT_TEMPLATE`, into checkpoint ``path``."""
+    shutil.copy(text_dir / "generation_config.json", path / "generation_config.json")
+    tok.save(str(path / "tokenizer.json"))
+    tok_config = json.loads((text_dir / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
 
 
 def png(seed: int, size: tuple[int, int] = (40, 33)) -> bytes:
@@ -172,21 +183,14 @@ def create_tiny_idefics3(out: Path, seed: int = 0, split: bool = True, size: str
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config)
     if not base:
-        with torch.no_grad():  # transformers' init is small: make the logits decisive
-            for p in model.parameters():
-                if p.ndim == 2:
-                    p.normal_(0, 0.1)
+        _decisive(model)
     path = out / f"idefics3-{'split' if split else 'whole'}-{size}"
     model.save_pretrained(path)
     Idefics3ImageProcessorPil(
         size={"longest_edge": edge}, max_image_size={"longest_edge": tile},
         do_image_splitting=split,
     ).save_pretrained(path)  # fmt: skip
-    shutil.copy(text_dir / "generation_config.json", path / "generation_config.json")
-    tok.save(str(path / "tokenizer.json"))
-    tok_config = json.loads((text_dir / "tokenizer_config.json").read_text())
-    tok_config["chat_template"] = CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    _text_files(path, text_dir, tok)
     return path
 
 
