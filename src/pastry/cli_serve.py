@@ -194,7 +194,7 @@ def _add_engines_options(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     m.add_argument(
         "--router", default="",
-        help="routing program: round-robin (default), least-loaded, pd, pd-balance:RATIO, "
+        help="routing program: round-robin (default), least-loaded, pd[:P], pd-balance:RATIO[,P], "
         "locality[:THRESHOLD], migrate, or an uploaded program's name[:ARGS]",
     )  # fmt: skip
 

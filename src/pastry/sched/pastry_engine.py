@@ -22,8 +22,11 @@ class PastryEngine:
     real batch scheduler, process table, resource manager and swapper; the simulated
     inferlets allocate their contexts' pages before each forward, as ``Context`` does."""
 
-    def __init__(self, sim: Any, policy: SchedulePolicy) -> None:
-        # (sim: the pastry.sched.sim.Simulator driving it: its config and clock)
+    def __init__(
+        self, sim: Any, policy: SchedulePolicy, table: ProcessTable | None = None, name: str = "sim"
+    ) -> None:
+        # (sim: the simulator driving it: its config and clock; table: a process table
+        # shared with other engines, as the control layer's is: pastry.sched.cluster)
         cfg = sim.config
         self.sim = sim
         self.policy = policy
@@ -31,7 +34,7 @@ class PastryEngine:
         self.steps = cfg.steps_per_schedule
         self.memory = cfg.memory
         self.page_size = cfg.memory.page_size if cfg.memory is not None else 16
-        self.table = ProcessTable(clock=lambda: sim.now, session_ttl_s=0)
+        self.table = table or ProcessTable(clock=lambda: sim.now, session_ttl_s=0)
         self.sched = BatchScheduler(
             _no_engine,
             cfg.max_batch_tokens if cfg.max_batch_tokens is not None else sys.maxsize,
@@ -39,7 +42,7 @@ class PastryEngine:
             Adaptive(),
             policy,
             programs=self.table,
-            engine="sim",
+            engine=name,
             max_batch=cfg.max_batch,
         )
         self.resources: ResourceManager | None = None

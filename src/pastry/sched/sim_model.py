@@ -51,6 +51,7 @@ class ProgramResult:
     wait_s: float  # summed queueing time of its threads
     failed: str | None = None  # why it was ended, if it was
     measured: bool = True  # arrived in SimConfig.measure (else load around the window)
+    first_token: float | None = None  # when its first call's first token came (cluster)
 
     @property
     def latency(self) -> float:

@@ -59,6 +59,10 @@ class Engines:
         self.model = model
         self.count = a.available_engines(model)
         self._queues = [a.create_queue(model, rank) for rank in range(self.count)]
+        # Contexts this router is moving to each engine (prep_recv done, start_generate not
+        # yet): the engine counts a context from start_generate, so without these every
+        # request during a transfer would pick the same engine.
+        self.incoming = [0] * self.count
 
     def queue(self, rank: int) -> int:
         return self._queues[rank]
@@ -74,10 +78,12 @@ class Engines:
         return [r for r in ranks if load[r][0]] or ranks
 
     def least_loaded(self, among: list[int] | None = None) -> int:
-        """The live engine (of ``among``) with the fewest routed contexts, then the fewest
-        queued tokens."""
+        """The live engine (of ``among``) with the fewest routed contexts (counting those
+        this router is moving there), then the fewest queued tokens."""
         load = self.load()
-        return min(self.alive(among), key=lambda r: (load[r][1], load[r][2], r))
+        return min(
+            self.alive(among), key=lambda r: (load[r][1] + self.incoming[r], load[r][2], r)
+        )
 
 
 # Per running router (keyed by its API session): a module is shared by every instance.
@@ -93,6 +99,32 @@ def engines(model: str) -> Engines:
     return e
 
 
+def prefill_count(arg: str) -> int:
+    """The number of prefill engines a P/D router was given (``pd:P``)."""
+    try:
+        count = int(arg)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"the number of prefill engines must be an integer >= 1, got {arg!r}")
+    return count
+
+
+def roles(e: Engines, prefill: int) -> tuple[int, int]:
+    """(prefill, decode) engines for a request under xPyD with the first ``prefill``
+    engines prefilling: the live prefill engine with the fewest tokens queued and the
+    least-loaded live decode engine. Where either kind has no live engine (or there are
+    not more engines than ``prefill``), the other kind's engine does both."""
+    live = e.alive()
+    pre = [r for r in live if r < prefill]
+    dec = [r for r in live if r >= prefill]
+    if not pre or not dec:
+        one = e.least_loaded(live)
+        return one, one
+    load = e.load()
+    return min(pre, key=lambda r: (load[r][2], r)), e.least_loaded(dec)
+
+
 async def disaggregate(req: Request, prefill: int, decode: int, split: int = -1) -> None:
     """Prefill/decode disaggregation (microserving Fig. 3, 4 and 6): the K/V of
     ``prompt[:split]`` is computed on engine ``prefill`` and written into engine
@@ -104,8 +136,12 @@ async def disaggregate(req: Request, prefill: int, decode: int, split: int = -1)
     if prefill == decode:
         req.start_generate(d)
         return
-    kv, matched = await _api().prep_recv(d, req.prompt, split)
-    await _api().remote_send(e.queue(prefill), req.prompt, kv, decode, matched, split)
+    e.incoming[decode] += 1
+    try:
+        kv, matched = await _api().prep_recv(d, req.prompt, split)
+        await _api().remote_send(e.queue(prefill), req.prompt, kv, decode, matched, split)
+    finally:
+        e.incoming[decode] -= 1
     req.start_generate(d, split)
 
 

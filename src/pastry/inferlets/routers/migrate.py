@@ -23,9 +23,14 @@ async def main(args: list[str]) -> None:
             req.start_generate(e.queue(least))
             return
         load = e.load()
-        if len(req.prompt) > 1 and load[rank][1] - load[least][1] >= margin:
-            kv, matched = await px.prep_recv(e.queue(least), req.prompt, -1)
-            await px.remote_send(e.queue(rank), req.prompt, kv, least, matched, -1)
+        excess = load[rank][1] - load[least][1] - e.incoming[least]
+        if len(req.prompt) > 1 and excess >= margin:
+            e.incoming[least] += 1  # counted there from now on (see Engines.incoming)
+            try:
+                kv, matched = await px.prep_recv(e.queue(least), req.prompt, -1)
+                await px.remote_send(e.queue(rank), req.prompt, kv, least, matched, -1)
+            finally:
+                e.incoming[least] -= 1
             home[key] = least
             req.start_generate(e.queue(least), -1)
             return

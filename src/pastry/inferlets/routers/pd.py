@@ -1,16 +1,18 @@
-"""Prefill/decode disaggregation, 1PnD (microserving Fig. 3 and 4): engine 0 prefills
-``prompt[:-1]`` and writes its K/V into the least-loaded decode engine (1..n-1), which
-prefills the last token and generates. Context-cache aware: only what the decode engine
-does not hold (``matched_len``) is sent. With one live engine left, it serves alone."""
+"""Prefill/decode disaggregation, xPyD (microserving Fig. 3 and 4): the first ``P`` engines
+(``args[0]``, default 1: 1PnD) prefill, the others decode. A request's ``prompt[:-1]`` is
+computed on the prefill engine with the fewest tokens queued and its K/V written into the
+least-loaded decode engine, which prefills the last token and generates. Context-cache
+aware: only what the decode engine does not hold (``matched_len``) is sent. With no live
+engine of one kind left, the others serve alone."""
 
-from pastry.sdk.router import disaggregate, engines, serve
+from pastry.sdk.router import disaggregate, engines, prefill_count, roles, serve
 
 
 async def main(args: list[str]) -> None:
+    count = prefill_count(args[0] if args else "1")
+
     async def handle(req):
-        e = engines(req.model)
-        live = e.alive()
-        decode = e.least_loaded([r for r in live if r != 0] or live)
-        await disaggregate(req, 0 if 0 in live else decode, decode, split=-1)
+        prefill, decode = roles(engines(req.model), count)
+        await disaggregate(req, prefill, decode, split=-1)
 
     await serve(handle)
