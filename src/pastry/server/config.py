@@ -58,6 +58,10 @@ class ServerConfig:
     remote_engines: tuple[str, ...] = ()  # tcp:// endpoints of `pastry engine` processes
     engine_token: str | None = None  # the token remote engines were started with
     ray_address: str | None = None  # place the engines as Ray actors of this cluster
+    # the Ray resources of each engine (once: every engine's; else one per engine) and how
+    # the placement group lays them out over the nodes (server/ray_engines.py)
+    ray_engine_resources: tuple[dict, ...] = ()
+    ray_placement: str = "SPREAD"
     router: str = ""  # NAME[:ARG] of inferlets/routers/, or a program; "" = round-robin
     users: tuple[Account, ...] = field(default=(), repr=False)  # --users FILE
     grants: tuple[tuple[str, str], ...] = ()  # (owner, reader): reader may read owner's
@@ -101,9 +105,26 @@ class ServerConfig:
                 "--engine needs the engines' token (--engine-token or PASTRY_ENGINE_TOKEN): "
                 "`pastry engine --listen` prints it, and refuses clients without it"
             )
+        self._check_ray()
         admission_policy(self.admission)  # validates the name
         if not self.keep_alive > 0:
             raise ConfigError(f"--keep-alive must be > 0 seconds, got {self.keep_alive}")
+
+    def _check_ray(self) -> None:
+        from pastry.server.ray_engines import check_strategy, engine_bundles
+
+        if self.ray_address is None:
+            if self.ray_engine_resources or self.ray_placement != "SPREAD":
+                raise ConfigError(
+                    "--ray-engine-resources and --ray-placement place engines on a Ray "
+                    "cluster: give the cluster with --ray ADDRESS"
+                )
+            return
+        try:
+            check_strategy(self.ray_placement)
+            engine_bundles(self.ray_engine_resources, max(1, self.engines))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def directory(self) -> Directory:
         """Who may connect, as which user (from ``auth_token`` and ``users``)."""

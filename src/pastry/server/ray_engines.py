@@ -1,26 +1,35 @@
 """Engines as Ray actors (``pastry serve --engines N --ray ADDRESS``).
 
-Ray places the processes; Pastry does the rest as for engines on one host. Each engine is
-an :class:`EngineActor` on some node of the cluster (``num_cpus`` each, the engine pinned
-to none: Ray's scheduler shares the node), which starts an engine server there
-(:func:`~pastry.wire.spawn.spawn_engine`) on ``tcp://NODE_IP:PORT``, token-authenticated,
-with a shared-memory KV pool (engines on one node write K/V straight into each other) and a
-``--kv-recv`` endpoint (engines on other nodes send it K/V over TCP). The control layer
-connects to each as to any remote engine. The model path must exist on every node.
-``ADDRESS`` is a Ray cluster address, ``auto`` (the cluster this host belongs to) or
-``local`` (start a Ray instance in this process, for tests and trials). Needs the ``ray``
-extra (``pip install 'pastry[ray]'``).
+Ray places the processes; Pastry does the rest as for engines on other hosts. The engines
+are reserved as one Ray *placement group* (gang-scheduled: all of them or none), one
+bundle of resources per engine (``--ray-engine-resources``, default ``{"CPU": 1}``), laid
+out across the nodes by a placement strategy (``--ray-placement``, default ``SPREAD``: on
+distinct nodes as far as they fit). A bundle says how many cores the engine gets
+(``CPU``: its torch threads) and, with a custom resource that only some nodes were
+started with (``ray start --resources '{"pastry_host_a": 1}'``) or Ray's own
+``node:IP``, which host it runs on. Each engine is an :class:`EngineActor` in its bundle,
+which starts an engine server on its node (:func:`~pastry.wire.spawn.spawn_engine`) on
+``tcp://NODE_IP:PORT``, token-authenticated, with a shared-memory KV pool (engines on
+one node write K/V straight into each other) and a ``--kv-recv`` endpoint (engines on
+other nodes send it K/V over TCP). The control layer connects to each as to any remote
+engine. The model path must exist on every node. ``ADDRESS`` is a Ray cluster address
+(``HEAD_IP:6379``), ``auto`` (the cluster this host belongs to) or ``local`` (start a Ray
+instance in this process, for tests and trials). Needs the ``ray`` extra
+(``pip install 'pastry[ray]'``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import secrets
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pastry.wire.config import EngineConfig
 from pastry.wire.handle import EngineHandle
@@ -30,11 +39,88 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+"""Ray's placement-group strategies: SPREAD (distinct nodes where they fit, else shared),
+STRICT_SPREAD (distinct nodes or not at all), PACK (as few nodes as fit), STRICT_PACK
+(one node)."""
+DEFAULT_BUNDLE: Mapping[str, float] = {"CPU": 1.0}
+PLACEMENT_TIMEOUT_S = 120.0  # the cluster has room for every bundle within this, or fails
+
+
+class RayPlacementError(RuntimeError):
+    """The Ray cluster cannot place the engines as asked."""
+
+
+def parse_engine_resources(text: str) -> dict[str, float]:
+    """One ``--ray-engine-resources`` value: a JSON object of Ray resources, e.g.
+    ``{"CPU": 2, "pastry_host_a": 1}``, as the bundle of one engine (``CPU`` defaults to
+    1). Raises :class:`ValueError` saying what is wrong."""
+    flag = "--ray-engine-resources"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not JSON ({e.msg}): {text!r}; e.g. '{{\"CPU\": 2}}'") from None
+    if not isinstance(value, dict) or not value:
+        raise ValueError(
+            f"{flag}: want a non-empty JSON object of resource amounts, e.g. "
+            f'\'{{"CPU": 2, "pastry_host_a": 1}}\', got {text!r}'
+        )
+    return check_bundle(value)
+
+
+def check_bundle(bundle: Mapping[str, Any]) -> dict[str, float]:
+    """``bundle`` with ``CPU`` filled in (1), or :class:`ValueError` naming the bad entry:
+    names are non-empty strings, amounts finite numbers > 0, ``CPU`` a whole number (the
+    engine's threads); ``GPU`` is refused (engines under Ray run on CPU)."""
+    flag = "--ray-engine-resources"
+    out: dict[str, float] = {}
+    for name, amount in bundle.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{flag}: a resource name must be a non-empty string, got {name!r}")
+        if isinstance(amount, bool) or not isinstance(amount, int | float):
+            raise ValueError(f"{flag}: {name!r} must be a number, got {amount!r}")
+        if not (math.isfinite(amount) and amount > 0):
+            raise ValueError(f"{flag}: {name!r} must be > 0, got {amount!r}")
+        out[name] = float(amount)
+    if "GPU" in out:
+        raise ValueError(f"{flag}: engines placed by Ray run on CPU; a GPU bundle is not served")
+    cpus = out.setdefault("CPU", DEFAULT_BUNDLE["CPU"])
+    if cpus != int(cpus):
+        raise ValueError(
+            f"{flag}: 'CPU' is the engine's cores (its torch threads): a whole number >= 1, "
+            f"got {cpus:g}"
+        )
+    return out
+
+
+def engine_bundles(resources: Sequence[Mapping[str, float]], n: int) -> list[dict[str, float]]:
+    """The bundle of each of ``n`` engines: ``resources`` given once is every engine's,
+    ``n`` times engine ``i``'s; none is :data:`DEFAULT_BUNDLE` each."""
+    if not resources:
+        return [dict(DEFAULT_BUNDLE) for _ in range(n)]
+    if len(resources) == 1:
+        return [check_bundle(resources[0]) for _ in range(n)]
+    if len(resources) != n:
+        raise ValueError(
+            f"--ray-engine-resources given {len(resources)} times for --engines {n}: give it "
+            "once (every engine's) or once per engine (in rank order)"
+        )
+    return [check_bundle(r) for r in resources]
+
+
+def check_strategy(strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"--ray-placement must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
+        )
+    return strategy
+
 
 class EngineActor:
-    """Runs one engine server on the node Ray placed this actor on."""
+    """Runs one engine server on the node Ray placed this actor on, with ``threads``
+    torch threads (its bundle's ``CPU``)."""
 
-    def __init__(self, model: str, config: dict, token: str) -> None:
+    def __init__(self, model: str, config: dict, token: str, threads: int) -> None:
         import ray
 
         from pastry.wire.spawn import spawn_engine
@@ -44,6 +130,7 @@ class EngineActor:
             s.bind((ip, 0))
             port = s.getsockname()[1]
         shm = f"/dev/shm/pastry-kv-ray-{secrets.token_hex(6)}"
+        self.node = f"{socket.gethostname()} ({ip})"
         self.proc = spawn_engine(
             model,
             EngineConfig(**{**config, "kv_shm": shm}),
@@ -51,52 +138,104 @@ class EngineActor:
             token=token,
             kv_recv=f"tcp://{ip}:0",
             echo_stderr=False,
+            threads=threads,
         )
 
-    def endpoint(self) -> str:
-        return self.proc.endpoint
+    def where(self) -> tuple[str, str]:
+        """The engine's endpoint, and the node it runs on (hostname and address)."""
+        return self.proc.endpoint, self.node
 
     def stop(self) -> None:
         self.proc.terminate()
 
 
-class _RayEngine:
-    """What the server terminates at stop: the actor, after its engine."""
+class _RayPlacement:
+    """What the server terminates at stop: the actors (each after its engine), then the
+    placement group that reserved their resources."""
 
-    def __init__(self, actor) -> None:
-        self.actor = actor
+    def __init__(self, group) -> None:
+        self.group = group
+        self.actors: list = []
 
     def terminate(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
+        for actor in self.actors:
+            try:
+                ray.get(actor.stop.remote(), timeout=30)
+            except Exception as e:  # the actor or its node is gone already
+                log.warning("stopping a Ray engine actor: %s", e)
+            ray.kill(actor)
         try:
-            ray.get(self.actor.stop.remote(), timeout=30)
-        except Exception as e:  # the actor or its node is gone already
-            log.warning("stopping a Ray engine actor: %s", e)
-        ray.kill(self.actor)
+            remove_placement_group(self.group)
+        except Exception as e:  # the cluster is gone: nothing left to release
+            log.warning("removing the engines' Ray placement group: %s", e)
+
+
+def _check_feasible(nodes: list[dict], bundles: list[dict[str, float]]) -> None:
+    """Raise :class:`RayPlacementError` when some bundle fits no alive node at all (a
+    resource no node was started with, more CPUs than any node has)."""
+    alive = [n for n in nodes if n.get("Alive")]
+    for i, bundle in enumerate(bundles):
+        if not any(all(n["Resources"].get(k, 0) >= v for k, v in bundle.items()) for n in alive):
+            have = "; ".join(
+                f"{n['NodeManagerAddress']}: "
+                + ", ".join(f"{k}={v:g}" for k, v in sorted(n["Resources"].items())
+                            if not k.startswith("node:") and "memory" not in k)
+                for n in alive
+            )  # fmt: skip
+            raise RayPlacementError(
+                f"no node of the Ray cluster can hold engine {i}'s resources "
+                f"{json.dumps(bundle)} (--ray-engine-resources); the nodes have: {have}. "
+                "Start a node with them (ray start --num-cpus N --resources "
+                "'{\"NAME\": 1}') or ask for what a node has"
+            )
 
 
 async def start_ray_engines(
     cfg: ServerConfig, model: Path, n: int, processes: list
 ) -> list[EngineHandle]:
-    """``n`` engines as Ray actors of the cluster at ``cfg.ray_address``. The actors are
-    added to ``processes`` (what the server terminates at stop) as soon as they exist."""
+    """``n`` engines as Ray actors of the cluster at ``cfg.ray_address``, one per bundle
+    of a placement group (``cfg.ray_engine_resources``, ``cfg.ray_placement``). The
+    placement is added to ``processes`` (what the server terminates at stop) as soon as
+    it exists, and each actor with it."""
     try:
         import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'pastry[ray]' (the `ray` extra)") from None
     from pastry.wire.remote import RemoteEngine
 
+    bundles = engine_bundles(cfg.ray_engine_resources, n)
     token = cfg.engine_token or secrets.token_urlsafe(24)
     address = None if cfg.ray_address == "local" else cfg.ray_address
     if not ray.is_initialized():
         await asyncio.to_thread(ray.init, address=address, log_to_driver=False,
                                 include_dashboard=False)  # fmt: skip
+    _check_feasible(await asyncio.to_thread(ray.nodes), bundles)
+    group = placement_group(bundles, strategy=cfg.ray_placement)
+    if not await asyncio.to_thread(group.wait, PLACEMENT_TIMEOUT_S):
+        free = await asyncio.to_thread(ray.available_resources)
+        remove_placement_group(group)
+        raise RayPlacementError(
+            f"the Ray cluster did not make room for {n} engines {json.dumps(bundles)} "
+            f"({cfg.ray_placement}) within {PLACEMENT_TIMEOUT_S:g} s; free now: "
+            f"{json.dumps({k: v for k, v in free.items() if not k.startswith('node:')})}"
+        )
+    placement = _RayPlacement(group)
+    processes.append(placement)
     econf = EngineConfig(dtype=cfg.dtype, page_size=cfg.page_size, num_pages=cfg.num_pages,
                          num_embeds=cfg.num_embeds, **cfg.engine_kwargs)  # fmt: skip
-    actor = ray.remote(num_cpus=1)(EngineActor)
-    actors = [actor.remote(str(model), asdict(econf), token) for _ in range(n)]
-    processes.extend(_RayEngine(a) for a in actors)
-    endpoints = await asyncio.to_thread(ray.get, [a.endpoint.remote() for a in actors])
-    log.info("Ray placed %d engines: %s", n, ", ".join(endpoints))
-    return [await RemoteEngine.connect(ep, token=token) for ep in endpoints]
+    for i, bundle in enumerate(bundles):
+        actor = ray.remote(EngineActor).options(
+            num_cpus=bundle["CPU"],
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, i),
+        )
+        threads = int(bundle["CPU"])
+        placement.actors.append(actor.remote(str(model), asdict(econf), token, threads))
+    placed = await asyncio.to_thread(ray.get, [a.where.remote() for a in placement.actors])
+    for i, (endpoint, node) in enumerate(placed):
+        log.info("Ray engine %d: %s on %s, %s", i, endpoint, node, json.dumps(bundles[i]))
+    return [await RemoteEngine.connect(ep, token=token) for ep, _node in placed]

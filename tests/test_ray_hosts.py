@@ -1,0 +1,220 @@
+"""Engines on a Ray cluster set up as users set one up: ``ray start --head`` on one host,
+``ray start --address HEAD:6379 --num-cpus 2 --resources '{"pastry_host_I": 1}'`` on two
+others (hosts made as network namespaces: own address, hostname and ``/dev/shm``, so K/V
+moves between the engines over TCP only), and ``pastry serve --ray HEAD:6379 --engines 2``
+on the head's host. Ray places one engine on each worker host (SPREAD by default; by the
+hosts' resource labels when asked), and greedy outputs through every router equal one
+engine's. Also: what ``--ray-engine-resources`` / ``--ray-placement`` refuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import pastry
+from netns_util import hosts_or_skip
+from pastry.server.config import ConfigError, ServerConfig
+from pastry.server.ray_engines import engine_bundles, parse_engine_resources
+from test_hosts import HTTP_PORT, SERVER, _complete, _health, _http, _texts
+from test_multi_engine import PROMPTS, ROUTERS, single_engine_texts  # noqa: F401 (a fixture)
+
+HEAD = SERVER  # the Ray head and the server on host 2; Ray workers on hosts 0 and 1
+WORKERS = (0, 1)
+GCS_PORT = 6379
+WORKER_CPUS = 2  # room for both engines on one worker: only SPREAD puts them apart
+
+
+# ------------------------------------------------------------------- the options, no Ray
+
+
+def test_engine_resources_are_checked():
+    assert parse_engine_resources('{"pastry_host_a": 1}') == {"pastry_host_a": 1.0, "CPU": 1.0}
+    assert parse_engine_resources('{"CPU": 2, "node:10.0.0.5": 0.01}') == {
+        "CPU": 2.0, "node:10.0.0.5": 0.01,
+    }  # fmt: skip
+    bad = {
+        "{CPU: 2}": "not JSON",
+        "[1]": "non-empty JSON object",
+        "{}": "non-empty JSON object",
+        '{"CPU": 1.5}': "whole number",
+        '{"CPU": 0}': "must be > 0",
+        '{"x": -1}': "must be > 0",
+        '{"x": true}': "must be a number",
+        '{"x": "1"}': "must be a number",
+        '{"GPU": 1}': "run on CPU",
+    }
+    for text, why in bad.items():
+        with pytest.raises(ValueError, match=why):
+            parse_engine_resources(text)
+    one, two = {"CPU": 1.0, "a": 1.0}, {"CPU": 2.0, "b": 1.0}
+    assert engine_bundles([], 2) == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert engine_bundles([one], 2) == [one, one]
+    assert engine_bundles([one, two], 2) == [one, two]
+    with pytest.raises(ValueError, match="given 2 times for --engines 3"):
+        engine_bundles([one, two], 3)
+
+
+def test_serve_refuses_bad_ray_placement(capsys):
+    from pastry.cli import main
+
+    def refused(*argv: str) -> str:
+        assert main(["serve", "--engines", "2", *argv]) == 2
+        return capsys.readouterr().err
+
+    assert "--ray-placement must be one of SPREAD" in refused("--ray", "auto", "--ray-placement", "spread")  # fmt: skip
+    assert "whole number" in refused("--ray", "auto", "--ray-engine-resources", '{"CPU": 0.5}')
+    assert "given 3 times for --engines 2" in refused(
+        "--ray", "auto", *["--ray-engine-resources", '{"CPU": 1}'] * 3
+    )
+    assert "give the cluster with --ray ADDRESS" in refused("--ray-engine-resources", '{"a": 1}')
+    with pytest.raises(ConfigError, match="--ray ADDRESS"):
+        ServerConfig(engines=2, ray_placement="PACK")
+
+
+# ------------------------------------------------------------ a cluster on three hosts
+
+
+def _start(hosts, i: int, argv: list[str], env: dict, logs: Path) -> None:
+    """``ray start ...`` on host ``i``; it returns once the node has joined."""
+    out = logs / f"ray-start-h{i}.log"
+    with open(out, "w") as f:
+        rc = hosts.run(i, argv, env=env, stdout=f, stderr=subprocess.STDOUT).wait(180)
+    assert rc == 0, f"ray start on host {i} failed ({rc}): {out.read_text()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A Ray head on host 2 (no CPUs: engines go to the workers) and a worker on hosts 0
+    and 1, each labelled ``pastry_host_I``; every Ray process stops with its host."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    if not ray_bin.exists():
+        pytest.skip("the `ray` extra is not installed (no `ray` command next to python)")
+    hosts = hosts_or_skip(3)
+    logs = tmp_path_factory.mktemp("ray-start")
+    temp = tempfile.mkdtemp(prefix="pray-")  # short: Ray's socket paths live under it
+    src = str(Path(pastry.__file__).parents[1])  # the workers import this very pastry
+    # Ray's token authentication, one fresh token for every node and the server (set
+    # explicitly: a ~/.ray/auth_token that a local ray.init() left turns it on for the
+    # head only, and workers given the head's address are then refused)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    head = f"{hosts.address(HEAD)}:{GCS_PORT}"
+    small = ["--object-store-memory", str(100 << 20), "--disable-usage-stats"]
+    try:
+        _start(hosts, HEAD, [str(ray_bin), "start", "--head", "--port", str(GCS_PORT),
+                             "--node-ip-address", hosts.address(HEAD), "--num-cpus", "0",
+                             "--include-dashboard=false", "--temp-dir", f"{temp}/h{HEAD}",
+                             *small], env, logs)  # fmt: skip
+        for i in WORKERS:
+            _start(hosts, i, [str(ray_bin), "start", "--address", head, "--node-ip-address",
+                              hosts.address(i), "--num-cpus", str(WORKER_CPUS), "--resources",
+                              json.dumps({f"pastry_host_{i}": 1}), "--temp-dir", f"{temp}/h{i}",
+                              *small], env, logs)  # fmt: skip
+        yield hosts, head, env
+    finally:
+        hosts.close()  # every process of every host: the raylets, GCS, workers, engines
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _serve(hosts, head: str, env: dict, model, tmp_path, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "pastry.cli", "serve", "--model", str(model), "--ray", head,
+            "--engines", "2", "--dtype", "float32", "--num-pages", "256", "--num-embeds",
+            "1024", "--no-compile", "--port", str(HTTP_PORT), *extra]  # fmt: skip
+    log = open(tmp_path / "server.log", "a")  # noqa: SIM115 (the process keeps it)
+    return hosts.run(HEAD, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(90)
+
+
+def _placed(hosts) -> list[str]:
+    """The address of the host each engine (in rank order) runs on: that of its
+    ``--kv-recv`` endpoint, where peers on other hosts send it K/V over TCP."""
+    _code, body = hosts.call(HEAD, _http, "GET", "/microserving/engines")
+    (replicas,) = body["engines"].values()
+    out = []
+    for e in sorted(replicas, key=lambda e: e["rank"]):
+        (tcp,) = [p for p in e["kv_peers"] if p.startswith("tcp://")]
+        out.append(tcp.removeprefix("tcp://").rsplit(":", 1)[0])
+    return out
+
+
+def _engine_processes(hosts, i: int) -> list[int]:
+    """The engine server processes on host ``i``."""
+    found = []
+    for pid in hosts.pids(i):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        if b"pastry.engine.serve" in cmd:
+            found.append(pid)
+    return found
+
+
+def _gone(hosts, deadline_s: float = 30) -> None:
+    end = time.time() + deadline_s
+    while any(_engine_processes(hosts, i) for i in WORKERS):
+        assert time.time() < end, {i: _engine_processes(hosts, i) for i in WORKERS}
+        time.sleep(0.5)
+
+
+def test_ray_spreads_engines_over_workers_and_answers_as_one_engine(
+    cluster,
+    make_tiny,
+    tmp_path,
+    single_engine_texts,  # noqa: F811
+):
+    """``pastry serve --ray HEAD --engines 2 --router R``, nothing else about placement:
+    each worker could hold both engines, SPREAD puts one on each; through every router
+    (P/D and migration move K/V from host to host over TCP), greedy texts equal one
+    engine's. Stopping the server stops its engines on the workers."""
+    hosts, head, env = cluster
+    for router in ROUTERS:
+        server = _serve(hosts, head, env, make_tiny(), tmp_path, "--router", router)
+        try:
+            health = _health(hosts, "ok", tmp_path)
+            assert len(health["engines"]) == 2, health
+            assert sorted(_placed(hosts)) == [hosts.address(i) for i in WORKERS], router
+            got = _complete(hosts, PROMPTS)
+            assert all(c == 200 for c, _ in got), (router, [b for c, b in got if c != 200])
+            assert _texts(got) == single_engine_texts, router
+        finally:
+            _stop(server)
+        _gone(hosts)
+
+
+def test_ray_places_engines_by_resource_label(cluster, make_tiny, tmp_path, single_engine_texts):  # noqa: F811
+    """One ``--ray-engine-resources`` per engine naming a worker's label (and its
+    cores): engine 0 on host 1 with 2 cores, engine 1 on host 0; a label no node has
+    is refused at start, saying what the nodes have."""
+    hosts, head, env = cluster
+    labels = ["--ray-engine-resources", json.dumps({"CPU": 2, "pastry_host_1": 1}),
+              "--ray-engine-resources", json.dumps({"pastry_host_0": 1})]  # fmt: skip
+    server = _serve(hosts, head, env, make_tiny(), tmp_path, *labels, "--router", "pd")
+    try:
+        _health(hosts, "ok", tmp_path)
+        assert _placed(hosts) == [hosts.address(1), hosts.address(0)]
+        assert _texts(_complete(hosts, PROMPTS)) == single_engine_texts
+    finally:
+        _stop(server)
+    _gone(hosts)
+    log = tmp_path / "server.log"
+    log.unlink()
+    nowhere = ["--ray-engine-resources", json.dumps({"pastry_host_9": 1})]
+    assert _serve(hosts, head, env, make_tiny(), tmp_path, *nowhere).wait(120) != 0
+    text = log.read_text()
+    assert "no node of the Ray cluster can hold engine 0's resources" in text, text[-3000:]
+    assert "pastry_host_0=1" in text and "pastry_host_1=1" in text, text[-3000:]
