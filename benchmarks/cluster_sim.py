@@ -189,7 +189,9 @@ def section_autellix(results: dict[tuple, list[Run]]) -> dict:
                 lat, ok = _mean(runs, "avg_latency"), _complete(runs)
                 hit = _mean(runs, "hit_rate")
                 curves[router].append((rate, lat, ok))
-                cells.append(f"{lat:>10.4f}{'' if ok else '*':1} hit {hit:4.2f} p99 {_mean(runs, 'p99_latency'):6.3f}")
+                cells.append(
+                    f"{lat:>10.4f}{'' if ok else '*':1} hit {hit:4.2f} p99 {_mean(runs, 'p99_latency'):6.3f}"
+                )
             print(f"{rate:>11} " + " ".join(cells))
         base = curves["round-robin"][0][1] if curves["round-robin"] else math.nan
         cfg: dict = {"unloaded_latency": base, "slos": {}}
@@ -262,10 +264,14 @@ def section_microserving(results: dict[tuple, list[Run]]) -> dict:
     out["p99_jct_1p1d_over_balanced_pd_sim"] = round(bal, 3) if math.isfinite(bal) else None
     fin = [x for x in long8 if math.isfinite(x)]
     out["p99_jct_dp8_over_best_4p4d_longinput_sim"] = round(max(fin), 3) if fin else None
-    print("\nlong input, 2 engines: P99 JCT DP / best P/D per rate: "
-          + ", ".join(f"{r}: {x:.2f}" for r, x in zip(MS_RATES['longinput'], long_dp, strict=True)))
-    print("sharegpt-like, 2 engines: P99 JCT DP / best P/D per rate: "
-          + ", ".join(f"{r}: {x:.2f}" for r, x in zip(MS_RATES['sharegpt'], share_dp, strict=True)))
+    print(
+        "\nlong input, 2 engines: P99 JCT DP / best P/D per rate: "
+        + ", ".join(f"{r}: {x:.2f}" for r, x in zip(MS_RATES["longinput"], long_dp, strict=True))
+    )
+    print(
+        "sharegpt-like, 2 engines: P99 JCT DP / best P/D per rate: "
+        + ", ".join(f"{r}: {x:.2f}" for r, x in zip(MS_RATES["sharegpt"], share_dp, strict=True))
+    )
     print(f"long input at 2.5/engine: P99 JCT 1P1D / 1P1D-balance {bal:.2f}")
     return out
 
@@ -295,7 +301,9 @@ def main() -> None:
         tasks += [("microserving", w, n, router, rate, s) for w, rates in MS_RATES.items()
                   for n, routers in MS_SETUPS.items() for rate in rates for router in routers
                   for s in seeds]  # fmt: skip
-    print(f"# cluster_sim: simulated A100s (the results do not depend on this machine; its wall time does): {cpu_name()}, {os.cpu_count()} cpus")
+    print(
+        f"# cluster_sim: simulated A100s (the results do not depend on this machine; its wall time does): {cpu_name()}, {os.cpu_count()} cpus"
+    )
     print(f"{len(tasks)} simulated runs on {args.jobs} processes", flush=True)
     t0 = time.perf_counter()
     results: dict[tuple, list[Run]] = {}
@@ -304,8 +312,11 @@ def main() -> None:
         order = sorted(tasks, key=lambda t: -(t[2] * t[4] * (160 if t[1] == "lats" else 7)))
         for task, run in zip(order, pool.map(run_one, order), strict=True):
             results.setdefault(task[:5], []).append(run)
-            print(f"  {task} {run.wall_s:.1f}s: avg {run.summary['avg_latency']:.4f} "
-                  f"done {run.summary['completed']}/{run.summary['programs']}", flush=True)
+            print(
+                f"  {task} {run.wall_s:.1f}s: avg {run.summary['avg_latency']:.4f} "
+                f"done {run.summary['completed']}/{run.summary['programs']}",
+                flush=True,
+            )
     out: dict = {"bench": "cluster_sim", "quick": args.quick, "seeds": len(seeds),
                  "wall_s": None}  # fmt: skip
     if "autellix" in sections:

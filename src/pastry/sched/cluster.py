@@ -319,7 +319,9 @@ class SimRouterApi:
         self._sim = sim
         self._waiting: deque[_Request] = deque()
         self._taker: asyncio.Future | None = None
-        self._recv: dict[int, tuple[int, _Request, int, int]] = {}  # handle -> rank, req, end, matched
+        self._recv: dict[
+            int, tuple[int, _Request, int, int]
+        ] = {}  # handle -> rank, req, end, matched
         self._handles = itertools.count(1)
 
     # engines
@@ -382,7 +384,9 @@ class SimRouterApi:
         self._sim._progress += 1
         rank, r, prepared, matched = self._recv.pop(kv_addr_info)
         if rank != recv_rank or rank == q:
-            raise ValueError(f"kv_addr_info {kv_addr_info} is on engine {rank}, sent {q} -> {recv_rank}")
+            raise ValueError(
+                f"kv_addr_info {kv_addr_info} is on engine {rank}, sent {q} -> {recv_rank}"
+            )
         end = _index(end, len(r.prompt))
         if end > prepared:
             raise ValueError(f"prompt[:{end}] is more than prep_recv prepared ({prepared})")

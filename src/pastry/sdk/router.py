@@ -81,9 +81,7 @@ class Engines:
         """The live engine (of ``among``) with the fewest routed contexts (counting those
         this router is moving there), then the fewest queued tokens."""
         load = self.load()
-        return min(
-            self.alive(among), key=lambda r: (load[r][1] + self.incoming[r], load[r][2], r)
-        )
+        return min(self.alive(among), key=lambda r: (load[r][1] + self.incoming[r], load[r][2], r))
 
 
 # Per running router (keyed by its API session): a module is shared by every instance.
