@@ -476,7 +476,11 @@ class ClusterSimulator:
         tasks = asyncio.all_tasks(loop)
         for t in tasks:
             t.cancel()
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+        async def ended() -> None:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        loop.run_until_complete(ended())
         loop.close()
 
     def _at(self, t: float, action: Callable[[], int | None]) -> None:
