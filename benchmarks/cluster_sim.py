@@ -55,7 +55,6 @@ from pastry.sched.cluster import (
 )
 from pastry.sched.programs import CallSpec, ProgramSpec, Stage
 
-GB = 1e9
 ARRIVALS_S = 240.0  # programs arrive for this long (simulated seconds)
 MEASURE = (60.0, 180.0)  # ... and those arriving in this window are measured
 DRAIN_S = 1800.0  # the run stops this long after the last arrival

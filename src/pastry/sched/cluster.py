@@ -154,10 +154,6 @@ class Seg:
 Ctx = tuple[Seg, ...]
 
 
-def ctx_len(ctx: Ctx) -> int:
-    return sum(s.length for s in ctx)
-
-
 def ctx_tokens(ctx: Ctx) -> list[int]:
     out: list[int] = []
     for s in ctx:
