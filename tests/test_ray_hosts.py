@@ -23,7 +23,7 @@ import pytest
 import pastry
 from netns_util import hosts_or_skip
 from pastry.server.config import ConfigError, ServerConfig
-from pastry.server.ray_engines import engine_bundles, parse_engine_resources
+from pastry.server.ray_placement import engine_bundles, parse_engine_resources
 from test_hosts import HTTP_PORT, SERVER, _complete, _health, _http, _texts
 from test_multi_engine import PROMPTS, ROUTERS, single_engine_texts  # noqa: F401 (a fixture)
 

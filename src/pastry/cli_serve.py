@@ -284,7 +284,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     from pastry.control.users import UsersError, parse_grant, read_users_file
     from pastry.server.app import serve
-    from pastry.server.ray_engines import parse_engine_resources
     from pastry.server.service import ConfigError, ServerConfig
 
     logging.basicConfig(
@@ -306,13 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
             **_reach(args),
             schedule=args.schedule,
             max_batch=args.max_batch,
-            engines=args.engines if args.engines is not None else (0 if args.engine else 1),
-            remote_engines=tuple(args.engine),
-            engine_token=args.engine_token,
-            ray_address=args.ray,
-            ray_engine_resources=tuple(map(parse_engine_resources, args.ray_engine_resources)),
-            ray_placement=args.ray_placement,
-            router=args.router,
+            **_placement(args),
             users=read_users_file(args.users) if args.users else (),
             grants=tuple(parse_grant(g) for g in args.grant),
             quotas=_quotas(args),
@@ -340,6 +333,22 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pastry serve: the server did not start (exit {code})", file=sys.stderr)
         return code
     return 0
+
+
+def _placement(args: argparse.Namespace) -> dict:
+    """Where the engines run (local processes, ``--engine`` servers, a Ray cluster) and
+    the router in front of them, as ``ServerConfig`` fields."""
+    from pastry.server.ray_placement import parse_engine_resources
+
+    return {
+        "engines": args.engines if args.engines is not None else (0 if args.engine else 1),
+        "remote_engines": tuple(args.engine),
+        "engine_token": args.engine_token,
+        "ray_address": args.ray,
+        "ray_engine_resources": tuple(map(parse_engine_resources, args.ray_engine_resources)),
+        "ray_placement": args.ray_placement,
+        "router": args.router,
+    }
 
 
 def _storage(args: argparse.Namespace) -> dict:

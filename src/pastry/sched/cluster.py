@@ -47,69 +47,37 @@ import heapq
 import importlib
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pastry.control.policies import schedule_policy
 from pastry.control.programs import ProcessTable
-from pastry.sched.hardware import (
-    A100_BYTES,
-    ACTIVATION_RESERVE,
-    BF16,
-    LLAMA31_8B_KV_BYTES,
-    LLAMA31_8B_LAYERS,
-    LLAMA31_8B_PARAMS,
-    VLLM_GPU_MEMORY_UTILIZATION,
-    CostModel,
+from pastry.sched.cluster_model import (
+    MODEL,
+    Ctx,
+    Network,
+    PrefixCache,
+    Seg,
+    a100_kv_tokens,
+    ctx_tokens,
 )
+from pastry.sched.cluster_router import Request, SimRouterApi
+from pastry.sched.hardware import CostModel
 from pastry.sched.pastry_engine import PastryEngine
 from pastry.sched.programs import ProgramSpec
 from pastry.sched.sim_model import ProgramResult, SimConfig, SimProgram, SimResult, SimThread
 from pastry.sdk.current import bind
 
-__all__ = ["ClusterConfig", "ClusterSimulator", "Network", "SimRouterApi", "simulate_cluster"]
-
-MODEL = "llama-3.1-8b"  # the one model the simulated engines serve
-
-
-def a100_kv_tokens(device_bytes: float = A100_BYTES) -> int:
-    """KV tokens of LLaMA-3.1-8B on one A100 of ``device_bytes`` under vLLM's defaults
-    (``pastry.sched.hardware``): 442,704 on the 80 GB card, 147,786 on the 40 GB one."""
-    kv = VLLM_GPU_MEMORY_UTILIZATION * device_bytes - LLAMA31_8B_PARAMS * BF16 - ACTIVATION_RESERVE
-    return math.floor(kv / LLAMA31_8B_KV_BYTES)
-
-
-@dataclass(frozen=True)
-class Network:
-    """The links between engines. The default bandwidth is what LLM microserving measured
-    for LLaMA-3.1-8B's K/V between two A100s (Table 3: 1000 to 5000 tokens, 4 KiB per token
-    per layer, in 0.197 to 0.867 ms per layer: 20.8 to 23.6 GB/s)."""
-
-    bandwidth_b_s: float = 23e9  # per sending engine
-    latency_s: float = 20e-6
-    layers: int = LLAMA31_8B_LAYERS
-    kv_bytes_per_token: int = LLAMA31_8B_KV_BYTES
-
-    def __post_init__(self) -> None:
-        if not (self.bandwidth_b_s > 0 and self.latency_s >= 0 and self.layers >= 1):
-            raise ValueError(f"a network needs bandwidth > 0, latency >= 0, layers >= 1: {self}")
-
-    def transfer_s(self, tokens: int) -> float:
-        """Seconds on the wire for the K/V of ``tokens`` tokens (latency excluded)."""
-        return tokens * self.kv_bytes_per_token / self.bandwidth_b_s
-
-    def pipelined_end(self, start: float, compute_s: float, tokens: int, link_free: float) -> float:
-        """When a transfer of ``tokens`` tokens' K/V ends, sent layer by layer as a prefill
-        that starts at ``start`` and lasts ``compute_s`` computes them, on a link free from
-        ``link_free``: layer ``l``'s K/V are ready after ``l + 1`` layers' compute and go
-        after layer ``l - 1``'s, so the last lands at the latest of the link's own time for
-        all of them, the first layer's compute plus all of them, and the prefill plus one
-        layer's (then the latency)."""
-        wire = self.transfer_s(tokens)
-        first = compute_s / self.layers
-        return max(link_free + wire, start + first + wire,
-                   start + compute_s + wire / self.layers) + self.latency_s  # fmt: skip
+__all__ = [
+    "ClusterConfig",
+    "ClusterSimulator",
+    "Network",
+    "PrefixCache",
+    "Seg",
+    "SimRouterApi",
+    "a100_kv_tokens",
+    "simulate_cluster",
+]
 
 
 @dataclass(frozen=True)
@@ -140,127 +108,18 @@ class ClusterConfig:
                          steps_per_schedule=self.steps_per_schedule)  # fmt: skip
 
 
-# ---------------------------------------------------------------------- prompts, caches
-
-
-@dataclass(frozen=True, slots=True)
-class Seg:
-    """A piece of text: the token ids ``start .. start + length - 1``."""
-
-    start: int
-    length: int
-
-
-Ctx = tuple[Seg, ...]
-
-
-def ctx_tokens(ctx: Ctx) -> list[int]:
-    out: list[int] = []
-    for s in ctx:
-        out.extend(range(s.start, s.start + s.length))
-    return out
-
-
-class _Node:
-    __slots__ = ("children", "have", "parent", "seg", "used")
-
-    def __init__(self, seg: Seg | None, parent: _Node | None) -> None:
-        self.seg, self.parent = seg, parent
-        self.children: dict[int, _Node] = {}
-        self.have = 0  # tokens of seg held (a prefix of it)
-        self.used = 0.0
-
-
-class PrefixCache:
-    """An engine's cached K/V: a tree of text pieces, ``capacity`` tokens, least recently
-    used leaves evicted first."""
-
-    def __init__(self, capacity: int, page_size: int, clock: Callable[[], float]) -> None:
-        self.capacity, self.page_size, self.clock = capacity, page_size, clock
-        self.root = _Node(None, None)
-        self.tokens = 0
-        self._leaves: list[tuple[float, int, _Node]] = []  # lazy: (used, tiebreak, node)
-        self._seq = itertools.count()
-
-    def match(self, ctx: Ctx, limit: int) -> int:
-        """Tokens of the longest cached prefix of ``ctx[:limit]``, in whole pages (the
-        pieces it passes count as used now)."""
-        node, n, now = self.root, 0, self.clock()
-        for s in ctx:
-            child = node.children.get(s.start)
-            if child is None:
-                break
-            child.used = now
-            n += min(child.have, s.length)
-            if child.have < s.length or n >= limit:
-                break
-            node = child
-        n = min(n, limit)
-        return n - n % self.page_size
-
-    def insert(self, ctx: Ctx, n: int) -> None:
-        """Hold the K/V of ``ctx[:n]``; then evict down to the capacity."""
-        node, now = self.root, self.clock()
-        for s in ctx:
-            if n <= 0:
-                break
-            child = node.children.get(s.start)
-            if child is None:
-                child = node.children[s.start] = _Node(s, node)
-            take = min(s.length, n)
-            if take > child.have:
-                self.tokens += take - child.have
-                child.have = take
-            child.used = now
-            n -= s.length
-            if child.have < s.length:
-                break
-            node = child
-        if not node.children and node is not self.root:
-            heapq.heappush(self._leaves, (node.used, next(self._seq), node))
-        self._evict()
-
-    def _evict(self) -> None:
-        while self.tokens > self.capacity:
-            if not self._leaves:  # every leaf's entry is stale: list them again
-                self._leaves = [(x.used, next(self._seq), x) for x in self._all_leaves()]
-                heapq.heapify(self._leaves)
-            used, _, node = heapq.heappop(self._leaves)
-            if node.children or node.parent is None or used != node.used:
-                if not node.children and node.parent is not None:  # touched: requeue
-                    heapq.heappush(self._leaves, (node.used, next(self._seq), node))
-                continue
-            parent = node.parent
-            del parent.children[node.seg.start]
-            node.parent = None
-            self.tokens -= node.have
-            if not parent.children and parent is not self.root:
-                heapq.heappush(self._leaves, (parent.used, next(self._seq), parent))
-
-    def _all_leaves(self):
-        stack = [self.root]
-        while stack:
-            x = stack.pop()
-            if x.children:
-                stack.extend(x.children.values())
-            elif x is not self.root:
-                yield x
-
-
 # ---------------------------------------------------------------------- engines, jobs
 
 
 @dataclass(eq=False)
 class _Job:
-    """A forward run on an engine for a request: its generation, or (``generate`` False)
-    a prefill whose K/V a ``remote_send`` sends."""
+    """A forward run on an engine for a request: its generation, or a one-step prefill
+    whose K/V a ``remote_send`` sends."""
 
     engine: _Engine
     thread: SimThread
-    ctx: Ctx  # the input it runs over
     kv0: int  # tokens of ctx with K/V there before it
     tokens: int  # computed by its first forward
-    generate: bool
     on_first: Callable[[float, float], None]  # (its first forward's start, duration)
     on_done: Callable[[], None]
 
@@ -293,110 +152,6 @@ class _View:
         return self._sim.now
 
 
-# ---------------------------------------------------------------------- the router's API
-
-
-@dataclass(eq=False)
-class _Request:
-    id: int
-    program: SimProgram
-    ctx: Ctx
-    prompt: list[int]
-    on_done: Callable[[Ctx], None]  # with the context grown by the output
-    decode: int
-    placed: bool = False
-
-
-class SimRouterApi:
-    """The inferlet API a router program calls, answered by the cluster simulator (only
-    the calls across engines; a queue's handle is its engine's rank)."""
-
-    def __init__(self, sim: ClusterSimulator) -> None:
-        self._sim = sim
-        self._waiting: deque[_Request] = deque()
-        self._taker: asyncio.Future | None = None
-        self._recv: dict[
-            int, tuple[int, _Request, int, int]
-        ] = {}  # handle -> rank, req, end, matched
-        self._handles = itertools.count(1)
-
-    # engines
-    def available_engines(self, model: str) -> int:
-        self._sim._check_model(model)
-        return len(self._sim.engines)
-
-    def create_queue(self, model: str, engine: int = -1, priority: int = 0) -> int:
-        self._sim._check_model(model)
-        if not 0 <= engine < len(self._sim.engines):
-            raise ValueError(f"no engine {engine} (the cluster has {len(self._sim.engines)})")
-        return engine
-
-    def get_engine_load(self, model: str) -> list[tuple[int, int, int]]:
-        self._sim._check_model(model)
-        return [(1, e.routed, e.queued_tokens) for e in self._sim.engines]
-
-    # requests
-    def next_request(self) -> asyncio.Future:
-        fut = self._sim._router_loop.create_future()
-        if self._waiting:
-            r = self._waiting.popleft()
-            fut.set_result((r.id, MODEL, r.prompt, r.program.instance))
-        else:
-            self._taker = fut
-        return fut
-
-    def offer(self, r: _Request) -> None:
-        if self._taker is not None and not self._taker.done():
-            self._taker.set_result((r.id, MODEL, r.prompt, r.program.instance))
-            self._taker = None
-        else:
-            self._waiting.append(r)
-
-    def start_generate(self, q: int, prompt: Sequence[int], begin: int, request: int = -1) -> list:
-        self._sim._progress += 1
-        r = self._sim._request(request, prompt)
-        self._sim._place(r, q, _index(begin, len(r.prompt)))
-        return []
-
-    def reject_request(self, request: int, reason: str) -> None:
-        self._sim._progress += 1
-        r = self._sim._requests.pop(request)
-        self._sim._fail(r.program, f"the router refused the request: {reason}")
-
-    def prep_recv(self, q: int, prompt: Sequence[int], end: int) -> asyncio.Future:
-        self._sim._progress += 1
-        r = self._sim._request_of(prompt)
-        end = _index(end, len(r.prompt))
-        matched = self._sim.engines[q].cache.match(r.ctx, min(end, len(r.prompt) - 1))
-        handle = next(self._handles)
-        self._recv[handle] = (q, r, end, matched)
-        fut = self._sim._router_loop.create_future()
-        fut.set_result((handle, matched))
-        return fut
-
-    def remote_send(self, q: int, prompt: Sequence[int], kv_addr_info: int, recv_rank: int,
-                    begin: int, end: int, src_pages: Sequence[int] = (), src_len: int = 0,
-                    ) -> asyncio.Future:  # fmt: skip
-        self._sim._progress += 1
-        rank, r, prepared, matched = self._recv.pop(kv_addr_info)
-        if rank != recv_rank or rank == q:
-            raise ValueError(
-                f"kv_addr_info {kv_addr_info} is on engine {rank}, sent {q} -> {recv_rank}"
-            )
-        end = _index(end, len(r.prompt))
-        if end > prepared:
-            raise ValueError(f"prompt[:{end}] is more than prep_recv prepared ({prepared})")
-        begin = min(max(_index(begin, len(r.prompt)), matched), end)
-        fut = self._sim._router_loop.create_future()
-        self._sim._send(r, q, recv_rank, begin, end, lambda: fut.set_result(None))
-        return fut
-
-
-def _index(i: int, n: int) -> int:
-    """A Python slice bound of a sequence of ``n``."""
-    return max(0, min(n, i + n if i < 0 else i))
-
-
 # ---------------------------------------------------------------------- the simulator
 
 
@@ -413,24 +168,24 @@ class ClusterSimulator:
         self._next_id = 1  # token ids
         self._rids = itertools.count(1)
         self._prefixes: dict[tuple[str, int], Seg] = {}
-        self._requests: dict[int, _Request] = {}
-        self._by_prompt: dict[tuple[int, int], _Request] = {}
+        self._requests: dict[int, Request] = {}
+        self._by_prompt: dict[tuple[int, int], Request] = {}
         self._programs: list[SimProgram] = []
         self._roots: dict[SimProgram, Ctx] = {}
         self._first: dict[SimProgram, float] = {}
         self._measuring = 0
-        self._progress = 0  # the router's calls (it is idle when they stop)
+        self.progress = 0  # the router's calls (it is idle when they stop)
         self._progress_pending = False  # the router has something to take
         self._stats = dict(calls=0, prompt_tokens=0, computed_tokens=0, sent_tokens=0,
                            transfers=0, transfer_s=0.0)  # fmt: skip
         # The router program, on a loop of its own run at the simulated time
-        self._router_loop = asyncio.new_event_loop()
+        self.router_loop = asyncio.new_event_loop()
         self.api = SimRouterApi(self)
         name, _, args = cfg.router.partition(":")
         module = importlib.import_module(f"pastry.inferlets.routers.{name.replace('-', '_')}")
         ctx = contextvars.copy_context()
         ctx.run(bind, self.api)
-        self._router = self._router_loop.create_task(
+        self._router = self.router_loop.create_task(
             module.main([a for a in args.split(",") if a]), context=ctx
         )
         self._settle()
@@ -466,7 +221,7 @@ class ClusterSimulator:
 
     def _close_router(self) -> None:
         """End the router program and the handlers it still runs (requests in flight)."""
-        loop = self._router_loop
+        loop = self.router_loop
         if loop.is_closed():
             return
         tasks = asyncio.all_tasks(loop)
@@ -489,21 +244,21 @@ class ClusterSimulator:
         async def idle() -> None:
             quiet = 0
             while quiet < 3:
-                before = self._progress
+                before = self.progress
                 await asyncio.sleep(0)
-                quiet = quiet + 1 if self._progress == before else 0
+                quiet = quiet + 1 if self.progress == before else 0
 
-        self._router_loop.run_until_complete(idle())
+        self.router_loop.run_until_complete(idle())
         if self._router.done():
             exc = None if self._router.cancelled() else self._router.exception()
             self._close_router()
             raise RuntimeError(f"the router program {self.config.router!r} ended: {exc!r}")
 
     def _wake_router(self) -> None:
-        self._progress += 1
+        self.progress += 1
         self._progress_pending = True
 
-    def _check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> None:
         if model != MODEL:
             raise ValueError(f"no model {model!r} (the cluster serves {MODEL!r})")
 
@@ -569,6 +324,10 @@ class ClusterSimulator:
             p.failed = why
             self._end(p)
 
+    def refuse(self, rid: int, reason: str) -> None:
+        """The router refused request ``rid``: its program fails."""
+        self._fail(self._requests.pop(rid).program, f"the router refused the request: {reason}")
+
     def _result(self, p: SimProgram) -> ProgramResult:
         s = p.spec
         return ProgramResult(s.workload, s.arrival, p.finish, s.decode_tokens, s.num_calls,
@@ -577,7 +336,7 @@ class ClusterSimulator:
     # ------------------------------------------------------------------ requests
 
     def _submit(self, p: SimProgram, ctx: Ctx, decode: int, done: Callable[[Ctx], None]) -> None:
-        r = _Request(next(self._rids), p, ctx, ctx_tokens(ctx), done, decode)
+        r = Request(next(self._rids), p, ctx, ctx_tokens(ctx), done, decode)
         self._requests[r.id] = r
         self._by_prompt[(len(r.prompt), r.prompt[-1])] = r
         self._stats["calls"] += 1
@@ -585,7 +344,7 @@ class ClusterSimulator:
         self.api.offer(r)
         self._wake_router()
 
-    def _request(self, rid: int, prompt: Sequence[int]) -> _Request:
+    def request(self, rid: int, prompt: Sequence[int]) -> Request:
         r = self._requests.get(rid)
         if r is None or r.placed:
             raise ValueError(f"request {rid} is not waiting to be placed")
@@ -593,13 +352,13 @@ class ClusterSimulator:
             raise ValueError(f"prompt differs from request {rid}'s prompt")
         return r
 
-    def _request_of(self, prompt: Sequence[int]) -> _Request:
+    def request_of(self, prompt: Sequence[int]) -> Request:
         r = self._by_prompt.get((len(prompt), prompt[-1])) if prompt else None
         if r is None:
             raise ValueError("the prompt is no request's")
         return r
 
-    def _place(self, r: _Request, rank: int, begin: int) -> None:
+    def place(self, r: Request, rank: int, begin: int) -> None:
         """``start_generate``: ``r`` runs on ``rank``, where the K/V of ``prompt[:begin]``
         were received (and whatever its cache holds of the prompt)."""
         r.placed = True
@@ -623,9 +382,9 @@ class ClusterSimulator:
 
         e.routed += 1
         e.generations += 1
-        self._run(e, r.program, r.ctx, kv, n - kv, r.decode, True, first, done)
+        self._run(e, r.program, kv, n - kv, r.decode, first, done)
 
-    def _send(self, r: _Request, rank: int, to: int, begin: int, end: int,
+    def send(self, r: Request, rank: int, to: int, begin: int, end: int,
               landed: Callable[[], None]) -> None:  # fmt: skip
         """``remote_send``: the K/V of ``prompt[begin:end]`` from ``rank`` to ``to``,
         computing there what it does not hold of ``prompt[:end]``."""
@@ -656,16 +415,16 @@ class ClusterSimulator:
             e.cache.insert(r.ctx, end)  # the sender keeps what it computed
             go(start, dt)
 
-        self._run(e, r.program, r.ctx, held, tokens, 1, False, first, lambda: None)
+        self._run(e, r.program, held, tokens, 1, first, lambda: None)
 
     # ------------------------------------------------------------------ engine steps
 
-    def _run(self, e: _Engine, p: SimProgram, ctx: Ctx, kv: int, tokens: int, decode: int,
-             generate: bool, first, done) -> None:  # fmt: skip
+    def _run(self, e: _Engine, p: SimProgram, kv: int, tokens: int, decode: int, first,
+             done) -> None:  # fmt: skip
         th = SimThread(p, root=False)
         e.core.open_thread(th, None)
         th.kv, th.left = kv, decode
-        job = _Job(e, th, ctx, kv, max(1, tokens), generate, first, done)
+        job = _Job(e, th, kv, max(1, tokens), first, done)
         e.jobs[th] = e.waiting[th] = job
         e.queued_tokens += job.tokens
         self._stats["computed_tokens"] += tokens

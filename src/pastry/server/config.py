@@ -111,7 +111,7 @@ class ServerConfig:
             raise ConfigError(f"--keep-alive must be > 0 seconds, got {self.keep_alive}")
 
     def _check_ray(self) -> None:
-        from pastry.server.ray_engines import check_strategy, engine_bundles
+        from pastry.server.ray_placement import check_strategy, engine_bundles
 
         if self.ray_address is None:
             if self.ray_engine_resources or self.ray_placement != "SPREAD":
