@@ -179,6 +179,15 @@ def test_slice_bounds_and_receive_buffers():
     assert not buf.holds(12)
     buf.present.append((4, 10))
     assert buf.holds(20)
+    # which requests may start from it: prompts it was prepared for a prefix of
+    prompt = tuple(range(30))
+    assert buf.serves(1, prompt, 20) and buf.serves(1, prompt[:21], 12)
+    assert not buf.serves(0, prompt, 20)  # another engine
+    assert not buf.serves(1, prompt[:15], 12)  # a shorter prompt: a longer one's buffer
+    assert not buf.serves(1, (99, *prompt[1:]), 20)  # another prompt
+    assert not buf.serves(1, prompt, 3)  # token 3 would be written into a cached page
+    buf.sending = 1
+    assert not buf.serves(1, prompt, 20)  # a send writes into it
 
 
 def test_transfer_copies_whole_pages_and_edge_slots_exactly():
@@ -397,6 +406,32 @@ def test_router_swap_without_restarting_engines(make_tiny, tmp_path, single_engi
             await server.stop()
 
     assert asyncio.run(run()) == single_engine_texts
+
+
+def test_pd_with_a_warm_prefix_cache_and_one_prompt_in_flight_many_times(
+    make_tiny, tmp_path, single_engine_texts
+):
+    """Regression: after another router warmed the engines' prefix caches, P/D requests of
+    prompts that are prefixes of each other (and repeats of one prompt) in flight together
+    took each other's receive buffers: a short prompt's start_generate took a longer one's
+    buffer (its cached prefix covered the short one's), freeing pages the longer one's
+    send was still writing ("kv page handle ... was freed"), handing over a page shared
+    from the prefix cache to be written ("... cannot be written"), and leaving the longer
+    one without its K/V ("the K/V of prompt[:61] is not on engine 1")."""
+
+    async def run():
+        server = await _server(make_tiny(), tmp_path, engines=2, router="round-robin")
+        try:
+            await _complete(server, PROMPTS)  # every prompt's prefix cached somewhere
+            await server.set_router("pd")
+            texts = await _complete(server, PROMPTS * 3)
+            for m in server.controller.all_engines():
+                m.resources.check_integrity()
+            return texts
+        finally:
+            await server.stop()
+
+    assert asyncio.run(run()) == single_engine_texts * 3
 
 
 def _http(url: str, path: str, body: dict | None = None) -> tuple[int, str]:

@@ -20,6 +20,7 @@ With the paper's semantics (Python slice indices, ``end=-1``; the routing that u
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,13 +40,18 @@ PREFILL_CHUNK = 2048  # tokens per forward of a remote_send's prefill
 class RecvBuffer:
     """Pages prepared by ``prep_recv`` (what ``kv_addr_info`` names): the caller's handles
     on engine ``rank`` for ``tokens`` (``prompt[:end]``); ``present`` holds the token ranges
-    whose K/V are in them."""
+    whose K/V are in them; ``sending`` counts the ``remote_send`` calls writing into them now,
+    and ``landed`` says that one has ended with every write landed."""
 
     rank: int
     tokens: tuple[int, ...]
     matched: int
     pages: list[int]
     present: list[tuple[int, int]]
+    queue: int = -1  # the prep_recv's queue (on engine ``rank``)
+    sending: int = 0
+    landed: bool = False
+    dropped: bool = False  # discarded while a send wrote into it: freed when it ends
 
     def holds(self, begin: int) -> bool:
         """Whether the K/V of tokens ``[0, begin)`` are all present."""
@@ -55,6 +61,17 @@ class RecvBuffer:
                 break
             covered = max(covered, hi)
         return covered >= begin
+
+    def serves(self, rank: int, tokens: tuple[int, ...], begin: int) -> bool:
+        """Whether a request for ``tokens`` may start on engine ``rank`` from this
+        buffer's K/V of ``tokens[:begin]``: it was prepared for a prefix of ``tokens``
+        (not a longer prompt that shares ``begin`` tokens with it: that one's owner still
+        needs it), holds them, no send writes into it, and the page where ``tokens[begin]``
+        will be written is not one shared from the prefix cache (``matched``, read-only)."""
+        n = len(self.tokens)
+        return (self.rank == rank and not self.sending and not self.dropped and n >= begin
+                and tokens[:n] == self.tokens and self.matched <= begin
+                and self.holds(begin))  # fmt: skip
 
 
 def slice_bounds(n: int, begin: int | None, end: int | None) -> tuple[int, int]:
@@ -80,6 +97,7 @@ class Transfers:
     def __init__(self, engine_of: Callable[[str, int], Model]) -> None:
         self.engine_of = engine_of  # (model, rank) -> its engine (ApiError if none)
         self.buffers: dict[int, dict[int, RecvBuffer]] = defaultdict(dict)
+        self._handles = itertools.count(1)  # never reused: a stale kv_addr_info stays stale
 
     def end_instance(self, instance: int) -> None:
         """Forget an ended instance's buffers (its pages went with its handles)."""
@@ -100,8 +118,10 @@ class Transfers:
             ref.model.resources.free(session.instance, "kv", shared)
             raise
         buffers = self.buffers[session.instance]
-        handle = max(buffers, default=0) + 1
-        buffers[handle] = RecvBuffer(ref.model.rank, tokens[:end], matched, pages, [(0, matched)])
+        handle = next(self._handles)
+        buffers[handle] = RecvBuffer(
+            ref.model.rank, tokens[:end], matched, pages, [(0, matched)], queue=q
+        )
         out = asyncio.get_running_loop().create_future()
         # Resolve once the masks of the fresh pages have run: a write that lands after
         # would otherwise be hidden again.
@@ -139,20 +159,8 @@ class Transfers:
         src_len: int = 0,
     ) -> asyncio.Future:
         sender = session.queue(q).model
-        buf = self.buffers[session.instance].get(kv_addr_info)
-        if buf is None:
-            raise ApiError(f"kv_addr_info {kv_addr_info!r} is not a prep_recv of this inferlet")
-        if recv_rank != buf.rank:
-            raise ApiError(f"kv_addr_info {kv_addr_info} is on engine {buf.rank}, not {recv_rank}")
         tokens = tokens_of(prompt)
-        begin, end = slice_bounds(len(tokens), begin, end)
-        if end > len(buf.tokens) or tokens[:end] != buf.tokens[:end]:
-            raise ApiError(
-                f"prompt[:{end}] is not the prompt prep_recv prepared (its prompt[:{len(buf.tokens)}])"
-            )
-        # What prep_recv matched in the receiver's cache is there already (and shared: it
-        # must not be written), so it is never sent again.
-        begin = min(max(begin, buf.matched), end)
+        buf, begin, end = self._sent_range(session, kv_addr_info, recv_rank, tokens, begin, end)
         receiver = self.engine_of(sender.name, recv_rank)
         if receiver is sender:
             raise ApiError(
@@ -161,15 +169,23 @@ class Transfers:
             )
         out = asyncio.get_running_loop().create_future()
         if begin == end:
+            buf.landed = True
             out.set_result(None)
             return out
         plan = _SendPlan(session, q, sender, receiver, self.peer(sender, receiver), buf, tokens)
         futs, sends = plan.run(list(src_pages), int(src_len), begin, end)
+        buf.sending += 1
+
         # The receiver's pages are held until every send has ended (landed, failed, or
-        # dropped before it ran), even if the caller gives up earlier.
-        asyncio.gather(*sends, return_exceptions=True).add_done_callback(
-            lambda _: receiver.resources.release(plan.hold, session.user)
-        )
+        # dropped before it ran), even if the caller gives up earlier; no other request
+        # takes the buffer meanwhile (``serves``), and one discarded meanwhile is freed then.
+        def ended(_: asyncio.Future) -> None:
+            receiver.resources.release(plan.hold, session.user)
+            buf.sending -= 1
+            if buf.dropped and not buf.sending:
+                self.drop_buffer(session, buf.queue, buf)
+
+        asyncio.gather(*sends, return_exceptions=True).add_done_callback(ended)
 
         def done(f: asyncio.Future) -> None:
             if f.cancelled():
@@ -178,10 +194,30 @@ class Transfers:
                 out.set_exception(f.exception())
             else:
                 buf.present.append((begin, end))
+                buf.landed = True
                 out.set_result(None)
 
         asyncio.gather(*futs, *sends).add_done_callback(done)
         return out
+
+    def _sent_range(
+        self, session: Session, kv_addr_info: int, recv_rank: int, tokens: tuple, begin, end
+    ) -> tuple[RecvBuffer, int, int]:
+        """The buffer ``kv_addr_info`` names and the absolute ``[begin, end)`` to send into
+        it, checked against what ``prep_recv`` prepared."""
+        buf = self.buffers[session.instance].get(kv_addr_info)
+        if buf is None or buf.dropped:
+            raise ApiError(f"kv_addr_info {kv_addr_info!r} is not a prep_recv of this inferlet")
+        if recv_rank != buf.rank:
+            raise ApiError(f"kv_addr_info {kv_addr_info} is on engine {buf.rank}, not {recv_rank}")
+        begin, end = slice_bounds(len(tokens), begin, end)
+        if end > len(buf.tokens) or tokens[:end] != buf.tokens[:end]:
+            raise ApiError(
+                f"prompt[:{end}] is not the prompt prep_recv prepared (its prompt[:{len(buf.tokens)}])"
+            )
+        # What prep_recv matched in the receiver's cache is there already (and shared: it
+        # must not be written), so it is never sent again.
+        return buf, min(max(begin, buf.matched), end), end
 
     def peer(self, sender: Model, receiver: Model) -> str:
         """The address through which ``sender`` writes into ``receiver``'s pool."""
@@ -200,24 +236,36 @@ class Transfers:
         )
 
     def buffer_for(self, session: Session, rank: int, tokens: tuple, begin: int) -> RecvBuffer:
-        for buf in self.buffers[session.instance].values():
-            same = len(buf.tokens) >= begin and buf.tokens[:begin] == tokens[:begin]
-            if buf.rank == rank and same and buf.holds(begin):
-                return buf
-        raise ApiError(
-            f"the K/V of prompt[:{begin}] is not on engine {rank}: prepare it with prep_recv "
-            "there and remote_send from another engine first (or start at begin=0)"
-        )
+        """The buffer a request for ``tokens`` starts from on engine ``rank`` with the K/V
+        of ``tokens[:begin]`` (:meth:`RecvBuffer.serves`). Of several (concurrent requests
+        of one prompt), one prepared for exactly ``tokens[:begin]`` whose send has landed
+        comes first: a request that takes another's equivalent buffer leaves its own."""
+        fits = [b for b in self.buffers[session.instance].values() if b.serves(rank, tokens, begin)]
+        if not fits:
+            raise ApiError(
+                f"the K/V of prompt[:{begin}] is not on engine {rank}: prepare it with prep_recv "
+                "there and remote_send from another engine first (or start at begin=0)"
+            )
+        return min(fits, key=lambda b: (len(b.tokens) != begin, not b.landed))
 
-    def discard(self, session: Session, q: int, tokens: tuple[int, ...]) -> None:
-        """Free the buffers this session prepared on ``q``'s engine for ``tokens``."""
+    def discard(self, session: Session, q: int, tokens: tuple[int, ...], begin: int) -> None:
+        """Free the buffer a request for ``tokens`` from ``begin`` would have taken on
+        ``q``'s engine (the request will not take it: it ended, or starts at 0). Only that
+        one: concurrent requests of the same prompt keep theirs."""
         rank = session.queue(q).model.rank
-        for buf in list(self.buffers[session.instance].values()):
-            if buf.rank == rank and tokens[: len(buf.tokens)] == buf.tokens:
-                self.drop_buffer(session, q, buf)
+        try:
+            buf = self.buffer_for(session, rank, tokens, begin)
+        except ApiError:
+            return
+        self.drop_buffer(session, q, buf)
 
     def drop_buffer(self, session: Session, q: int, buf: RecvBuffer) -> None:
+        """Forget ``buf`` and free its pages (``q`` is a queue on its engine); one a send
+        still writes into is freed when the send ends."""
         buffers = self.buffers[session.instance]
+        if buf.sending:
+            buf.dropped = True
+            return
         for h, b in list(buffers.items()):
             if b is buf:
                 del buffers[h]

@@ -279,7 +279,8 @@ class Routing:
             return list(req.future.result().pages)
         req = self._pending.get(request)
         if req is None or req.router != session.instance:
-            self.transfers.discard(session, q, tokens_of(prompt))  # what was prepared for it
+            tokens = tokens_of(prompt)  # free what was prepared for it
+            self.transfers.discard(session, q, tokens, slice_bounds(len(tokens), begin, None)[0])
         req = self._taken(session, request)
         if tokens_of(prompt) != req.prompt:
             raise ApiError(f"prompt differs from request {request}'s prompt")
@@ -295,7 +296,7 @@ class Routing:
         tokens = req.prompt
         begin, _ = slice_bounds(len(tokens), begin, None)
         if req.whole and begin:  # it wants the prompt's outputs: what was sent is dropped
-            self.transfers.discard(session, q, tokens)
+            self.transfers.discard(session, q, tokens, begin)
             begin = 0
         if tokens and begin >= len(tokens):
             raise ApiError(
