@@ -24,6 +24,13 @@ the control layer and the request driver run in this process. Parts:
    whole history; threshold 2048 scaled to 256 tokens), locality vs round robin vs least
    loaded: programs per second.
 
+``--hosts netns``: the same parts across hosts made as Linux network namespaces joined by a
+bridge (``tests/netns_util.py``: own address, hostname and ``/dev/shm``; needs root). Part 1's
+TCP transfer goes from an engine on host 0 to a receiver on host 1; parts 3 to 5 run on
+``pastry engine --listen`` processes on hosts 0 and 1 (one core each), the control layer and
+the driver in this process on host 2, so every K/V a router moves crosses the bridge over
+TCP. Everything made is removed at the end, also on failure.
+
 ``--quick`` runs the same shapes with fewer requests and repetitions. The last line is a
 JSON object. Numbers depend on the CPU (``lscpu``) and on anything else running.
 """
@@ -71,8 +78,10 @@ def engine_pair(model: str, dtype: str, pages: int):
     return one(), one()
 
 
-def bandwidth(a, b, n_pages: int, reps: int) -> dict:
-    """GB/s of SendKv (shm, tcp) and of a plain copy of the same K/V, best of ``reps``."""
+def bandwidth(a, b, n_pages: int, reps: int, hosts=None) -> dict:
+    """GB/s of SendKv (shm, tcp) and of a plain copy of the same K/V, best of ``reps``.
+    With ``hosts``, the TCP receiver is on host 1 and the sender's connection on host 0
+    (else both on loopback)."""
     from pastry.engine.transfer import KvReceiver
 
     src, dst = ids(range(n_pages)), ids(range(n_pages, 2 * n_pages))
@@ -98,10 +107,14 @@ def bandwidth(a, b, n_pages: int, reps: int) -> dict:
     flat_src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     flat_dst = torch.empty(nbytes, dtype=torch.uint8)
     shm = SendKv(src, dst, n_pages * ps, b.info.kv_peers[0])
-    recv = KvReceiver(b.kv, "tcp://127.0.0.1:0")
+    if hosts is None:
+        recv = KvReceiver(b.kv, "tcp://127.0.0.1:0")
+    else:  # its sockets are made on host 1 (zmq's threads start in its namespace)
+        recv = hosts.call(1, KvReceiver, b.kv, f"tcp://{hosts.address(1)}:0")
     tcp = SendKv(src, dst, n_pages * ps, recv.endpoint)
     try:
-        a.execute([tcp])  # connect once
+        # connect once (on host 0: the sender's connection is made there)
+        (a.execute if hosts is None else lambda c: hosts.call(0, a.execute, c))([tcp])
         t_plain = timed(plain)
         t_memcpy = timed(lambda: flat_dst.copy_(flat_src))
         t_shm = timed(lambda: a.execute([shm]))
@@ -288,22 +301,41 @@ async def main(args):
 """
 
 
-async def run_programs(server, programs: list[str], rate: float, seed: int) -> float:
-    """Programs per second at Poisson arrivals of ``rate`` programs/s."""
+async def run_programs(server, programs: list[str], rate: float, seed: int) -> dict:
+    """Programs at Poisson arrivals of ``rate`` programs/s: programs per second (first
+    arrival to last end), mean program latency (its arrival to its end), and the share of
+    prompt tokens the engines' prefix caches served (over the run)."""
     from pastry.runtime.trusted import Program
 
     prog = Program.from_source("bench-multiturn", PROGRAM)
     gaps = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(programs)))
+    latencies: list[float] = []
 
     async def one(spec: str, delay: float) -> None:
         await asyncio.sleep(delay)
+        t = time.perf_counter()
         end = await server.runtime.launch(prog, [spec]).wait()
         if end.kind != "result":
             raise RuntimeError(f"program failed: {end}")
+        latencies.append(time.perf_counter() - t)
 
+    before = _cache_counts(server)
     t = time.perf_counter()
     await asyncio.gather(*(one(s, d) for s, d in zip(programs, gaps, strict=True)))
-    return len(programs) / (time.perf_counter() - t)
+    wall = time.perf_counter() - t
+    hit, looked = (a - b for a, b in zip(_cache_counts(server), before, strict=True))
+    return {"programs_s": len(programs) / wall, "latency_mean": statistics.mean(latencies),
+            "cache_hit": hit / looked if looked else float("nan")}  # fmt: skip
+
+
+def _cache_counts(server) -> tuple[int, int]:
+    """(prompt tokens the prefix caches matched, prompt tokens looked up), every engine."""
+    hit = looked = 0
+    for m in server.controller.all_engines():
+        if m.prefiller is not None:  # what /metrics reports (pastry_prefix_cache_*_tokens)
+            hit += m.prefiller.stats.cached_tokens
+            looked += m.prefiller.stats.tokens
+    return hit, looked
 
 
 def multiturn(n: int, vocab: int, seed: int) -> list[str]:
@@ -321,11 +353,18 @@ def multiturn(n: int, vocab: int, seed: int) -> list[str]:
 # ----------------------------------------------------------------------------- main
 
 
-async def serving_parts(args, model: str, vocab: int, out: dict) -> None:
+async def serving_parts(args, model: str, vocab: int, out: dict, remote=()) -> None:
+    """Parts 3 to 5 on two engines: local processes (``pastry serve --engines 2``), or the
+    ``remote`` ``pastry engine --listen`` endpoints."""
     from pastry.server.service import PastryServer, ServerConfig
 
-    cfg = ServerConfig(model=Path(model), engines=2, dtype=args.dtype, num_pages=args.pages,
-                       num_embeds=8192, router="round-robin",
+    where = (
+        {"engines": 0, "remote_engines": tuple(remote), "engine_token": TOKEN}
+        if remote
+        else {"engines": 2}
+    )
+    cfg = ServerConfig(model=Path(model), dtype=args.dtype, num_pages=args.pages,
+                       num_embeds=8192, router="round-robin", **where,
                        programs_dir=Path(os.environ.get("TMPDIR", "/tmp")) / "pastry-bench-programs")  # fmt: skip
     server = PastryServer(cfg)
     await server.start()
@@ -359,10 +398,58 @@ async def serving_parts(args, model: str, vocab: int, out: dict) -> None:
             # would otherwise be in the prefix caches)
             programs = multiturn(6 if args.quick else 16, vocab, seed=10 + i)
             await server.set_router(router)
-            out["locality"][name] = await run_programs(server, programs, args.program_rate, seed=5)
-            print(f"  locality {name:13} {out['locality'][name]:.3f} programs/s", flush=True)
+            r = await run_programs(server, programs, args.program_rate, seed=5)
+            out["locality"][name] = r
+            print(f"  locality {name:13} {r['programs_s']:.3f} programs/s, program latency "
+                  f"{r['latency_mean']:.2f} s, prefix-cache hits {r['cache_hit']:.0%}", flush=True)  # fmt: skip
     finally:
         await server.stop()
+
+
+TOKEN = "microserving-bench"  # the engines' token on the namespaced hosts
+ENGINE_PORT, KV_PORT = 7000, 7001
+
+
+def make_hosts():
+    """Three hosts as network namespaces (``tests/netns_util.py``), or exit saying why not."""
+    import shutil
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from netns_util import Hosts
+
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("unshare")):
+        sys.exit("--hosts netns needs root, ip (iproute2) and unshare (util-linux)")
+    try:
+        return Hosts(3)
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"--hosts netns: cannot make network namespaces: {e.stderr.strip()}")
+
+
+def start_remote_engines(hosts, args, logdir: Path) -> list[str]:
+    """``pastry engine --listen`` on hosts 0 and 1, core ``i`` each; their endpoints once
+    both serve."""
+    import subprocess
+
+    endpoints = []
+    for i in (0, 1):
+        addr = hosts.address(i)
+        argv = ["taskset", "-c", str(i % (os.cpu_count() or 1)), sys.executable, "-m",
+                "pastry.cli", "engine", "--listen", f"tcp://{addr}:{ENGINE_PORT}", "--kv-recv",
+                f"tcp://{addr}:{KV_PORT}", "--model", args.model, "--dtype", args.dtype,
+                "--num-pages", str(args.pages), "--num-embeds", "8192", "--threads", "1"]  # fmt: skip
+        log = open(logdir / f"engine{i}.log", "w")  # noqa: SIM115 (the process keeps it)
+        hosts.run(i, argv, env={**os.environ, "PASTRY_ENGINE_TOKEN": TOKEN}, stdout=log,
+                  stderr=subprocess.STDOUT)  # fmt: skip
+        endpoints.append(f"tcp://{addr}:{ENGINE_PORT}")
+    deadline = time.time() + 600
+    for i in (0, 1):
+        log = logdir / f"engine{i}.log"
+        while "serving " not in log.read_text():
+            if time.time() > deadline:
+                sys.exit(f"engine on host {i} did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+    return endpoints
 
 
 def main() -> None:
@@ -376,6 +463,8 @@ def main() -> None:
     p.add_argument("--program-rate", type=float, default=0.5)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--details", metavar="FILE", help="write every measurement here (JSON)")
+    p.add_argument("--hosts", choices=("local", "netns"), default="local",
+                   help="netns: engines on hosts made as network namespaces (needs root)")  # fmt: skip
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.model is None:
@@ -384,13 +473,24 @@ def main() -> None:
         args.model = str(ensure_default_model())
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {0})
-    out: dict = {"model": args.model, "dtype": args.dtype, "quick": args.quick}
+    out: dict = {"model": args.model, "dtype": args.dtype, "quick": args.quick, "hosts": args.hosts}
+    hosts = make_hosts() if args.hosts == "netns" else None
+    try:
+        run_parts(args, out, hosts)
+    finally:
+        if hosts is not None:
+            hosts.close()
+    report(args, out)
+
+
+def run_parts(args, out: dict, hosts) -> None:
     a, b = engine_pair(args.model, args.dtype, 1024)
     vocab = a.cfg.vocab_size
+    tcp_path = "TCP loopback" if hosts is None else "TCP host to host (veth, bridge)"
     try:
-        out["bandwidth"] = bw = bandwidth(a, b, 256, 3 if args.quick else 10)
+        out["bandwidth"] = bw = bandwidth(a, b, 256, 3 if args.quick else 10, hosts)
         print(f"KV transfer of {bw['bytes'] / 1e6:.1f} MB (every layer): SendKv through shared "
-              f"memory {bw['shm_gbs']:.2f} GB/s, over TCP loopback {bw['tcp_gbs']:.2f} GB/s; the "
+              f"memory {bw['shm_gbs']:.2f} GB/s, over {tcp_path} {bw['tcp_gbs']:.2f} GB/s; the "
               f"same gathers and scatters in one process {bw['plain_copy_gbs']:.2f} GB/s; one "
               f"contiguous memcpy {bw['memcpy_gbs']:.2f} GB/s")  # fmt: skip
         scale = args.scale
@@ -405,7 +505,17 @@ def main() -> None:
         b.close()
         del a, b
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-    asyncio.run(serving_parts(args, args.model, vocab, out))
+    if hosts is None:
+        asyncio.run(serving_parts(args, args.model, vocab, out))
+        return
+    import tempfile
+
+    remote = start_remote_engines(hosts, args, Path(tempfile.mkdtemp(prefix="ms-hosts-")))
+    # the control layer on host 2: its connections to the engines are made there
+    hosts.call(2, lambda: asyncio.run(serving_parts(args, args.model, vocab, out, remote)))
+
+
+def report(args, out: dict) -> None:
     for r in out["migration"]:
         print(f"migration: context {r['context']} + {r['unique']}: {r['migrate_s']:.3f} s vs "
               f"recompute {r['recompute_s']:.3f} s ({r['speedup']:.2f}x)")  # fmt: skip
@@ -422,9 +532,20 @@ def main() -> None:
         "kv_transfer_over_plain_copy": out["bandwidth"]["shm_gbs"]
         / out["bandwidth"]["plain_copy_gbs"],
         "kv_transfer_over_memcpy": out["bandwidth"]["shm_gbs"] / out["bandwidth"]["memcpy_gbs"],
-        "kv_transfer_tcp_gbs": out["bandwidth"]["tcp_gbs"],
-        "locality_lb_throughput_over_round_robin": loc["locality"] / loc["round-robin"],
-        "locality_lb_throughput_over_least_loaded": loc["locality"] / loc["least-loaded"],
+        ("kv_transfer_tcp_gbs" if args.hosts == "local" else "kv_transfer_tcp_hosts_gbs"): out[
+            "bandwidth"
+        ]["tcp_gbs"],
+        "hosts": args.hosts,
+        "locality_lb_throughput_over_round_robin": loc["locality"]["programs_s"]
+        / loc["round-robin"]["programs_s"],
+        "locality_lb_throughput_over_least_loaded": loc["locality"]["programs_s"]
+        / loc["least-loaded"]["programs_s"],
+        "program_latency_round_robin_over_locality": loc["round-robin"]["latency_mean"]
+        / loc["locality"]["latency_mean"],
+        "cache_hit_locality_round_robin": [
+            loc["locality"]["cache_hit"],
+            loc["round-robin"]["cache_hit"],
+        ],
         "table3_transfer_ratio": [round(r["ratio"], 4) for r in out["table3"]],
     }
     if args.details:
