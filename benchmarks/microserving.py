@@ -475,6 +475,10 @@ def main() -> None:
     os.sched_setaffinity(0, {0})
     out: dict = {"model": args.model, "dtype": args.dtype, "quick": args.quick, "hosts": args.hosts}
     hosts = make_hosts() if args.hosts == "netns" else None
+    if hosts is not None:  # a TERM also removes the namespaces (the finally below)
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         run_parts(args, out, hosts)
     finally:
