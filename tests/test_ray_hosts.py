@@ -218,3 +218,33 @@ def test_ray_places_engines_by_resource_label(cluster, make_tiny, tmp_path, sing
     text = log.read_text()
     assert "no node of the Ray cluster can hold engine 0's resources" in text, text[-3000:]
     assert "pastry_host_0=1" in text and "pastry_host_1=1" in text, text[-3000:]
+
+
+def test_a_killed_ray_engine_is_started_again_and_used(
+    cluster, make_tiny, tmp_path, single_engine_texts
+):  # noqa: F811
+    """SIGKILL the engine process on one worker: the server notices (the connection
+    closes), asks the engine's actor where it serves, the actor starts it again, and the
+    server connects to it and uses it (``/health`` ``ok``, that engine's ``restarts`` 1);
+    greedy texts through both engines then equal one engine's."""
+    import signal
+
+    hosts, head, env = cluster
+    server = _serve(hosts, head, env, make_tiny(), tmp_path, "--router", "round-robin")
+    try:
+        _health(hosts, "ok", tmp_path)
+        (pid,) = _engine_processes(hosts, WORKERS[0])
+        os.kill(pid, signal.SIGKILL)
+        end = time.time() + 240
+        while True:  # back once an engine has restarted and every engine is up
+            health = _health(hosts, "ok", tmp_path)
+            if any(e.get("restarts", 0) >= 1 for e in health["engines"]):
+                break
+            assert time.time() < end, health
+            time.sleep(1)
+        assert sorted(_placed(hosts)) == [hosts.address(i) for i in WORKERS]
+        assert _engine_processes(hosts, WORKERS[0]) not in ([], [pid])
+        assert _texts(_complete(hosts, PROMPTS)) == single_engine_texts
+    finally:
+        _stop(server)
+    _gone(hosts)

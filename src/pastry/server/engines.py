@@ -21,7 +21,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pastry.server.ray_engines import start_ray_engines
+from pastry.server.ray_engines import RayEngine, start_ray_engines
 from pastry.server.supervisor import EngineSupervisor, release_lost_engine
 from pastry.wire.config import EngineConfig
 from pastry.wire.handle import EngineHandle
@@ -66,8 +66,13 @@ class ServerEngines:
             local = 0 if cfg.engines == 0 else local
         several = local + len(cfg.remote_engines) > 1 or cfg.ray_address is not None
         try:
-            if cfg.ray_address is not None:
-                handles += await start_ray_engines(cfg, model, max(1, cfg.engines), self.processes)
+            if cfg.ray_address is not None:  # supervised: reconnected (and re-placed) when lost
+                for eng in await start_ray_engines(cfg, model, max(1, cfg.engines), self.processes):
+                    sup = await EngineSupervisor.start(
+                        f"ray-engine-{eng.rank}", _ray_connector(eng),
+                        hang_timeout=cfg.engine_hang_timeout,
+                    )  # fmt: skip
+                    handles.append(sup)
                 local = 0
             for i, (econf, kw) in enumerate(_local_configs(cfg, local, several)):
                 if cfg.in_process:
@@ -176,6 +181,20 @@ def _connector(endpoint: str, token: str | None):
         from pastry.wire.remote import RemoteEngine
 
         handle = await RemoteEngine.connect(endpoint, CONNECT_TIMEOUT_S, token=token)
+        return RemoteHost(endpoint), handle
+
+    return start
+
+
+def _ray_connector(eng: RayEngine):
+    """Connect to the engine of a Ray actor, asking it where that is (a supervisor's
+    starter: after a loss the actor starts its engine again, or Ray restarts the actor)."""
+
+    async def start():
+        from pastry.wire.remote import RemoteEngine
+
+        endpoint = await eng.endpoint()
+        handle = await RemoteEngine.connect(endpoint, CONNECT_TIMEOUT_S, token=eng.token)
         return RemoteHost(endpoint), handle
 
     return start

@@ -25,13 +25,13 @@ import json
 import logging
 import secrets
 import socket
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pastry.server.ray_placement import engine_bundles
 from pastry.wire.config import EngineConfig
-from pastry.wire.handle import EngineHandle
 
 if TYPE_CHECKING:
     from pastry.server.config import ServerConfig
@@ -50,6 +50,10 @@ class EngineActor:
     torch threads (its bundle's ``CPU``)."""
 
     def __init__(self, model: str, config: dict, token: str, threads: int) -> None:
+        self.model, self.config, self.token, self.threads = model, config, token, threads
+        self.proc = self._spawn()
+
+    def _spawn(self):
         import ray
 
         from pastry.wire.spawn import spawn_engine
@@ -60,18 +64,24 @@ class EngineActor:
             port = s.getsockname()[1]
         shm = f"/dev/shm/pastry-kv-ray-{secrets.token_hex(6)}"
         self.node = f"{socket.gethostname()} ({ip})"
-        self.proc = spawn_engine(
-            model,
-            EngineConfig(**{**config, "kv_shm": shm}),
+        return spawn_engine(
+            self.model,
+            EngineConfig(**{**self.config, "kv_shm": shm}),
             endpoint=f"tcp://{ip}:{port}",
-            token=token,
+            token=self.token,
             kv_recv=f"tcp://{ip}:0",
             echo_stderr=False,
-            threads=threads,
+            threads=self.threads,
         )
 
     def where(self) -> tuple[str, str]:
-        """The engine's endpoint, and the node it runs on (hostname and address)."""
+        """The engine's endpoint, and the node it runs on (hostname and address); an
+        engine process that exited is started again first (the server asks this when it
+        lost the engine). A lost node's actor is restarted by Ray in its bundle, which Ray
+        places again, and starts its engine anew."""
+        if self.proc.process.poll() is not None:
+            self.proc.terminate()
+            self.proc = self._spawn()
         return self.proc.endpoint, self.node
 
     def stop(self) -> None:
@@ -124,7 +134,7 @@ def _check_feasible(nodes: list[dict], bundles: list[dict[str, float]]) -> None:
 
 async def start_ray_engines(
     cfg: ServerConfig, model: Path, n: int, processes: list
-) -> list[EngineHandle]:
+) -> list[RayEngine]:
     """``n`` engines as Ray actors of the cluster at ``cfg.ray_address``, one per bundle
     of a placement group (``cfg.ray_engine_resources``, ``cfg.ray_placement``). The
     placement is added to ``processes`` (what the server terminates at stop) as soon as
@@ -135,8 +145,6 @@ async def start_ray_engines(
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'pastry[ray]' (the `ray` extra)") from None
-    from pastry.wire.remote import RemoteEngine
-
     bundles = engine_bundles(cfg.ray_engine_resources, n)
     token = cfg.engine_token or secrets.token_urlsafe(24)
     address = None if cfg.ray_address == "local" else cfg.ray_address
@@ -160,11 +168,30 @@ async def start_ray_engines(
     for i, bundle in enumerate(bundles):
         actor = ray.remote(EngineActor).options(
             num_cpus=bundle["CPU"],
+            max_restarts=-1,  # a lost node's actor comes back where Ray re-places its bundle
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, i),
         )
         threads = int(bundle["CPU"])
         placement.actors.append(actor.remote(str(model), asdict(econf), token, threads))
-    placed = await asyncio.to_thread(ray.get, [a.where.remote() for a in placement.actors])
-    for i, (endpoint, node) in enumerate(placed):
-        log.info("Ray engine %d: %s on %s, %s", i, endpoint, node, json.dumps(bundles[i]))
-    return [await RemoteEngine.connect(ep, token=token) for ep, _node in placed]
+    engines = [RayEngine(i, actor, token, bundles[i]) for i, actor in enumerate(placement.actors)]
+    await asyncio.gather(*(e.endpoint() for e in engines))  # every engine started
+    return engines
+
+
+WHERE_TIMEOUT_S = 600.0  # a (re)started engine serves within this, or the try fails
+
+
+class RayEngine:
+    """One engine placed by Ray: its actor, and how to reach the engine it runs (the
+    server's supervisor connects through :meth:`endpoint` at start and after a loss)."""
+
+    def __init__(self, rank: int, actor: Any, token: str, bundle: Mapping[str, float]) -> None:
+        self.rank, self.actor, self.token, self.bundle = rank, actor, token, bundle
+
+    async def endpoint(self) -> str:
+        import ray
+
+        ref = self.actor.where.remote()
+        endpoint, node = await asyncio.to_thread(ray.get, ref, timeout=WHERE_TIMEOUT_S)
+        log.info("Ray engine %d: %s on %s, %s", self.rank, endpoint, node, json.dumps(self.bundle))
+        return endpoint
