@@ -221,8 +221,11 @@ def test_ray_places_engines_by_resource_label(cluster, make_tiny, tmp_path, sing
 
 
 def test_a_killed_ray_engine_is_started_again_and_used(
-    cluster, make_tiny, tmp_path, single_engine_texts
-):  # noqa: F811
+    cluster,
+    make_tiny,
+    tmp_path,
+    single_engine_texts,  # noqa: F811
+):
     """SIGKILL the engine process on one worker: the server notices (the connection
     closes), asks the engine's actor where it serves, the actor starts it again, and the
     server connects to it and uses it (``/health`` ``ok``, that engine's ``restarts`` 1);
