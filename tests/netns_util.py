@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,10 +92,16 @@ class Hosts:
         return [int(p) for p in out.stdout.split()]
 
     def kill(self, i: int) -> None:
-        """SIGKILL every process of host ``i`` (the host is lost)."""
-        for pid in self.pids(i):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """SIGKILL every process of host ``i`` (the host is lost), again until none is
+        left: one that forked while the others were killed goes too."""
+        for _ in range(50):
+            pids = self.pids(i)
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
         for p in self.procs:  # reap those that were on it (the others run on)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(0.5)

@@ -8,6 +8,7 @@ engine's. Also: what ``--ray-engine-resources`` / ``--ray-placement`` refuse."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import secrets
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import pastry
 from netns_util import hosts_or_skip
 from pastry.server.config import ConfigError, ServerConfig
 from pastry.server.ray_placement import engine_bundles, parse_engine_resources
-from test_hosts import HTTP_PORT, SERVER, _complete, _health, _http, _texts
+from test_hosts import HTTP_PORT, SERVER, _complete, _health, _http, _stream, _texts
 from test_multi_engine import PROMPTS, ROUTERS, single_engine_texts  # noqa: F401 (a fixture)
 
 HEAD = SERVER  # the Ray head and the server on host 2; Ray workers on hosts 0 and 1
@@ -91,15 +93,39 @@ def _start(hosts, i: int, argv: list[str], env: dict, logs: Path) -> None:
     assert rc == 0, f"ray start on host {i} failed ({rc}): {out.read_text()[-3000:]}"
 
 
+class Cluster:
+    """The Ray cluster of the module: ``hosts``, the head's address, the environment
+    every node and the server run with, and :meth:`join` (``ray start`` a worker)."""
+
+    def __init__(self, hosts, env: dict, temp: str, logs: Path) -> None:
+        self.hosts, self.env, self.temp, self.logs = hosts, env, temp, logs
+        self.head = f"{hosts.address(HEAD)}:{GCS_PORT}"
+
+    def start_head(self) -> None:
+        _start(self.hosts, HEAD, [str(RAY), "start", "--head", "--port", str(GCS_PORT),
+                                  "--node-ip-address", self.hosts.address(HEAD), "--num-cpus",
+                                  "0", "--include-dashboard=false", "--temp-dir",
+                                  f"{self.temp}/h{HEAD}", *SMALL], self.env, self.logs)  # fmt: skip
+
+    def join(self, i: int) -> None:
+        """Worker host ``i`` joins the cluster with ``WORKER_CPUS`` cores and its label."""
+        _start(self.hosts, i, [str(RAY), "start", "--address", self.head, "--node-ip-address",
+                               self.hosts.address(i), "--num-cpus", str(WORKER_CPUS),
+                               "--resources", json.dumps({f"pastry_host_{i}": 1}),
+                               "--temp-dir", f"{self.temp}/h{i}", *SMALL], self.env, self.logs)  # fmt: skip
+
+
+RAY = Path(sys.executable).with_name("ray")
+SMALL = ["--object-store-memory", str(100 << 20), "--disable-usage-stats"]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A Ray head on host 2 (no CPUs: engines go to the workers) and a worker on hosts 0
     and 1, each labelled ``pastry_host_I``; every Ray process stops with its host."""
-    ray_bin = Path(sys.executable).with_name("ray")
-    if not ray_bin.exists():
+    if not RAY.exists():
         pytest.skip("the `ray` extra is not installed (no `ray` command next to python)")
     hosts = hosts_or_skip(3)
-    logs = tmp_path_factory.mktemp("ray-start")
     temp = tempfile.mkdtemp(prefix="pray-")  # short: Ray's socket paths live under it
     src = str(Path(pastry.__file__).parents[1])  # the workers import this very pastry
     # Ray's token authentication, one fresh token for every node and the server (set
@@ -108,19 +134,12 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(32),
            "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    head = f"{hosts.address(HEAD)}:{GCS_PORT}"
-    small = ["--object-store-memory", str(100 << 20), "--disable-usage-stats"]
     try:
-        _start(hosts, HEAD, [str(ray_bin), "start", "--head", "--port", str(GCS_PORT),
-                             "--node-ip-address", hosts.address(HEAD), "--num-cpus", "0",
-                             "--include-dashboard=false", "--temp-dir", f"{temp}/h{HEAD}",
-                             *small], env, logs)  # fmt: skip
+        c = Cluster(hosts, env, temp, tmp_path_factory.mktemp("ray-start"))
+        c.start_head()
         for i in WORKERS:
-            _start(hosts, i, [str(ray_bin), "start", "--address", head, "--node-ip-address",
-                              hosts.address(i), "--num-cpus", str(WORKER_CPUS), "--resources",
-                              json.dumps({f"pastry_host_{i}": 1}), "--temp-dir", f"{temp}/h{i}",
-                              *small], env, logs)  # fmt: skip
-        yield hosts, head, env
+            c.join(i)
+        yield c
     finally:
         hosts.close()  # every process of every host: the raylets, GCS, workers, engines
         shutil.rmtree(temp, ignore_errors=True)
@@ -181,7 +200,7 @@ def test_ray_spreads_engines_over_workers_and_answers_as_one_engine(
     each worker could hold both engines, SPREAD puts one on each; through every router
     (P/D and migration move K/V from host to host over TCP), greedy texts equal one
     engine's. Stopping the server stops its engines on the workers."""
-    hosts, head, env = cluster
+    hosts, head, env = cluster.hosts, cluster.head, cluster.env
     for router in ROUTERS:
         server = _serve(hosts, head, env, make_tiny(), tmp_path, "--router", router)
         try:
@@ -200,7 +219,7 @@ def test_ray_places_engines_by_resource_label(cluster, make_tiny, tmp_path, sing
     """One ``--ray-engine-resources`` per engine naming a worker's label (and its
     cores): engine 0 on host 1 with 2 cores, engine 1 on host 0; a label no node has
     is refused at start, saying what the nodes have."""
-    hosts, head, env = cluster
+    hosts, head, env = cluster.hosts, cluster.head, cluster.env
     labels = ["--ray-engine-resources", json.dumps({"CPU": 2, "pastry_host_1": 1}),
               "--ray-engine-resources", json.dumps({"pastry_host_0": 1})]  # fmt: skip
     server = _serve(hosts, head, env, make_tiny(), tmp_path, *labels, "--router", "pd")
@@ -232,7 +251,7 @@ def test_a_killed_ray_engine_is_started_again_and_used(
     greedy texts through both engines then equal one engine's."""
     import signal
 
-    hosts, head, env = cluster
+    hosts, head, env = cluster.hosts, cluster.head, cluster.env
     server = _serve(hosts, head, env, make_tiny(), tmp_path, "--router", "round-robin")
     try:
         _health(hosts, "ok", tmp_path)
@@ -247,6 +266,81 @@ def test_a_killed_ray_engine_is_started_again_and_used(
             time.sleep(1)
         assert sorted(_placed(hosts)) == [hosts.address(i) for i in WORKERS]
         assert _engine_processes(hosts, WORKERS[0]) not in ([], [pid])
+        assert _texts(_complete(hosts, PROMPTS)) == single_engine_texts
+    finally:
+        _stop(server)
+    _gone(hosts)
+
+
+def test_a_lost_ray_worker_host_fails_only_its_requests_and_ray_places_its_engine_again(
+    cluster,
+    make_tiny,
+    tmp_path,
+    single_engine_texts,  # noqa: F811
+):
+    """Every process of worker host 0 killed (its raylet, the engine's actor, the engine)
+    while four greedy streams run over round robin: the two on its engine fail naming
+    that engine, host 1's finish, and the server answers on host 1 meanwhile. Ray finds
+    the node dead, places the engine's bundle again on the host that has room (host 1),
+    restarts the actor there, and the server reconnects to its new engine (``/health``
+    ``ok`` with that engine's ``restarts`` 1) and P/D sends it K/V where it is now. The
+    host started again rejoins the cluster. Then engines pinned to hosts by label: host 0
+    lost again, the server is ``degraded`` and serves on host 1 until host 0 has rejoined,
+    then uses its engine there again. Last in the module: the cluster is not as the other
+    tests expect while a host is down."""
+    c, hosts = cluster, cluster.hosts
+    model = make_tiny()
+    server = _serve(hosts, c.head, c.env, model, tmp_path, "--router", "round-robin")
+    try:
+        _health(hosts, "ok", tmp_path)
+        lost = _placed(hosts).index(hosts.address(0))  # the rank of host 0's engine
+        want = _texts(_complete(hosts, ["Once upon a time"]))[0]
+        model_id = hosts.call(HEAD, _http, "GET", "/v1/models")[1]["data"][0]["id"]
+        started = threading.Barrier(5)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(hosts.call, HEAD, _stream, model_id, started) for _ in range(4)]
+            started.wait(120)  # every stream has its first tokens: all four run
+            hosts.kill(0)
+            killed_at = time.monotonic()
+            results = [s.result() for s in streams]
+        failed = [r for r in results if r["error"]]
+        done = [r for r in results if not r["error"]]
+        assert len(failed) == 2 and len(done) == 2, results  # round robin: two on each engine
+        for r in failed:
+            assert f"ray-engine-{lost}" in r["error"] and r["finish"] is None, r
+        for r in done:
+            assert r["finish"] == "length" and r["text"].startswith(want), r
+        assert _texts(_complete(hosts, ["Once upon a time"] * 2)) == [want] * 2  # host 1 serves
+        health = _health(hosts, "ok", tmp_path, 300)  # Ray re-placed the engine, it serves
+        replaced_s = time.monotonic() - killed_at
+        assert health["engines"][lost]["restarts"] == 1, health
+        assert _placed(hosts) == [hosts.address(1)] * 2, health
+        assert len(_engine_processes(hosts, 1)) == 2
+        assert _texts(_complete(hosts, ["Once upon a time"] * 2)) == [want] * 2
+        # P/D now sends K/V to the re-placed engine at its new endpoint (on one host now)
+        assert hosts.call(HEAD, _http, "POST", "/microserving/router", {"router": "pd"})[0] == 200
+        assert _texts(_complete(hosts, PROMPTS)) == single_engine_texts
+        print(f"engine {lost} re-placed by Ray and serving {replaced_s:.1f} s after its host died")
+    finally:
+        _stop(server)
+    _gone(hosts)
+    c.join(0)  # the host comes back and joins again
+    # engines pinned by label: host 0's engine can only go back to host 0, so the running
+    # server is degraded while it is down, and uses it again once it has rejoined
+    labels = ["--ray-engine-resources", json.dumps({"pastry_host_0": 1}),
+              "--ray-engine-resources", json.dumps({"pastry_host_1": 1})]  # fmt: skip
+    server = _serve(hosts, c.head, c.env, model, tmp_path, *labels)
+    try:
+        _health(hosts, "ok", tmp_path)
+        assert _placed(hosts) == [hosts.address(0), hosts.address(1)]
+        hosts.kill(0)
+        health = _health(hosts, "degraded", tmp_path, 30)
+        assert [e["state"] for e in health["engines"]][1] == "up", health
+        assert _texts(_complete(hosts, ["Once upon a time"] * 2)) == [want] * 2  # host 1 serves
+        c.join(0)
+        health = _health(hosts, "ok", tmp_path, 300)
+        assert [e["restarts"] for e in health["engines"]] == [1, 0], health
+        assert _placed(hosts) == [hosts.address(0), hosts.address(1)]
         assert _texts(_complete(hosts, PROMPTS)) == single_engine_texts
     finally:
         _stop(server)

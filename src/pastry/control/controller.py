@@ -158,7 +158,7 @@ class Controller:
             replicas[0].tokens if replicas else Tokenization(tok, self.quotas.tokenize_bytes)
         )
         model = Model(
-            info.model_name, eng, info, tok, sched, res, adapters, swapper=swapper, rank=rank,
+            info.model_name, eng, tok, sched, res, adapters, swapper=swapper, rank=rank,
             tokens=tokens, prefiller=prefiller,
         )  # fmt: skip
         replicas.append(model)
@@ -245,7 +245,6 @@ class Controller:
 
     @staticmethod
     def _adapters_of(m: Model, info: EngineInfo) -> None:
-        m.info = info
         m.adapters = {n: i for i, n in enumerate(info.adapters) if n}
 
     async def close(self) -> None:

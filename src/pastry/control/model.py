@@ -27,7 +27,6 @@ class Model:
 
     name: str
     engine: EngineHandle
-    info: EngineInfo
     tokenizer: Tokenizer
     scheduler: BatchScheduler
     resources: ResourceManager
@@ -41,6 +40,13 @@ class Model:
     def __post_init__(self) -> None:
         if self.tokens is None:
             self.tokens = Tokenization(self.tokenizer)
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's current report, read through its handle: after a supervised
+        engine came back (restarted, or placed on another host) it names the new one's
+        K/V endpoints and host, which P/D and migration send to."""
+        return self.engine.info
 
     @property
     def traits(self) -> list[str]:

@@ -173,9 +173,8 @@ async def start_ray_engines(
         )
         threads = int(bundle["CPU"])
         placement.actors.append(actor.remote(str(model), asdict(econf), token, threads))
-    engines = [RayEngine(i, actor, token, bundles[i]) for i, actor in enumerate(placement.actors)]
-    await asyncio.gather(*(e.endpoint() for e in engines))  # every engine started
-    return engines
+    # the actors start their engines now, all at once; each supervisor waits for its own
+    return [RayEngine(i, actor, token, bundles[i]) for i, actor in enumerate(placement.actors)]
 
 
 WHERE_TIMEOUT_S = 600.0  # a (re)started engine serves within this, or the try fails
