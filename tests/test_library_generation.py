@@ -324,3 +324,87 @@ def test_truncate_copies_a_page_shared_with_a_fork(path):
     (out,), _ = run(path, [(TRUNCATE, {"prompt_tokens": prompt, "keep": keep, "new": new})])
     want = greedy(path, [[*prompt[:keep], new], prompt], 4)
     assert out == [True, False, *want]
+
+
+HOLDER = """
+import json
+import pastry.sdk as px
+from pastry.sdk import Context, MaxTokens, Sampler
+
+async def main(args):
+    opts = json.loads(args[0])
+    go = px.subscribe("go")
+    ctx = Context()
+    ctx.fill_tokens(opts["prompt_tokens"])
+    await ctx.flush()  # its full pages are in the prefix cache, and still its own
+    px.store_set("held", "yes")
+    await px.next_message(go)
+    await ctx.generate(Sampler(), MaxTokens(4))
+    await ctx.release()
+    return json.dumps(ctx.tokens[len(opts["prompt_tokens"]) :])
+"""
+
+MASKER = """
+import asyncio, json
+import pastry.sdk as px
+from pastry.api import ApiError
+from pastry.sdk import Context, MaxTokens, Sampler
+from pastry.sdk.steps import own_page
+
+async def main(args):
+    opts = json.loads(args[0])
+    while opts["wait"] and px.store_get("held") is None:
+        await asyncio.sleep(0.005)
+    try:
+        return await mask(opts)
+    finally:
+        if opts["wait"]:
+            px.broadcast("go", "now")
+
+async def mask(opts):
+    prompt, hide = opts["prompt_tokens"], opts["hide"]
+    ctx = Context()
+    ctx.fill_tokens(prompt)
+    await ctx.flush()
+    mask = [i < hide for i in range(ctx.page_size)]
+    refused = None
+    old = page = ctx.pages[0]
+    calls, again, more = [], page, []
+    if opts["wait"]:  # page 0 came from the holder through the prefix cache
+        try:
+            await px.mask_kvpage(ctx.queue, page, mask)
+        except ApiError as e:
+            refused = str(e)
+        page, calls = own_page(ctx, 0)
+        again, more = own_page(ctx, 0)
+    await asyncio.gather(*calls, px.mask_kvpage(ctx.queue, page, mask))
+    await ctx.generate(Sampler(), MaxTokens(4))
+    await ctx.release()
+    return json.dumps([refused, ctx.cached_tokens, page != old, again == page and not more,
+                       ctx.tokens[len(prompt) :]])
+"""
+
+
+def test_own_page_copies_a_page_another_inferlet_reads_through_the_prefix_cache(path):
+    """A page that came from the prefix cache while its first inferlet still reads it
+    cannot be masked (the server refuses); ``own_page`` copies it (once) and the copy is
+    masked: the other inferlet's tokens are unchanged, and the masked generation equals the
+    same mask written in place by the masker alone (no one else reads its page)."""
+    prompt = random_prompts(1, 10, seed=11)[0]  # page size 4: pages 0 and 1 full
+    hide = 3
+    (held, shared), _ = run(
+        path,
+        [
+            (HOLDER, {"prompt_tokens": prompt[:9]}),
+            (MASKER, {"prompt_tokens": prompt, "hide": hide, "wait": True}),
+        ],
+    )
+    [(alone_refused, alone_cached, _, _, alone)], _ = run(
+        path, [(MASKER, {"prompt_tokens": prompt, "hide": hide, "wait": False})]
+    )
+    refused, cached, copied, stable, tokens = shared
+    assert refused is not None and "shared through the prefix cache" in refused
+    assert cached == 8 and copied and stable  # pages 0 and 1 from the cache; page 0 copied
+    assert alone_refused is None and alone_cached == 0
+    assert tokens == alone
+    assert held == greedy(path, [prompt[:9]], 4)[0]  # the holder did not see the mask

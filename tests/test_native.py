@@ -269,24 +269,34 @@ def attention_reference(q, pool, k_layer, v_layer, kv, allow, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
-def test_decode_attention_equals_the_gathered_softmax(lib, dtype, hq, hkv, d):
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d"),
+    [(9, 3, 64), (4, 4, 16), (8, 2, 128), (16, 2, 64), (5, 1, 32), (4, 1, 256)],
+)
+@pytest.mark.parametrize("length", [37, 100])
+def test_decode_attention_equals_the_gathered_softmax(lib, dtype, hq, hkv, d, length):
     """Per item its own rows and mask (masked rows may hold anything, even NaN: they do
-    not count), grouped and ungrouped heads, the head dims the kernel takes."""
+    not count), grouped and ungrouped heads (query heads per KV head 1, 3, 4, 5 and 8: the
+    kernel takes them four at a time), the head dims the kernel takes, contexts of several
+    16-key blocks with a tail, and an item whose first blocks are all masked (the online
+    softmax starts at its first allowed key)."""
     if not native.attention(d):
         pytest.skip("no AVX512_BF16")
-    g = torch.Generator().manual_seed(hq * d)
-    layers, slots, b, length = 3, 256, 5, 37
+    g = torch.Generator().manual_seed(hq * d + length)
+    layers, slots, b = 3, 512, 5
     pool = torch.randn(2 * layers, hkv, slots, d, generator=g).to(dtype)
     # distinct slots for every (item, key), head-major rows
     kv = torch.stack([torch.randperm(slots, generator=g)[: b * length] for _ in range(hkv)])
     kv = kv.view(hkv, b, length) + torch.arange(hkv).view(hkv, 1, 1) * slots
     allow = torch.rand(b, length, generator=g) < 0.7
     allow[:, -1] = True
-    pool[1].view(-1, d)[kv[:, ~allow]] = float("nan")  # K rows only masked keys use
+    allow[0, : length - 3] = False  # item 0: whole blocks masked, then three keys
+    for layer in (1, layers + 1):  # K and V rows only masked keys use
+        pool[layer].view(-1, d)[kv[:, ~allow]] = float("nan")
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     ours = torch.ops.pastry_native.decode_attention(q, pool, 1, layers + 1, kv, allow, d**-0.5)
-    pool[1].view(-1, d)[kv[:, ~allow]] = 0.0
+    for layer in (1, layers + 1):
+        pool[layer].view(-1, d)[kv[:, ~allow]] = 0.0
     want = attention_reference(q, pool, 1, layers + 1, kv, allow, d**-0.5)
     assert ours.dtype == dtype and ours.shape == (b, hq, d) and not ours.isnan().any()
     if dtype == torch.float32:

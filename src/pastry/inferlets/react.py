@@ -59,7 +59,7 @@ import pastry.sdk as px
 from pastry.sdk import Context, EosTokens, MaxTokens, Sampler, StopStrings
 from pastry.sdk.args import options
 from pastry.sdk.grammar import Constraint, generate
-from pastry.sdk.steps import truncate
+from pastry.sdk.steps import own_page, truncate
 from pastry.sdk.tools import (
     ACTION_INPUT,
     FINAL,
@@ -111,7 +111,7 @@ class Agent:
         self.sampler = Sampler(temperature=opts["temperature"], seed=opts["seed"])
         self.start = len(ctx.tokens)  # where the agent's text begins
         self.steps: list[dict[str, Any]] = []
-        self.masked: dict[int, list[bool]] = {}  # page -> its slots hidden by drop_results
+        self.masked: dict[int, list[bool]] = {}  # page index -> its slots drop_results hid
         self.pending_drop: tuple[int, int] | None = None
         self.inflight: list[asyncio.Future] = []
         self.repeated = False  # the last call repeated an earlier one (no progress)
@@ -207,13 +207,16 @@ class Agent:
 
     def drop(self, begin: int, end: int) -> None:
         """Hide the tokens at positions ``begin..end-1`` (forwarded) from later tokens."""
-        ps = self.ctx.page_size
+        ctx = self.ctx
+        ps = ctx.page_size
         for index in range(begin // ps, (end - 1) // ps + 1):
-            page = self.ctx.pages[index]
-            mask = self.masked.setdefault(page, [False] * ps)
+            # the observation's pages may have come from the prefix cache (another agent
+            # read the same text): masking writes the page, so it must be this context's
+            page, copying = own_page(ctx, index)
+            mask = self.masked.setdefault(index, [False] * ps)
             for pos in range(max(begin, index * ps), min(end, (index + 1) * ps)):
                 mask[pos - index * ps] = True
-            self.inflight.append(px.mask_kvpage(self.ctx.queue, page, list(mask)))
+            self.inflight += [*copying, px.mask_kvpage(ctx.queue, page, list(mask))]
 
     def result(self, answer: str | None, stop: str, thought: str) -> dict[str, Any]:
         ctx = self.ctx

@@ -83,8 +83,10 @@ class Context:
         # Every image of the context: (first position, embeddings, SHA-256), in order; the
         # prefix cache matches an image by its digest.
         self.image_spans: list[tuple[int, int, bytes]] = []
-        # Pages [0, frozen) may be shared through the prefix cache: never written in place.
+        # Pages [0, frozen) may be shared through the prefix cache: never written in place,
+        # but those of ``owned``, private copies made to be written (steps.own_page).
         self.frozen = 0
+        self.owned: set[int] = set()
 
     # ------------------------------------------------------------------ filling
 
@@ -373,6 +375,7 @@ class Context:
             pages = a.start_generate(q, prompt, n)
         old_q, old_pages, old_embeds = self.queue, self.pages, self._embeds
         self.queue, self.pages, self._embeds = q, pages, []
+        self.owned = set()
         await give_back(a, old_q, old_pages, old_embeds)
         if self._own_queue:
             a.close_queue(old_q)

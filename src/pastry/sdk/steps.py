@@ -16,6 +16,9 @@ watermarking) need three more operations, built here on the context's pages:
   own tokens' K/V from slot ``kv_len`` on, over them. Pages shared with a fork or through
   the prefix cache (``Context.frozen``) are never written: a shared page that would be is
   replaced by a private copy.
+- :func:`own_page` makes one page of the context its own to write in place (before
+  ``mask_kvpage`` hides some of its slots): a page a fork or the prefix cache may share is
+  replaced by a private copy first, the same way.
 
 Each function issues its embed, forward and output calls together and awaits them once, so
 they run in one engine batch (and batch with other queues' calls).
@@ -100,7 +103,7 @@ async def truncate(ctx: Context, length: int, spare: bool = True) -> None:
     # The next forward writes from slot kv_len on: into the last used page if it is partial,
     # then into the spare pages. None of them may be a page a fork still reads.
     spare_pages = ctx.pages[used:]
-    shared = {p for i, p in enumerate(spare_pages, used) if refs.get(p, 1) > 1 or i < ctx.frozen}
+    shared = {p for i, p in enumerate(spare_pages, used) if _shared(ctx, refs, i)}
     free = unshare(a, sorted(shared))  # pages shared through the prefix cache we stop using
     kept = [p for p in spare_pages if p not in shared]
     if not spare:
@@ -108,8 +111,9 @@ async def truncate(ctx: Context, length: int, spare: bool = True) -> None:
         kept = []
     ctx.pages = ctx.pages[:used] + kept
     ctx.frozen = min(ctx.frozen, used)
+    ctx.owned = {i for i in ctx.owned if i < ctx.frozen}
     rest = ctx.kv_len % ps
-    if rest and (refs.get(ctx.pages[used - 1], 1) > 1 or used - 1 < ctx.frozen):
+    if rest and _shared(ctx, refs, used - 1):
         old = ctx.pages[used - 1]
         new = a.alloc_kvpages(ctx.queue, 1)[0]
         if refs.get(old, 1) > 1:
@@ -118,9 +122,46 @@ async def truncate(ctx: Context, length: int, spare: bool = True) -> None:
             free.append(old)
         ctx.pages[used - 1] = new
         ctx.frozen = used - 1
+        ctx.owned.discard(used - 1)
         await a.copy_kvpage(ctx.queue, old, new, 0, 0, rest)
     if free:
         await a.dealloc_kvpages(ctx.queue, free)
+
+
+def _shared(ctx: Context, refs: dict[int, int], index: int) -> bool:
+    """Whether page ``index`` of ``ctx`` may be read by another context (see own_page)."""
+    return refs.get(ctx.pages[index], 1) > 1 or (index < ctx.frozen and index not in ctx.owned)
+
+
+def own_page(ctx: Context, index: int) -> tuple[int, list[Awaitable]]:
+    """Page ``index`` of ``ctx``, made the context's own to write in place (``mask_kvpage``
+    on it, say): where another context may read it (a fork shares it, or it is below
+    ``ctx.frozen`` and the prefix cache may have given it to other inferlets) its
+    forwarded slots are copied into a new page, which takes its place in ``ctx.pages``; the
+    old one is given back. Returns the page to write and the calls issued for it, to await
+    with whatever writes it: they are on the context's queue, so a call issued after them
+    sees the copy (calls on one queue take effect in order).
+
+    A page copied once stays the context's own (``ctx.owned``) until a fork shares it.
+    """
+    ctx.check_live()
+    ps, a, refs = ctx.page_size, ctx.api, page_refs(ctx.api)
+    used = -(-ctx.kv_len // ps)
+    if not 0 <= index < used:
+        raise ApiError(f"page {index} holds no forwarded token ({ctx.kv_len} are forwarded)")
+    old = ctx.pages[index]
+    if not _shared(ctx, refs, index):
+        return old, []
+    held = refs.get(old, 1) > 1
+    new = a.alloc_kvpages(ctx.queue, 1)[0]
+    calls = [a.copy_kvpage(ctx.queue, old, new, 0, 0, min(ps, ctx.kv_len - index * ps))]
+    ctx.pages[index] = new
+    if held:
+        refs[old] -= 1
+    else:
+        calls.append(a.dealloc_kvpages(ctx.queue, [old]))
+    ctx.owned.add(index)
+    return new, calls
 
 
 def _forward_pending(ctx: Context, n_out: int, k: int | None) -> list[Awaitable]:
