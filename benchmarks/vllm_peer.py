@@ -1,6 +1,9 @@
 """vLLM's CPU build as a peer server for side-by-side benchmarks (``vs_vllm.py``).
 
-    python benchmarks/vllm_peer.py [--install] [--serve] [--port 8000]
+    python benchmarks/vllm_peer.py [--serve] [--port 8000]
+
+Without arguments it installs vLLM where it is missing, checks its kernels and writes the
+weights (:func:`prepare`); ``--serve`` then starts it once.
 
 vLLM is an optional benchmark dependency, like llama-cpp-python for ``vs_llamacpp.py``, but
 it pins its own packages, so it gets a virtual environment of its own under

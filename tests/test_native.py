@@ -305,6 +305,49 @@ def test_decode_attention_equals_the_gathered_softmax(lib, dtype, hq, hkv, d, le
         assert ((ours.float() - want).abs() <= 2**-8 * want.abs() + 1e-5).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 4, 32), (16, 2, 128)])
+def test_decode_attention_over_a_shared_prefix_equals_the_gathered_softmax(lib, dtype, hq, hkv, d):
+    """Items whose first keys are the same rows (one cached prompt under several
+    sequences, which the kernel's KV-head-major order keeps in cache from one item to the
+    next) and items padded at the end: the same result. Items 0-5 share 70 keys, item 6
+    too but with a masked key at 10, item 7 only the first 30, item 8 has its own rows;
+    items 9-12 share 90 keys of another prompt and item 12's last keys are masked; masked
+    rows hold NaN."""
+    g = torch.Generator().manual_seed(hq * d)
+    layers, slots, b, length = 2, 4096, 13, 150
+    pool = torch.randn(2 * layers, hkv, slots, d, generator=g).to(dtype)
+    perm = torch.randperm(slots, generator=g)
+    own = perm[: b * length].view(b, length).clone()
+    spare = perm[b * length :]
+    prompt_a, prompt_b = spare[:70], spare[70:160]
+    for i in range(7):
+        own[i, :70] = prompt_a
+    own[7, :30] = prompt_a[:30]
+    for i in range(9, 13):
+        own[i, :90] = prompt_b
+    kv = own.unsqueeze(0) + torch.arange(hkv).view(hkv, 1, 1) * slots  # [Hkv, B, L]
+    allow = torch.rand(b, length, generator=g) < 0.8
+    allow[:, :90] = True
+    allow[6, 10] = False
+    allow[12, 120:] = False
+    allow[:, -1] = True
+    masked = kv[:, ~allow]
+    masked = masked[~torch.isin(masked, kv[:, allow])]  # rows no allowed key reads
+    for layer in (1, layers + 1):
+        pool[layer].view(-1, d)[masked] = float("nan")
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    ours = torch.ops.pastry_native.decode_attention(q, pool, 1, layers + 1, kv, allow, d**-0.5)
+    for layer in (1, layers + 1):
+        pool[layer].view(-1, d)[masked] = 0.0
+    want = attention_reference(q, pool, 1, layers + 1, kv, allow, d**-0.5)
+    assert not ours.isnan().any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)
+    else:
+        assert ((ours.float() - want).abs() <= 2**-8 * want.abs() + 1e-5).all()
+
+
 def test_pastry_linear_resolves_the_thread_s_projections(lib):
     """Outside a step pastry::linear has no projections to call; inside, the current ones."""
     from pastry.engine import compiled

@@ -85,8 +85,7 @@ class Context:
         self.image_spans: list[tuple[int, int, bytes]] = []
         # Pages [0, frozen) may be shared through the prefix cache: never written in place,
         # but those of ``owned``, private copies made to be written (steps.own_page).
-        self.frozen = 0
-        self.owned: set[int] = set()
+        self.frozen, self.owned = 0, set[int]()
 
     # ------------------------------------------------------------------ filling
 
@@ -374,8 +373,7 @@ class Context:
             await a.remote_send(self.queue, prompt, kv, engine, matched, n, self.pages, n)
             pages = a.start_generate(q, prompt, n)
         old_q, old_pages, old_embeds = self.queue, self.pages, self._embeds
-        self.queue, self.pages, self._embeds = q, pages, []
-        self.owned = set()
+        self.queue, self.pages, self._embeds, self.owned = q, pages, [], set()
         await give_back(a, old_q, old_pages, old_embeds)
         if self._own_queue:
             a.close_queue(old_q)
