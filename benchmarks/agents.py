@@ -285,6 +285,9 @@ def pastry_phase(a, s: Setup, sizes: list[int], best: dict[str, dict]) -> None:
         running_server(
             default_gguf(), Path(tmp), dtype=a.dtype, page_size=16, num_pages=8192,
             num_embeds=8192, http_allow=("127.0.0.1",),
+            # as `pastry serve` runs it: decode steps through the compiled graph (compiled
+            # before the waves, not in the background)
+            engine_kwargs={"compile": True}, start_timeout=900,
         ) as (url, server),
     ):  # fmt: skip
         model = server.models[0]

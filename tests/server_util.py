@@ -28,8 +28,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(model, tmp_path, **overrides):
-    """Yield ``(base_url, server)``; the server runs in a thread with its own event loop.
+def running_server(model, tmp_path, start_timeout: float = 60, **overrides):
+    """Yield ``(base_url, server)``; the server runs in a thread with its own event loop
+    (``start_timeout`` seconds to come up: more where it compiles its decode step).
 
     Inspect server state from the test thread only through ``call(server, fn)``.
     """
@@ -57,7 +58,7 @@ def running_server(model, tmp_path, **overrides):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.time() + 60
+    deadline = time.time() + start_timeout
     while not uv.started:
         if time.time() > deadline or not thread.is_alive():
             why = repr(failure[0]) if failure else "no exception (see the captured log)"

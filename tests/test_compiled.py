@@ -115,25 +115,33 @@ def test_no_recompiles_after_warm_up(llama):
     assert eng.compiled.steps - before == 5
 
 
-def test_prefill_and_mixed_batches_run_eager(llama):
-    """A batch with a multi-token item, or an item that does not store its K/V, is not a
-    decode batch: it runs the eager model, with the same results as the eager engine."""
+def test_decode_steps_beside_a_prefill_run_compiled_after_it(llama):
+    """A batch of a decode step and a prefill: the prefill runs eagerly, then the decode
+    step compiled. Not when the prefill reads the slot the decode step writes (a fork one
+    token on): all eagerly, as one. A decode that does not store its K/V runs eagerly.
+    Every result equals the eager engine's."""
     _, comp, eager = llama
     vocab = comp.info.vocab_size
-    outs = {}
+    outs, counts = {}, {}
     for name, eng in (("compiled", comp), ("eager", eager)):
         alloc = Pages(eng, first_page=0, first_embed=0)
         a, b = Seq(alloc), Seq(alloc)
         a.step(prompt(9, vocab))
-        before = eng.compiled.steps if eng.compiled else 0
-        # a decode and a prefill in one batch
+        steps = [eng.compiled.steps if eng.compiled else 0]
         calls, (oa, ob) = batch([a.forward_calls([4]), b.forward_calls(prompt(6, vocab, seed=3))])
         res = eng.execute([*calls, NextDist(oa, k=vocab), NextDist(ob, k=vocab)])
+        steps.append(eng.compiled.steps if eng.compiled else 0)
+        decode = a.forward_calls([5])
+        fork = Seq(alloc, pages=list(a.pages), length=a.length)  # reads a's new slot
+        calls, (oa, of) = batch([decode, fork.forward_calls(prompt(3, vocab, seed=4))])
+        res += eng.execute([*calls, NextDist(oa, k=vocab), NextDist(of, k=vocab)])
+        steps.append(eng.compiled.steps if eng.compiled else 0)
         cc, oc = a.forward_calls([7], store=False)  # a decode that does not store its K/V
         res += eng.execute([*cc, NextDist(oc, k=vocab)])
-        if eng.compiled:
-            assert eng.compiled.steps == before
+        steps.append(eng.compiled.steps if eng.compiled else 0)
+        counts[name] = np.diff(steps).tolist()
         outs[name] = [dense(d, vocab) for d in res if d is not None]
+    assert counts["compiled"] == [1, 0, 0]
     np.testing.assert_allclose(outs["compiled"], outs["eager"], atol=1e-6)
 
 

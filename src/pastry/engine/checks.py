@@ -324,3 +324,24 @@ class CallChecker:
         if len(pages) != len(host):
             raise Invalid(f"{len(pages)} pages but {len(host)} host pages")
         return pages, host
+
+
+def decode_apart(ok: list[tuple[int, Call, ForwardPlan]]) -> tuple[list, list]:
+    """(the other forwards, the one-token forwards that store their K/V: decode steps) of
+    a batch's checked forwards, for the decode steps to run apart (by the compiled step),
+    after the others so that they see what those write. Not apart (all in the first list)
+    when one of the others reads a slot a decode step writes: it must see that too."""
+    decode = [
+        item for item in ok
+        if len(item[2].ins) == 1 and item[2].out_slots is not None
+        and item[2].mask is None and item[2].adapter < 0
+    ]  # fmt: skip
+    if not decode or len(decode) == len(ok):
+        return ok, []
+    chosen = {i for i, _, _ in decode}
+    longer = [item for item in ok if item[0] not in chosen]
+    written = np.concatenate([plan.out_slots for _, _, plan in decode])
+    read = np.concatenate([plan.ctx_slots for _, _, plan in longer])
+    if np.isin(read, written).any():
+        return ok, []
+    return longer, decode

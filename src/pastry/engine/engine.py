@@ -24,7 +24,7 @@ import torch
 from pastry.engine import native
 from pastry.engine.attention import ItemPlan, build_metadata, forward_context, take
 from pastry.engine.build import build_model
-from pastry.engine.checks import CallChecker, accept
+from pastry.engine.checks import CallChecker, accept, decode_apart
 from pastry.engine.compiled import CompiledDecode
 from pastry.engine.dtypes import resolve_dtype
 from pastry.engine.heads import OutputHeads
@@ -379,9 +379,12 @@ class Engine:
 
     def _forward(self, run, results) -> None:
         ok = accept(run, results, self.check.forward)
-        # Split into sub-batches that respect max_batch_tokens.
+        # one prefill among decode steps would send them all through the eager model
+        compiling = self.compiled is not None and self.compiled.ready
+        longer, decode = decode_apart(ok) if compiling else (ok, [])
+        # Split into sub-batches that respect max_batch_tokens; the decode items last.
         chunks, chunk, tokens = [], [], 0
-        for i, call, plan in ok:
+        for i, call, plan in longer:
             n = len(plan.ins)
             if chunk and tokens + n > self.config.max_batch_tokens:
                 chunks.append(chunk)
@@ -390,6 +393,8 @@ class Engine:
             tokens += n
         if chunk:
             chunks.append(chunk)
+        if decode:
+            chunks.append(decode)
         for i, chunk in enumerate(chunks):  # the last one's layers are final: send them
             on_layer = self.transfer.on_layer if i == len(chunks) - 1 else None
             self._forward_chunk(chunk, results, on_layer)
